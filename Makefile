@@ -1,0 +1,72 @@
+# The lab's commands. Each bootstraps .venv when it is missing, then runs.
+SHELL := /bin/bash
+VENV  ?= .venv
+BIN   := $(VENV)/bin
+PY    := $(BIN)/python
+export HF_HUB_OFFLINE ?= 1
+export TOKENIZERS_PARALLELISM ?= false
+
+.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test
+
+venv: $(VENV)/.installed
+
+# CPU torch 2.13.0 where no GPU is present (it lies on local disk: a bare `torch` would fetch a
+# multi-GB CUDA build). A python that already has a CUDA torch lends it to the venv instead.
+$(VENV)/.installed: settings.ini setup.py
+	@if [ ! -x $(PY) ]; then \
+	  if python3 -c 'import torch, sys; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then \
+	    echo "keeping the system's CUDA torch"; python3 -m venv --system-site-packages $(VENV); \
+	  else python3 -m venv $(VENV); fi; \
+	fi
+	$(BIN)/pip install -q --upgrade pip
+	@if ! $(PY) -c 'import torch' 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then $(BIN)/pip install -q torch; \
+	  else $(BIN)/pip install -q torch==2.13.0; fi; \
+	fi
+	$(BIN)/pip install -q -e ".[dev]"
+	@touch $@
+
+study: venv
+	$(BIN)/diffq-lab study
+
+# Fails when the exported package or the notebooks differ from what nbdev_export / nbdev_clean make
+# of them: a hand edit of diffq_lab/*.py, or an unexported or uncleaned notebook.
+sync-check: venv
+	@before=$$(find diffq_lab nbs -type f \( -name '*.py' -o -name '*.ipynb' \) -not -path '*/.ipynb_checkpoints/*' | sort | xargs sha256sum); \
+	$(BIN)/nbdev_export; \
+	after_export=$$(find diffq_lab nbs -type f \( -name '*.py' -o -name '*.ipynb' \) -not -path '*/.ipynb_checkpoints/*' | sort | xargs sha256sum); \
+	if [ "$$before" != "$$after_export" ]; then \
+	  echo "DRIFT: diffq_lab/ differs from what the notebooks export (edit nbs/, never diffq_lab/*.py):"; \
+	  diff <(echo "$$before") <(echo "$$after_export") | grep '^>' ; exit 1; fi; \
+	$(BIN)/nbdev_clean; \
+	after_clean=$$(find diffq_lab nbs -type f \( -name '*.py' -o -name '*.ipynb' \) -not -path '*/.ipynb_checkpoints/*' | sort | xargs sha256sum); \
+	if [ "$$after_export" != "$$after_clean" ]; then \
+	  echo "DRIFT: nbdev_clean changed notebooks (run nbdev_clean and commit):"; \
+	  diff <(echo "$$after_export") <(echo "$$after_clean") | grep '^>' ; exit 1; fi; \
+	if [ -n "$$CI" ] && [ -n "$$(git status --porcelain -- diffq_lab nbs)" ]; then \
+	  echo "DRIFT in the clean checkout:"; git status --porcelain -- diffq_lab nbs; exit 1; fi; \
+	echo "notebooks and package in sync"
+
+test: sync-check
+	$(BIN)/nbdev_test --n_workers 2
+	$(BIN)/pytest -q tests
+
+# The GPU cells, on a machine with one (skipped by the plain test run).
+gpu-test: venv
+	$(BIN)/nbdev_test --flags "gpu" --n_workers 1
+
+export: venv
+	$(BIN)/nbdev_export
+
+clean-nbs: venv
+	$(BIN)/nbdev_clean
+
+readme: venv
+	$(PY) tools/build_docs.py readme
+
+docs: venv
+	$(PY) tools/build_docs.py html
+
+lab: venv
+	$(BIN)/pip install -q jupyterlab
+	$(BIN)/jupyter lab nbs
