@@ -15,7 +15,7 @@ import nbformat
 from nbconvert import MarkdownExporter, HTMLExporter
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIP = re.compile(r'^#\|\s*(eval:\s*false|' + get_config().tst_flags.replace('|', '|') + r')\b', re.M)
+SKIP = re.compile(r'^#\|\s*(eval:\s*false|' + '|'.join(get_config().tst_flags.split()) + r')\b', re.M)
 
 def _skip(cell):
     "Cells nbdev_test would not run: `#| eval: false` and those carrying a test flag (gpu, slow, notest)."
