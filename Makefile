@@ -48,7 +48,8 @@ sync-check: venv
 	echo "notebooks and package in sync"
 
 test: sync-check
-	$(BIN)/nbdev_test --n_workers 2
+	# one torch thread per notebook worker: two workers x two threads thrash a 2-core machine
+	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
 	$(BIN)/pytest -q tests
 
 # The GPU cells, on a machine with one (skipped by the plain test run).
