@@ -1,0 +1,332 @@
+"Integration, property and bad-input tests for diffq_lab.crossover (no timings asserted, no downloads)."
+import math
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+from diffq_lab import crossover as cx
+from diffq_lab.capability import KNOWN_GPUS
+from diffq_lab.core import load_table
+
+
+# ---- the spec table -------------------------------------------------------------------------------
+
+def test_spec_table_has_required_gpus_with_sources():
+    s = cx.gpu_specs()
+    assert set(cx.REQUIRED_GPUS) <= set(s.gpu)
+    assert s.gpu.is_unique
+    assert (s.source.str.len() > 40).all() and s.source.str.contains('datasheet|whitepaper').all()
+    assert (s.mem_bw_tbs > 0).all() and (s.bf16_tflops > 0).all()
+
+
+def test_spec_table_is_physically_consistent():
+    s = cx.gpu_specs().set_index('gpu')
+    has8 = s.fp8_tflops.notna()
+    assert (s.fp8_tflops[has8] >= s.bf16_tflops[has8]).all()           # fp8 never slower than bf16
+    assert (s.int8_tops >= s.bf16_tflops).all()
+    has4 = s.fp4_tflops.notna()
+    assert set(s.index[has4]) == {'b200', 'rtx5090'}                   # fp4 tensor cores: Blackwell only
+    assert (s.fp4_tflops[has4] >= 2 * s.fp8_tflops[has4]).all()
+    assert s.loc['b200', 'fp4_tflops'] == 2 * s.loc['b200', 'fp8_tflops'] == 4 * s.loc['b200', 'bf16_tflops']
+    assert s.loc['h100', 'bf16_tflops'] == s.loc['h200', 'bf16_tflops'] and s.loc['h200', 'mem_bw_tbs'] > s.loc['h100', 'mem_bw_tbs']
+    assert s.fp8_tflops.isna()['a100']                                 # no fp8 on Ampere
+
+
+def test_spec_capabilities_agree_with_capability_module():
+    "Each device name capability.KNOWN_GPUS knows resolves to a spec row with the same compute capability."
+    seen = 0
+    for name, cap in KNOWN_GPUS.items():
+        try: spec = cx.gpu_spec(name)
+        except ValueError: continue
+        seen += 1
+        assert float(spec['capability']) == pytest.approx(cap[0] + cap[1] / 10), name
+    assert seen >= 6
+
+
+@pytest.mark.parametrize('name,key', [('NVIDIA H200', 'h200'), ('h100 sxm', 'h100'), ('NVIDIA A100-SXM4-80GB', 'a100'),
+                                      ('NVIDIA GeForce RTX 5090', 'rtx5090'), ('rtx-4090', 'rtx4090'), ('B200', 'b200'), ('L40S', 'l40s')])
+def test_gpu_aliases(name, key):
+    assert cx.gpu_spec(name)['gpu'] == key
+
+
+@pytest.mark.parametrize('bad', ['tpu', '', 'H300', None])
+def test_unknown_gpu_names_the_choices(bad):
+    with pytest.raises(ValueError, match='h200'): cx.gpu_spec(bad)
+
+
+# ---- the roofline ---------------------------------------------------------------------------------
+
+@pytest.mark.parametrize('shape', [(1, 2), (1, 2, 3, 4), (0, 64, 64), (64, -1, 64), (64.0, 64, 64), (True, 64, 64), '64x64x64', None])
+def test_bad_shapes(shape):
+    with pytest.raises(ValueError, match='M, K, N'): cx.roofline('b200', shape, 'fp8')
+
+
+@pytest.mark.parametrize('scheme', ['int4', 'fp8wo', 'FP8', None, 'w8a8'])
+def test_bad_roofline_schemes_name_the_choices(scheme):
+    with pytest.raises(ValueError, match='bf16, int8, fp8, mxfp8, nvfp4'): cx.roofline('b200', (64, 64, 64), scheme)
+
+
+@pytest.mark.parametrize('gpu,scheme', [('h200', 'nvfp4'), ('h100', 'mxfp8'), ('a100', 'fp8'), ('l40s', 'nvfp4')])
+def test_scheme_the_gpu_lacks(gpu, scheme):
+    with pytest.raises(ValueError, match=f'no {scheme} tensor cores'): cx.roofline(gpu, (1024,) * 3, scheme)
+
+
+@pytest.mark.parametrize('gpu', ['b200', 'h200', 'rtx4090'])
+def test_time_is_monotone_in_every_dimension(gpu):
+    rng = np.random.default_rng(0)
+    for scheme in cx.gpu_schemes(gpu):
+        for _ in range(25):
+            M, K, N = (int(v) for v in rng.integers(1, 20000, size=3))
+            t = cx.predict_time(gpu, M, K, N, scheme)
+            for bigger in [(M * 2, K, N), (M, K * 2, N), (M, K, N * 2)]:
+                assert cx.predict_time(gpu, *bigger, scheme) >= t, (gpu, scheme, (M, K, N), bigger)
+
+
+def test_vectorised_and_scalar_predictions_agree():
+    M, K, N = np.array([64, 4096, 16384.0]), np.array([512, 3840, 16384.0]), np.array([512, 10240, 16384.0])
+    for s in cx.ROOFLINE_SCHEMES:
+        vec = cx.predict_time('b200', M, K, N, s)
+        for i in range(3):
+            assert vec[i] == pytest.approx(cx.roofline('b200', (int(M[i]), int(K[i]), int(N[i])), s)['time_s'], rel=1e-12)
+
+
+def test_asymptotes_follow_the_peak_ratios():
+    "Huge GEMMs approach the tensor-core peak ratio; one-row GEMMs are bound by weight bytes, not math."
+    for scheme, ratio in [('nvfp4', 4.0), ('fp8', 2.0), ('mxfp8', 2.0)]:
+        sp = cx.roofline('b200', (2 ** 17,) * 3, scheme)['speedup_vs_bf16']
+        assert 0.85 * ratio < sp <= ratio
+    r = cx.roofline('h200', (1, 8192, 8192), 'bf16')
+    assert r['gemm_bound'] == 'memory'
+
+
+def test_eff_parameters_are_checked():
+    with pytest.raises(ValueError, match='mma_eff'): cx.as_eff(dict(speed=2))
+    with pytest.raises(ValueError, match=r'\(0, 1.5\]'): cx.as_eff(dict(quant_bw_eff=-0.1))
+    with pytest.raises(ValueError, match='>= 0 seconds'): cx.as_eff(dict(gemm_latency_s=-1e-6))
+    slower = cx.roofline('b200', (4096,) * 3, 'nvfp4', dict(quant_bw_eff=0.2))['time_s']
+    assert slower > cx.roofline('b200', (4096,) * 3, 'nvfp4')['time_s']
+
+
+def test_gemm_passes_bytes():
+    M, K, N = 256, 512, 1024
+    p = cx.gemm_passes((M, K, N), 'nvfp4').set_index('kernel')
+    assert p.loc['amax x', 'bytes'] == 2 * M * K
+    assert p.loc['rescale y', 'bytes'] == 4 * M * N
+    assert p.loc['gemm', 'bytes'] == pytest.approx((M * K + K * N) * (0.5 + 1 / 16) + 2 * M * N)
+    assert (cx.gemm_passes((M, K, N), 'int8').math == ['memory', 'int8', 'memory']).all()
+
+
+# ---- calibration ----------------------------------------------------------------------------------
+
+def test_published_points_are_committed_with_source():
+    p = cx.published_ratios()
+    assert len(p) == 9 and set(p.scheme) == {'nvfp4', 'mxfp8'} and (p.M == p.K).all() and (p.K == p.N).all()
+    assert p.source.str.contains('issue 7').all()
+    assert list(p[p.scheme == 'nvfp4'].speedup) == [0.46, 0.76, 1.37, 1.97, 2.77]
+    assert list(p[p.scheme == 'mxfp8'].speedup) == [0.93, 1.20, 1.46, 1.76]
+
+
+def test_calibration_within_the_stated_bound_and_defaults_are_the_fit():
+    cal = cx.calibrate()
+    assert cal.error.abs().max() < cx.CALIBRATION_MAX_ERR
+    fitted, table = cx.fit_efficiency()
+    for k in cx.FIT_PARAMS: assert fitted[k] == pytest.approx(cx.EFFICIENCY[k], abs=1e-9)
+    assert np.sqrt((table.error ** 2).mean()) < 0.06
+
+
+def test_fit_recovers_known_parameters_from_synthetic_points():
+    "Points generated by the model itself are fitted back to the generating values (the fit is not a no-op)."
+    true = dict(quant_bw_eff=0.6, gemm_latency_s=2e-6)
+    pub = cx.published_ratios().copy()
+    pub['speedup'] = cx.calibrate(true, pub).predicted
+    fitted, table = cx.fit_efficiency(pub)
+    assert fitted['quant_bw_eff'] == pytest.approx(0.6) and fitted['gemm_latency_s'] == pytest.approx(2e-6)
+    assert table.error.abs().max() < 1e-9
+
+
+def test_fit_bad_params():
+    with pytest.raises(ValueError, match='quant_bw_eff'): cx.fit_efficiency(params=('a', 'b', 'c'))
+    with pytest.raises(ValueError, match='quant_bw_eff'): cx.fit_efficiency(params=())
+
+
+# ---- crossovers -----------------------------------------------------------------------------------
+
+def test_crossovers_are_ordered():
+    b200 = {(a, b): cx.find_crossover('b200', a, b).cube for a, b in
+            [('nvfp4', 'bf16'), ('nvfp4', 'fp8'), ('fp8', 'bf16'), ('mxfp8', 'bf16')]}
+    assert b200[('fp8', 'bf16')] < b200[('nvfp4', 'bf16')] < b200[('nvfp4', 'fp8')]
+    assert 2048 < b200[('nvfp4', 'bf16')] <= 4096 and b200[('mxfp8', 'bf16')] <= 2048   # the published curve
+    assert cx.find_crossover('b200', 'bf16', 'fp8').cube is None                       # bf16 never overtakes fp8 at scale
+
+
+def test_m_star_means_a_wins_from_there_on():
+    c = cx.find_crossover('b200', 'nvfp4', 'fp8', K=(3840, 10240), N=(3840, 10240))
+    for r in c.m_star.itertuples():
+        g = c.surface[(c.surface.K == r.K) & (c.surface.N == r.N)].sort_values('M')
+        if math.isnan(r.M_star): assert not g.a_wins.iloc[-1]
+        else:
+            assert g[g.M >= r.M_star].a_wins.all()
+            below = g[g.M < r.M_star]
+            assert below.empty or not below.a_wins.iloc[-1]              # the size just below still loses
+
+
+def test_crossover_bad_inputs():
+    with pytest.raises(ValueError, match='no nvfp4'): cx.find_crossover('h200', 'nvfp4', 'fp8')
+    with pytest.raises(ValueError, match='nvfp4'): cx.find_crossover('b200', 'fp4x', 'fp8')
+    with pytest.raises(ValueError, match='positive'): cx.find_crossover('b200', 'nvfp4', 'fp8', K=(-1,))
+    with pytest.raises(ValueError, match='at least one'): cx.find_crossover('b200', 'nvfp4', 'fp8', M=())
+
+
+# ---- the benchmark (tiny CPU shapes; no timing is asserted) -------------------------------------
+
+@pytest.fixture(scope='module')
+def tiny_bench():
+    return cx.gemm_bench([(32, 256, 256), (48, 256, 512)], schemes=('int8', 'fp8', 'int8wo', 'nvfp4', 'mxfp8'),
+                         device='cpu', repeats=2, warmup=1, emulated=True)
+
+
+def test_bench_rows(tiny_bench):
+    b = tiny_bench
+    assert set(b.scheme) == {'bf16', 'int8', 'fp8', 'int8wo', 'nvfp4', 'mxfp8'}        # bf16 added as the baseline
+    ok = b[b.status == 'ok']
+    assert set(ok.scheme) == {'bf16', 'int8', 'fp8', 'int8wo'}
+    assert (ok.median_s > 0).all() and (ok.tflops > 0).all() and ok.speedup_vs_bf16.notna().all()
+    assert (ok[ok.scheme == 'bf16'].speedup_vs_bf16 == 1).all()
+    assert ok[ok.scheme.isin(['bf16', 'int8', 'fp8'])].gemm_only_s.notna().all()
+    assert (b.timer == 'wall clock').all() and (b.copy_tbs > 0).all()
+    assert ok[ok.scheme == 'fp8'].path.str.contains('gate bypassed').all()
+
+
+def test_bench_never_times_emulation_as_the_kernel(tiny_bench):
+    b = tiny_bench
+    nr = b[b.status == 'not run']
+    assert set(nr.scheme) == {'nvfp4', 'mxfp8'} and nr.median_s.isna().all() and nr.reason.str.contains('sm_100').all()
+    em = b[b.status == 'emulated']
+    assert set(em.scheme) == {'nvfp4', 'mxfp8'} and (em.path == cx.EMULATED_LABEL).all() and em.gemm_only_s.isna().all()
+    assert not b[b.status == 'ok'].path.str.contains('emulat').any()
+
+
+def test_bench_compare_on_cpu(tiny_bench):
+    c = cx.compare_bench(tiny_bench)
+    assert set(c.scheme) == {'bf16', 'int8', 'fp8'}
+    assert c[c.scheme == 'bf16'].predicted_speedup.eq(1).all()
+    assert (c.predicted_overhead_s[c.scheme != 'bf16'] > 0).all()
+    g = cx.compare_bench(tiny_bench.assign(device_name='NVIDIA H200'))      # a GPU's name: its datasheet spec
+    assert set(g.spec) == {'h200'}
+
+
+@pytest.mark.parametrize('kwargs,match', [(dict(shapes=[(32, 256)]), 'M, K, N'), (dict(schemes=('int4',)), 'nvfp4wo'),
+                                          (dict(schemes=('fp8_layerwise',)), 'nvfp4wo'), (dict(repeats=0), 'repeats'),
+                                          (dict(warmup=-1), 'warmup'), (dict(shapes=[]), 'at least one')])
+def test_bench_bad_inputs(kwargs, match):
+    args = dict(shapes=[(32, 256, 256)], device='cpu', repeats=1, warmup=0) | kwargs
+    with pytest.raises(ValueError, match=match): cx.gemm_bench(**args)
+
+
+def test_record_gemm_bench_writes_only_where_told(tmp_path):
+    df = cx.record_gemm_bench(root=tmp_path, device='cpu', shapes=[(32, 128, 128)], schemes=('int8', 'nvfp4'), repeats=1, warmup=0)
+    t = load_table('gemm_bench', tmp_path)
+    assert len(t) == len(df) == 4                                    # bf16, int8, nvfp4 not run + its emulated row
+    assert {'run', 'device_name', 'torchao', 'git_sha'} <= set(t.columns) and t.run.nunique() == 1
+
+
+# ---- model shapes and the per-layer analysis ---------------------------------------------------
+
+@pytest.fixture(scope='module')
+def zimage():
+    return cx.model_linear_shapes('z-image', cx.latent_grid('z-image', 1024))
+
+
+def test_zimage_shapes(zimage):
+    assert len(zimage) == 276 and zimage.fqn.is_unique
+    main = zimage[zimage.fqn.str.match(r'layers\.\d+\.(attention|feed_forward)')]
+    assert set(main.M) == {4224} and set(zip(main.K, main.N)) == {(3840, 3840), (3840, 10240), (10240, 3840)}
+    assert set(zimage[zimage.fqn.str.contains('adaLN')].M) == {1}
+    assert zimage.gflop.sum() == pytest.approx(2 * (zimage.M * zimage.K * zimage.N).sum() / 1e9)
+
+
+def test_tokens_scale_the_rows_not_the_weights():
+    a, b = cx.model_linear_shapes('z-image', (32, 32)), cx.model_linear_shapes('z-image', (64, 64))
+    assert list(a.fqn) == list(b.fqn) and (a.K == b.K).all() and (a.N == b.N).all()
+    img = b.fqn.str.startswith('noise_refiner.') & ~b.fqn.str.contains('adaLN')
+    assert set(a[img].M) == {1024} and set(b[img].M) == {4096}
+
+
+def test_text_tokens_and_batch():
+    s = cx.model_linear_shapes('flux.1-dev', (16, 16), text_tokens=64, batch=2)
+    ctx = s[s.fqn.str.contains(r'transformer_blocks\.\d+\.attn\.add_q_proj')]
+    assert set(ctx.M) == {128}                                      # text stream: 64 tokens x batch 2
+    assert len(s) == 504 and s.gflop.gt(0).all()
+
+
+def test_model_shape_bad_inputs():
+    with pytest.raises(ValueError, match='z-image'): cx.model_linear_shapes('sdxl', 4096)
+    with pytest.raises(ValueError, match='square'): cx.model_linear_shapes('z-image', 4095)
+    with pytest.raises(ValueError, match='tokens must be'): cx.model_linear_shapes('z-image', (0, 4))
+    with pytest.raises(ValueError, match='text_tokens'): cx.model_linear_shapes('z-image', 64, text_tokens=0)
+    with pytest.raises(ValueError, match='batch'): cx.model_linear_shapes('z-image', 64, batch=0)
+    with pytest.raises(ValueError, match='nn.Module'): cx.model_linear_shapes(42, 64)
+    with pytest.raises(ValueError, match='no input recipe'): cx.model_linear_shapes(torch.nn.Linear(4, 4), 4, text_tokens=4)
+
+
+def test_zimage_analysis_matches_the_measured_result(zimage):
+    "fp8 ahead of NVFP4 on Z-Image at 1024px on a B200, as measured end to end; NVFP4 wins only where the model says so."
+    la = cx.analyse_layers(zimage, 'b200')
+    s = cx.summarise_layers(la)
+    assert s['time_s']['fp8'] < s['time_s']['nvfp4'] < s['time_s']['bf16']
+    assert s['best_uniform'] in ('fp8', 'mxfp8') and 0 < s['flop_share_above_nvfp4_crossover'] < 0.5
+    wins = set(la[la.above_crossover].fqn.map(cx.layer_pattern))
+    assert wins and all('feed_forward.w2' in w for w in wins)       # the 10240 -> 3840 down projection only
+    assert s['policy_counts'].get('nvfp4', 0) == 0                  # below the 10% quality margin everywhere
+    assert (la.policy == 'bf16').sum() + (la.policy == 'fp8').sum() == 276
+
+
+def test_layer_policy_rules():
+    assert cx.layer_policy(dict(bf16=10, fp8=5, nvfp4=4)) == 'nvfp4'
+    assert cx.layer_policy(dict(bf16=10, fp8=5, nvfp4=4.8)) == 'fp8'     # < 10% over fp8: keep fp8 (quality)
+    assert cx.layer_policy(dict(bf16=10, fp8=9.8)) == 'bf16'               # < 5% over bf16: not worth the error
+    assert cx.layer_policy(dict(bf16=10, int8=6, fp8=7)) == 'int8'
+    assert cx.layer_policy(dict(bf16=10)) == 'bf16'
+
+
+@pytest.mark.parametrize('model', ['flux.2-dev', 'sd3.5', 'wan2.1'])
+def test_other_families_build_and_run_on_meta(model):
+    s = cx.model_linear_shapes(model, cx.latent_grid(model, 512, 5) if cx.get_model(model).video else cx.latent_grid(model, 512))
+    assert len(s) > 100 and (s.M >= 1).all()
+    la = cx.analyse_layers(s, 'rtx5090')
+    assert {'t_nvfp4', 'policy', 'above_crossover'} <= set(la.columns)
+
+
+def test_cli_crossover():
+    out = cx.cli_crossover('b200', 'z-image', 1024)
+    assert 'roofline prediction, not a measurement' in out and 'layers.*.feed_forward.w2' in out
+    assert 'best uniform scheme: fp8' in out or 'best uniform scheme: mxfp8' in out
+    full = cx.cli_crossover('b200', 'z-image', 256, group=False)
+    assert 'layers.29.feed_forward.w2' in full
+    h = cx.cli_crossover('h200', 'zimage', 1024)
+    assert 'no fp4 tensor cores' in h and 'nvfp4_us' not in h
+    for bad, match in [(dict(gpu='v100'), 'b200'), (dict(model='sdxl'), 'z-image'), (dict(size=1000), 'multiple of 16'),
+                       (dict(size='1024'), 'multiple of 16')]:
+        with pytest.raises(ValueError, match=match): cx.cli_crossover(**(dict(gpu='b200', model='z-image', size=1024) | bad))
+
+
+def test_plot_has_the_layers():
+    import matplotlib
+    matplotlib.use('Agg')
+    s = cx.model_linear_shapes('z-image', (16, 16))
+    fig = cx.plot_crossover('b200', 'nvfp4', 'fp8', cx.analyse_layers(s, 'b200'))
+    ax = fig.axes[0]
+    assert len(ax.collections) >= 2 and ax.get_xscale() == 'log'
+    with pytest.raises(ValueError, match='no nvfp4'): cx.plot_crossover('h200', 'nvfp4', 'fp8')
+
+
+def test_committed_cpu_rows_if_present():
+    "The committed CPU sweep (if recorded) holds real measurements and no emulated row claims to be a kernel."
+    t = load_table('gemm_bench')
+    if t.empty: pytest.skip('no gemm_bench rows committed yet')
+    cpu = t[t.device == 'cpu']
+    ok = cpu[cpu.status == 'ok']
+    assert {'bf16', 'int8', 'fp8', 'int8wo', 'fp8wo', 'nvfp4wo'} <= set(ok.scheme)
+    assert (ok.median_s > 0).all() and set(cpu[cpu.status == 'not run'].scheme) >= {'nvfp4', 'mxfp8'}
+    assert (cpu[cpu.status == 'emulated'].path == cx.EMULATED_LABEL).all()
