@@ -1,0 +1,33 @@
+"The `diffq-lab` command end to end: sub-commands print their tables, bad input exits 2 without writing anything."
+import subprocess, sys
+from pathlib import Path
+import pytest
+from diffq_lab.cli import main
+
+def test_probe_prints_report(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path/'probes.json'))
+    assert main(['probe', '--device', 'cpu']) == 0
+    out = capsys.readouterr().out
+    assert '| scheme' in out and 'int8' in out and 'nvfp4' in out and '`auto` ->' in out
+
+def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--out', str(tmp_path/'out')]) == 0
+    out = capsys.readouterr().out
+    assert 'Scheme numerics' in out and 'Text encoder' in out
+    assert (tmp_path/'out'/'report.md').exists()
+    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'study_numerics.csv', 'study_te.csv']
+
+@pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--schemes', 'auto'], ['crossover', '--gpu', 'x100'],
+                                  ['crossover', '--model', 'sdxl-turbo'], ['nonsense']])
+def test_bad_arguments_exit_2_without_writing(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    with pytest.raises(SystemExit) as e: main(argv + (['--out', str(tmp_path/'out')] if argv[0] == 'study' else []))
+    assert e.value.code == 2
+    assert 'error' in capsys.readouterr().err
+    assert not (tmp_path/'results').exists() and not (tmp_path/'out').exists()
+
+def test_console_script_installed():
+    exe = Path(sys.executable).parent/'diffq-lab'
+    r = subprocess.run([str(exe), '--help'], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and 'study' in r.stdout and 'probe' in r.stdout
