@@ -1,0 +1,252 @@
+"Block selection: per-block sensitivity and the keep-schedule search, on a real trained encoder, tiny encoders, a toy stack and a DiT."
+import copy, math, os
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+from torch import nn
+from diffq_lab import block_select as bs
+from diffq_lab.core import load_table, results_dir
+from diffq_lab.schemes import quantized_linears
+from diffq_lab.pipelines import tiny_pipeline
+
+torch.set_num_threads(1)
+
+
+# ---- fixtures ---------------------------------------------------------------------------------------------------
+@pytest.fixture(scope='module')
+def mini():
+    model, tok = bs.load_minilm()
+    return model, tok, bs.encoder_inputs(tok, bs.load_prompts(n=4))
+
+
+@pytest.fixture(scope='module')
+def spiked(mini):
+    model, tok, inp = mini
+    hot = copy.deepcopy(model)
+    bs.inject_outliers(hot, [0, 5])
+    return hot
+
+
+def out(model, inp):
+    with torch.no_grad(): return model(**inp).last_hidden_state
+
+
+def snapshot(model):
+    return {f: m for f, m in model.named_modules()}
+
+
+def assert_untouched(model, modules, inp=None, ref=None):
+    assert quantized_linears(model) == []
+    now = dict(model.named_modules())
+    assert now.keys() == modules.keys() and all(now[f] is m for f, m in modules.items())
+    if ref is not None: assert torch.equal(out(model, inp), ref)
+
+
+def toy(depth, planted=()):
+    return bs.toy_stack(depth, planted)
+
+
+# ---- the judged behaviours --------------------------------------------------------------------------------------
+def test_planted_first_and_last_blocks_are_found_exactly(mini, spiked):
+    model, tok, inp = mini
+    ref = out(spiked, inp)
+    assert torch.equal(ref, out(model, inp))  # the planted outliers leave the dense function bit-identical
+    mods = snapshot(spiked)
+    ks = bs.find_keep_schedule(spiked, inp, 'int8', bar=0.99, min_features=256)
+    assert ks.keep == (1, 1) and ks.ok, ks
+    assert ks.full_cosine < 0.99 <= ks.cosine, ks
+    assert set(ks.sensitivity.nsmallest(2, 'cosine').block) == {'encoder.layer.0', 'encoder.layer.5'}
+    assert ks.forward_passes <= 1 + 3 * 6 + 2 * 3
+    assert list(ks.curve.columns[:5]) == ['phase', 'keep_first', 'keep_last', 'dense_blocks', 'kept']
+    assert ks.curve.clears.any() and not ks.curve.clears.all()
+    assert_untouched(spiked, mods, inp, ref)
+
+
+def test_inner_blocks_give_a_smaller_per_block_keep_set(mini):
+    model, tok, inp = mini
+    mid = copy.deepcopy(model)
+    bs.inject_outliers(mid, ['encoder.layer.2', 'encoder.layer.4'])
+    ks = bs.find_keep_schedule(mid, inp, 'int8', bar=0.99)
+    assert ks.ok and ks.dense_blocks >= 3
+    assert ks.keep_set == ('encoder.layer.2', 'encoder.layer.4') and ks.keep_set_cosine >= 0.99, ks
+    assert 'keep-set' in set(ks.curve.phase)
+
+
+def test_real_encoder_curve_and_schedule(mini):
+    model, tok, inp = mini
+    sens = bs.block_sensitivity(model, inp, 'int8', min_features=256)
+    assert list(sens.block) == [f'encoder.layer.{i}' for i in range(6)] and (sens.n_quantized == 6).all()
+    assert ((sens.cosine > 0.99) & (sens.cosine < 1)).all() and (sens.rel_err > 0).all()
+    assert sens.attrs['forward_passes'] == 7
+    ks = bs.find_keep_schedule(model, inp, 'int8', bar=0.999, min_features=256)
+    assert ks.ok and ks.cosine >= 0.999 and sum(ks.keep) >= 1, ks
+    assert (ks.curve.cosine[ks.curve.clears] >= 0.999).all() and (ks.curve.cosine[~ks.curve.clears] < 0.999).all()
+
+
+def test_found_cosine_is_what_the_caster_gives(mini, spiked):
+    from diffq_lab.text_encoder import quantize_encoder
+    model, tok, inp = mini
+    ks = bs.find_keep_schedule(spiked, inp, 'int8', bar=0.99, per_block=False)
+    cast = copy.deepcopy(spiked)
+    quantize_encoder(cast, 'int8', keep=ks.keep)
+    got = bs.token_fidelity(out(spiked, inp), out(cast, inp), inp)['cosine']
+    assert math.isclose(got, ks.cosine, abs_tol=1e-5), (got, ks.cosine)
+
+
+@pytest.mark.parametrize('planted', [(0, -1), (0,), (-1,)])
+def test_toy_stack_finds_planted_blocks(planted):
+    ks = bs.find_keep_schedule(*toy(8, planted), 'int8', bar=0.995)
+    want = (1 if 0 in planted else 0, 1 if -1 in planted else 0)
+    assert ks.keep == want, ks
+    assert set(ks.sensitivity.nsmallest(len(planted), 'cosine').index) == {p % 8 for p in planted}
+
+
+def test_search_cost_is_linear_in_depth():
+    passes = {}
+    for depth in (4, 8, 16, 32):
+        ks = bs.find_keep_schedule(*toy(depth, (0, -1)), 'int8', bar=0.995)
+        assert ks.keep == (1, 1), (depth, ks)
+        passes[depth] = ks.forward_passes
+        assert passes[depth] <= 1 + 3 * depth + 2 * math.ceil(math.log2(depth)) + 2, (depth, passes[depth])
+        no_rank = bs.find_keep_schedule(*toy(depth, (0, -1)), 'int8', bar=0.995, per_block=False)
+        assert no_rank.keep == (1, 1) and no_rank.forward_passes <= 2 * depth + math.ceil(math.log2(depth)) + 3
+    assert passes[32] / passes[8] < 5  # quadrupling the depth about quadruples the cost; all pairs would be ~13x
+
+
+def test_reference_is_reused_and_configurations_memoised():
+    calls, read = [], bs.encoder_run('last')
+    def run(m, x): calls.append(1); return read(m, x)
+    ks = bs.find_keep_schedule(*toy(6, (0, -1)), 'int8', bar=0.995, run_fn=run, fidelity_fn=bs.token_fidelity)
+    assert ks.forward_passes == len(calls)
+    every = set(range(6))
+    cast = {frozenset(every - {int(k) for k in kept.split()}) for kept in ks.curve.kept} | {frozenset({p}) for p in ks.sensitivity.pos}
+    assert len(calls) == 1 + len(cast - {frozenset()})  # one pass per distinct configuration, plus the reference once
+
+
+# ---- filters, read layers, integrity ----------------------------------------------------------------------------
+def test_filters_are_honoured(mini):
+    model, tok, inp = mini
+    sens = bs.block_sensitivity(model, inp, 'int8', exclude_tokens=('intermediate', 'output.dense'))
+    assert (sens.n_quantized == 3).all()  # q, k, v left of each block
+    ks = bs.find_keep_schedule(model, inp, 'int8', bar=0.9999, min_features=512)  # MiniLM is 384 wide: nothing qualifies
+    assert ks.keep == (0, 0) and ks.full_cosine == pytest.approx(1.0, abs=1e-5) and ks.n_rest == 0
+    assert ks.forward_passes == 1  # the reference only
+    none = bs.block_sensitivity(model, inp, 'fp8wo', exclude_tokens='encoder')
+    assert (none.n_quantized == 0).all() and none.attrs['forward_passes'] == 1
+    rest = bs.find_keep_schedule(model, inp, 'int8', exclude_tokens='pooler')
+    assert rest.n_rest == 0 and bs.find_keep_schedule(model, inp, 'int8', per_block=False).n_rest == 1
+
+
+def test_read_layers(mini):
+    model, tok, inp = mini
+    last = bs.block_sensitivity(model, inp, 'int8', read_layer='last')
+    early = bs.block_sensitivity(model, inp, 'int8', read_layer=3)  # hidden_states[3]: after block 2
+    assert early.cosine.iloc[3:].min() == pytest.approx(1.0, abs=1e-5)  # blocks after the read layer cannot matter
+    assert not early.cosine.equals(last.cosine)
+    stacked = bs.find_keep_schedule(model, inp, 'int8', read_layer=(2, 4, 6), per_block=False)
+    assert stacked.ok and stacked.read_layer == (2, 4, 6)
+    pipe = tiny_pipeline('flux.2-dev', text_layers=4)  # FLUX.2 stacks layers 10, 20, 30: a 4-block encoder stacks 2, 3, 4
+    rl = bs.family_read_layer('flux.2-dev', n_layers=4)
+    assert rl == (2, 3, 4)
+    enc_in = bs.encoder_inputs(pipe.tokenizer, bs.load_prompts(n=3))
+    assert bs.encoder_run(rl)(pipe.text_encoder, enc_in).shape[-1] == 3 * pipe.text_encoder.config.text_config.hidden_size
+    ks = bs.find_keep_schedule(pipe.text_encoder, enc_in, 'int8', bar=0.99, read_layer=rl)
+    assert ks.ok and ks.n_blocks == 4  # the vision tower is no block stack
+
+
+def test_model_is_dense_again_after_a_failure(mini):
+    model, tok, inp = mini
+    mods, ref = snapshot(model), out(model, inp)
+    calls = []
+    def flaky(m, x):
+        calls.append(1)
+        if len(calls) == 4: raise RuntimeError('device lost mid-search')
+        return bs.encoder_run('last')(m, x)
+    with pytest.raises(RuntimeError, match='device lost'): bs.find_keep_schedule(model, inp, 'int8', run_fn=flaky)
+    assert_untouched(model, mods, inp, ref)
+
+
+def test_bad_inputs(mini):
+    model, tok, inp = mini
+    for bar in (0, -0.5, 1.01, float('nan'), True, '0.99', None):
+        with pytest.raises(ValueError, match=r'\(0, 1\]'): bs.find_keep_schedule(model, inp, bar=bar)
+    with pytest.raises(ValueError, match='no nn.ModuleList'): bs.find_keep_schedule(nn.Sequential(nn.Linear(8, 8)), torch.ones(2, 8))
+    with pytest.raises(ValueError, match='no nn.ModuleList'): bs.block_sensitivity(nn.Linear(8, 8), torch.ones(2, 8))
+    with pytest.raises(ValueError, match='unknown read layer'): bs.find_keep_schedule(model, inp, read_layer='penultimate')
+    with pytest.raises(ValueError, match='unknown read layer'): bs.block_sensitivity(model, inp, read_layer=(1.0,))
+    with pytest.raises(ValueError, match='returns 7 hidden states'): bs.find_keep_schedule(model, inp, read_layer=(2, 7))
+    with pytest.raises(ValueError, match='unknown scheme'): bs.find_keep_schedule(model, inp, scheme='int4x')
+    with pytest.raises(ValueError, match='concrete scheme'): bs.find_keep_schedule(model, inp, scheme='auto')
+    with pytest.raises(ValueError, match='unknown backend'): bs.block_sensitivity(model, inp, backend='cuda')
+    with pytest.raises(ValueError, match='non-empty'): bs.block_sensitivity(model, inp, exclude_tokens=('', 'x'))
+    with pytest.raises(ValueError, match='min_features'): bs.block_sensitivity(model, inp, min_features=-1)
+    with pytest.raises(ValueError, match='run_fn must be callable'): bs.block_sensitivity(model, inp, run_fn=3)
+    with pytest.raises(ValueError, match='nn.Module'): bs.find_keep_schedule('bert', inp)
+    with pytest.raises(ValueError, match='unknown blocks'): bs.measure_schedule(model, inp, ['encoder.layer.6'])
+    with pytest.raises(ValueError, match='unknown block'): bs.inject_outliers(copy.deepcopy(model), [6])
+    with pytest.raises(ValueError, match='two ints'): bs.schedule_blocks(model, 1, -2)
+    with pytest.raises(ValueError, match='no encoder'): bs.family_read_layer('z-image', 'text_encoder_3')
+    with pytest.raises(ValueError, match='at least one prompt'): bs.encoder_inputs(tok, [])
+    with pytest.raises(FileNotFoundError, match='no prompt set'): bs.load_prompts('/nonexistent/prompts.txt')
+    assert quantized_linears(model) == []
+
+
+# ---- the DiT ----------------------------------------------------------------------------------------------------
+def test_dit_block_stack_with_replayed_calls():
+    pipe = tiny_pipeline('z-image')
+    calls = bs.dit_calls(pipe, steps=2)
+    assert len(calls) == 2
+    dit = copy.deepcopy(pipe.transformer)
+    mods = snapshot(dit)
+    ref = bs.replay_run(dit, calls)
+    bs.inject_outliers(dit, ['layers.1'])
+    assert bs.flat_fidelity(ref, bs.replay_run(dit, calls))['cosine'] == pytest.approx(1.0, abs=1e-3)  # bf16 rounding only
+    ks = bs.find_keep_schedule(dit, calls, 'int8', bar=0.999, run_fn=bs.replay_run)
+    assert ks.sensitivity.nsmallest(1, 'cosine').block.item() == 'layers.1'
+    assert ks.ok and 'layers.1' in bs.schedule_blocks(dit, *ks.keep), ks
+    assert ks.n_rest > 0 and ks.read_layer == 'run_fn'
+    assert quantized_linears(dit) == [] and all(dict(dit.named_modules())[f] is m for f, m in mods.items())
+
+
+# ---- wiring -----------------------------------------------------------------------------------------------------
+def test_schedule_for_family(mini, spiked):
+    model, tok, inp = mini
+    fs = bs.schedule_for_family('qwen-image', encoder=spiked, tokenizer=tok, prompts=bs.load_prompts(n=4), model_name='spiked')
+    assert fs.keep == (1, 1) and fs.cosine >= 0.99
+    entry = fs.as_family()
+    assert entry.keep_bf16 == (1, 1) and entry.keep_bf16_cosine == round(fs.cosine, 4)
+    assert 'schedule_for_family' in entry.sources['keep_bf16']
+    fp8 = bs.schedule_for_family('qwen-image', 'fp8', encoder=spiked, tokenizer=tok, prompts=bs.load_prompts(n=2), backend='emulate')
+    with pytest.raises(ValueError, match='int8 schedule'): fp8.as_family()
+    multi = bs.schedule_for_family('sd3', prompts=bs.load_prompts(n=3), text_layers=2)
+    assert set(multi.schedules) == {'text_encoder', 'text_encoder_2', 'text_encoder_3'}
+    assert multi.schedules['text_encoder'].read_layer == -2 and multi.schedules['text_encoder_3'].read_layer == 'last'
+
+
+def test_cli_blocks(tmp_path):
+    txt = bs.cli_blocks('minilm', 'int8', 0.99, 256, n_prompts=3)
+    assert txt.splitlines()[0] == '# diffq-lab blocks: all-MiniLM-L6-v2 (BertModel), 3 prompts, read \'last\', min_features 256'
+    assert 'keep first' in txt and '| phase' in txt and '| encoder.layer.5' in txt
+    # a diffusers-style folder: the encoder in text_encoder/, its tokenizer in the sibling tokenizer/
+    pipe = tiny_pipeline('sana', text_layers=2)
+    pipe.text_encoder.save_pretrained(tmp_path/'text_encoder')
+    pipe.tokenizer.save_pretrained(tmp_path/'tokenizer')
+    ptxt = bs.cli_blocks(str(tmp_path/'text_encoder'), 'nvfp4wo', 0.9, n_prompts=2, read_layer='-1')
+    assert 'Gemma2Model' in ptxt and "read -1" in ptxt
+    ftxt = bs.cli_blocks('wan', 'int8', 0.99, n_prompts=2)
+    assert 'wan2.1' in ftxt and 'registry int8 schedule' in ftxt
+    with pytest.raises(ValueError, match='neither a folder'): bs.cli_blocks('not-a-family')
+    with pytest.raises(ValueError, match=r'\(0, 1\]'): bs.cli_blocks('minilm', bar=0)
+
+
+def test_record_writes_only_where_told(tmp_path):
+    committed = results_dir()
+    before = {p.name: p.stat().st_mtime for p in committed.glob('*.csv')}
+    sens, sched = bs.record_block_selection(root=tmp_path, prompts=bs.load_prompts(n=2), schemes=('int8',), bars=(0.99,),
+                                            families=('z-image',), depths=(6,), toy_depths=(4,))
+    assert {p.name for p in tmp_path.iterdir()} == {'block_sensitivity.csv', 'keep_schedules.csv'}
+    table = load_table('keep_schedules', tmp_path)
+    assert len(table) == len(sched) and {'keep_first', 'keep_last', 'cosine', 'forward_passes', 'device_name', 'torch'} <= set(table)
+    assert set(table.weights) == {'trained', 'trained, spiked', 'trained, repeated, spiked', 'random', 'synthetic'}
+    assert len(load_table('block_sensitivity', tmp_path)) == len(sens) > 0
+    assert {p.name: p.stat().st_mtime for p in committed.glob('*.csv')} == before
