@@ -19,7 +19,8 @@ def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
     assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'study_numerics.csv', 'study_te.csv']
 
 @pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--schemes', 'auto'], ['crossover', '--gpu', 'x100'],
-                                  ['crossover', '--model', 'sdxl-turbo'], ['nonsense']])
+                                  ['crossover', '--model', 'sdxl-turbo'], ['nonsense'], ['blocks', '--encoder', 'minilm', '--bar', '1.5'],
+                                  ['blocks', '--encoder', 'no-such-family'], ['blocks', '--encoder', 'minilm', '--scheme', 'fp7']])
 def test_bad_arguments_exit_2_without_writing(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
     with pytest.raises(SystemExit) as e: main(argv + (['--out', str(tmp_path/'out')] if argv[0] == 'study' else []))
