@@ -12,13 +12,15 @@ def test_probe_prints_report(capsys, tmp_path, monkeypatch):
 
 def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
-    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--out', str(tmp_path/'out')]) == 0
+    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--seeds', '0', '--out', str(tmp_path/'out')]) == 0
     out = capsys.readouterr().out
-    assert 'Scheme numerics' in out and 'Text encoder' in out
-    assert (tmp_path/'out'/'report.md').exists()
-    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'study_numerics.csv', 'study_te.csv']
+    assert 'Scheme numerics' in out and 'encoder + transformer quantised per scheme' in out
+    assert sorted(p.name for p in (tmp_path/'out').iterdir()) == ['grid.png', 'report.html', 'report.md']
+    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'study.csv', 'study_numerics.csv']
 
-@pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--schemes', 'auto'], ['crossover', '--gpu', 'x100'],
+@pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--steps', '0'], ['study', '--family', 'sdxl-turbo'],
+                                  ['study', '--prompts', '/no/such/prompts.txt'], ['study', '--model', 'not-a-model'],
+                                  ['study', '--seeds', 'a,b'], ['study', '--schemes', 'auto'], ['crossover', '--gpu', 'x100'],
                                   ['crossover', '--model', 'sdxl-turbo'], ['nonsense'], ['blocks', '--encoder', 'minilm', '--bar', '1.5'],
                                   ['blocks', '--encoder', 'no-such-family'], ['blocks', '--encoder', 'minilm', '--scheme', 'fp7']])
 def test_bad_arguments_exit_2_without_writing(argv, tmp_path, monkeypatch, capsys):
