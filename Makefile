@@ -6,7 +6,7 @@ PY    := $(BIN)/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test
+.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels
 
 venv: $(VENV)/.installed
 
@@ -47,10 +47,16 @@ sync-check: venv
 	  echo "DRIFT in the clean checkout:"; git status --porcelain -- diffq_lab nbs; exit 1; fi; \
 	echo "notebooks and package in sync"
 
+# One torch thread per notebook worker: two workers x two threads thrash a 2-core machine.
 test: sync-check
-	# one torch thread per notebook worker: two workers x two threads thrash a 2-core machine
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
 	$(BIN)/pytest -q tests
+
+# Wheels for the lent GPU machine (Python 3.12, its own CUDA torch): carried with tools/gpu_check.sh.
+gpu-wheels:
+	rm -rf .gpu_wheels && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu_wheels \
+	  torchao==0.17.0 diffusers==0.42.1 "nbdev==2.4.14" "execnb<0.2" "fastcore<2" ipywidgets widgetsnbextension jupyterlab-widgets \
+	  tabulate gguf tqdm ghapi astunparse asttokens watchdog  # nbdev and execnb imports beside what the GPU box has
 
 # The GPU cells, on a machine with one (skipped by the plain test run).
 gpu-test: venv

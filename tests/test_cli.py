@@ -34,3 +34,13 @@ def test_console_script_installed():
     exe = Path(sys.executable).parent/'diffq-lab'
     r = subprocess.run([str(exe), '--help'], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and 'study' in r.stdout and 'probe' in r.stdout
+
+def test_study_on_a_saved_pipeline_folder(tmp_path, monkeypatch, capsys):
+    "--model takes a local folder, loaded with diffusers from_pretrained, studied like the embedded default."
+    from diffq_lab.pipelines import tiny_pipeline
+    tiny_pipeline('z-image').save_pretrained(tmp_path/'zimage')
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    assert main(['study', '--device', 'cpu', '--model', str(tmp_path/'zimage'), '--schemes', 'int8wo', '--seeds', '0',
+                 '--out', str(tmp_path/'out'), '--min-features', '0']) == 0
+    out = capsys.readouterr().out
+    assert str(tmp_path/'zimage') in out and '| int8wo' in out
