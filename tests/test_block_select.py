@@ -9,7 +9,6 @@ from diffq_lab.core import load_table, results_dir
 from diffq_lab.schemes import quantized_linears
 from diffq_lab.pipelines import tiny_pipeline
 
-torch.set_num_threads(1)
 
 
 # ---- fixtures ---------------------------------------------------------------------------------------------------

@@ -7,14 +7,6 @@ from diffq_lab import pipelines as P
 from diffq_lab.pipelines import (FAMILIES, TINY_FAMILIES, Family, families_table, family_of, get_family, load_pipeline,
                                  load_tokenizer, render, text_encoders, tiny_pipeline)
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "Tiny models run 10-20x slower when torch's threads contend for a busy CI machine's two cores."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 # --- the registry ------------------------------------------------------------------------------
 
 REQUIRED = ['z-image', 'flux.1-dev', 'flux.1-schnell', 'flux.2-dev', 'flux.2-klein', 'qwen-image', 'qwen-image-edit', 'sd3',

@@ -17,14 +17,6 @@ from diffq_lab.transformer import (denoisers, is_gguf_linear, linear_bytes, load
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
 
-@pytest.fixture(autouse=True, scope='module')
-def one_thread():
-    "Tiny models run 10-20x slower when torch's threads contend for a busy CI machine's two cores."
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
 
 @pytest.fixture(scope='module')
 def pipes():
