@@ -71,8 +71,9 @@ clean-nbs: venv
 readme: venv
 	$(PY) tools/build_docs.py readme
 
+# nbdev's Quarto site where Quarto is installed; otherwise the offline HTML build into _docs/.
 docs: venv
-	$(PY) tools/build_docs.py html
+	if command -v quarto >/dev/null 2>&1; then $(BIN)/nbdev_docs; else $(PY) tools/build_docs.py html; fi
 
 lab: venv
 	$(BIN)/pip install -q jupyterlab
