@@ -59,6 +59,10 @@ def _exporter(cls):
 def readme():
     nb = processed(ROOT/'nbs'/'index.ipynb')
     body, _ = _exporter(MarkdownExporter).from_notebook_node(nb)
+    front = re.match(r'---\n(.*?)\n---\n', body, re.S)  # Quarto front matter: a title and blurb on GitHub instead
+    if front:
+        meta = dict(re.findall(r"^(\w[\w-]*): '?(.*?)'?$", re.sub(r"\n\s+", ' ', front.group(1)), re.M))
+        body = f"# {meta.get('title', 'diffq_lab')}\n\n> {meta.get('description', '')}\n\n" + body[front.end():]
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
     (ROOT/'README.md').write_text(body)
     print('wrote README.md')
