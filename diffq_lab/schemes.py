@@ -341,7 +341,8 @@ def quantize(module: nn.Module, scheme, filter_fn=None, backend='auto', device=N
     left = [f for f in selected if f not in done]  # torchao skips some shapes silently (fp8 dims not /16): say so
     if left: warnings.warn(f'{s}: {backend} left {len(left)} planned Linear(s) dense: {left[:5]}')
     skipped.update({f: f'left dense by {backend}' for f in left})
-    return QuantReport(s, backend, [f for f in selected if f in done], skipped, shapes, why)
+    ran = 'diffusers' if s == 'fp8_layerwise' and backend == 'torchao' else backend  # a diffusers storage cast, not torchao
+    return QuantReport(s, ran, [f for f in selected if f in done], skipped, shapes, why)
 
 # %% ../nbs/02_schemes.ipynb #d8f2e48f
 @contextlib.contextmanager

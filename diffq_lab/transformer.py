@@ -610,7 +610,8 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
                     continue
                 fall_back(f'{s} ({be}): {_describe(e)}'); s = None
                 break
-            status.update(scheme=s, path='quant', backend=be, backend_note=note,
+            status.update(scheme=s, path='quant', backend='+'.join(sorted({r.backend for r in reports.values() if r.backend})) or be,
+                          backend_note=note,
                           linears_quantized=sum(r.n_quantized for r in reports.values()),
                           quant_summary=' | '.join(f'{a}: {r.summary()}' for a, r in reports.items()))
             break
