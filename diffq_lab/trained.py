@@ -17,7 +17,7 @@ __all__ = ['SHAPES', 'COLOURS', 'SIZES', 'POSITIONS', 'IMAGE_SIZE', 'DIT_CONFIG'
            'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'caption', 'draw_scene', 'scene_params', 'is_held_out', 'make_dataset',
            'heldout_prompts', 'build_components', 'train_vae', 'train_dit', 'trained_dir', 'save_trained', 'train_all',
            'load_trained_pipeline', 'render_trained', 'parse_prompt', 'analyse', 'adherence', 'evaluate',
-           'record_trained']
+           'record_trained', 'adherence_by_scheme', 'record_adherence_by_scheme']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
@@ -193,7 +193,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     pipe._diffq_family = 'z-image'
     return pipe
 
-TRAINED_STEPS, TRAINED_GUIDANCE = 8, 3.0  # the sampling settings the findings use
+TRAINED_STEPS, TRAINED_GUIDANCE = 8, 1.0  # the sampling settings the findings use
 
 def render_trained(pipe, prompt: str, seed: int = 0, steps: int = TRAINED_STEPS, guidance: float = TRAINED_GUIDANCE) -> torch.Tensor:
     "Render `prompt` with the trained pipeline at 32x32: float32 (3, 32, 32) in [0, 1]."
@@ -263,6 +263,50 @@ def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
         df = evaluate(pipe, prompts, seeds)
         est = summarise(df.adherence.tolist())
         rows.append(dict(model='trained-z-image', scheme='dense', split=split, prompts=len(prompts), renders=len(df),
-                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE, adherence=est.mean, ci_low=est.low, ci_high=est.high,
+                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE, adherence=est.mean, ci_low=est.lo, ci_high=est.hi,
                          colour=df.colour_ok.mean(), shape=df.shape_ok.mean(), position=df.position_ok.mean(), size=df.size_ok.mean()))
     return append_rows('trained_adherence', rows, root=root)
+
+# %% ../nbs/14_trained.ipynb #25936193
+def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'), prompts=None, seeds=(0, 1), te_quant: bool = True,
+                        min_features: int = 512) -> pd.DataFrame:
+    "Per scheme: quantise the trained pipeline, render `prompts` x `seeds` (default: held-out), adherence and its paired change vs dense, PSNR/SSIM."
+    from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise
+    from diffq_lab.schemes import normalize_scheme
+    from diffq_lab.text_encoder import quantize_text_encoders
+    from diffq_lab.transformer import load_pipeline_quantized
+    schemes = [normalize_scheme(s) for s in schemes]  # ValueError naming the valid schemes before any work
+    prompts = heldout_prompts() if prompts is None else list(prompts)
+    for p in prompts: parse_prompt(p)
+    pairs = [(p, s) for p in prompts for s in seeds]
+    dense = load_trained_pipeline()
+    ref = {k: render_trained(dense, k[0], seed=k[1]) for k in pairs}
+    ref_adh = [adherence(ref[k], k[0]) for k in pairs]
+    est = summarise(ref_adh)
+    rows = [dict(scheme='dense', adherence=est.mean, adh_lo=est.lo, adh_hi=est.hi, renders=len(pairs))]
+    for scheme in schemes:
+        row = dict(scheme=scheme, renders=len(pairs))
+        try:
+            pipe = load_trained_pipeline()
+            if te_quant:
+                reps = quantize_text_encoders(pipe, scheme, family='z-image')
+                row['te_quantized'] = f"{sum(r.n_quantized for r in reps.values())}/{sum(r.n_linear for r in reps.values())}"
+            pipe, st = load_pipeline_quantized(pipe, family='z-image', transformer_quant=scheme, compile=False, min_features=min_features)
+            row.update(transformer=st['path'], transformer_backend=st['backend'], fallback_reason=st['fallback_reason'] or None,
+                       transformer_quantized=f"{st['linears_quantized']}/{st['linears_total']}")
+            imgs = {k: render_trained(pipe, k[0], seed=k[1]) for k in pairs}
+            adh = [adherence(imgs[k], k[0]) for k in pairs]
+            e, d = summarise(adh), paired_bootstrap(adh, ref_adh)
+            q = [quality_metrics(imgs[k], ref[k], with_lpips=False) for k in pairs]
+            row.update(adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo, delta_hi=d.hi,
+                       psnr=float(np.mean([m['psnr'] for m in q])), ssim=float(np.mean([m['ssim'] for m in q])))
+        except Exception as ex:  # one scheme failing is a finding, not the end of the comparison
+            row['error'] = f'{type(ex).__name__}: {ex}'[:300]
+        rows.append(row)
+    return pd.DataFrame(rows)
+
+def record_adherence_by_scheme(root=None, **kw) -> pd.DataFrame:
+    "Run `adherence_by_scheme` and append its rows to the `trained_schemes` table."
+    df = adherence_by_scheme(**kw)
+    return append_rows('trained_schemes', [dict(r, model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
+                                           for r in df.to_dict('records')], root=root)
