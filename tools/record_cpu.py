@@ -29,6 +29,8 @@ TABLES = {
     'quality_pairs': _module('quality', 'record_quality'),
     'gemm_bench': _module('crossover', 'record_gemm_bench', device='cpu'),
     'transformer_bench': _transformer_bench,
+    'trained_adherence': _module('trained', 'record_trained'),
+    'trained_schemes': _module('trained', 'record_adherence_by_scheme'),
     'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu']),
 }
 
