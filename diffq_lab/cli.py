@@ -52,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     study.add_argument('--no-record', action='store_true', help='do not append rows to data/results')
     study.add_argument('--seeds', type=_int_list, default=[0, 1], help='comma list of seeds (default 0,1)')
     study.add_argument('--prompts', type=_prompt_file, default=None, help='a text file, one prompt a line (# comments)')
+    study.add_argument('--random-weights', action='store_true', help='study the random-weight tiny pipeline, not the trained one')
     study.add_argument('--parts', default='te,transformer', choices=('te,transformer', 'te', 'transformer'),
                        help='what each scheme quantises: the text encoder(s), the transformer, or both (default)')
     tq = study.add_argument_group('the pipeline, and the transformer benchmark (dense vs GGUF vs each scheme)')
@@ -62,7 +63,7 @@ def parser() -> argparse.ArgumentParser:
     tq.add_argument('--dims', default='tiny', choices=('tiny', 'real'), help='tiny offline pipeline, or real dims with random weights')
     tq.add_argument('--gguf', default='Q8_0', help="GGUF baseline: Q8_0 or Q4_0 (written from the dense weights), a .gguf file, or none")
     tq.add_argument('--compile', action=argparse.BooleanOptionalAction, default=False, help='regional torch.compile after quantisation')
-    tq.add_argument('--steps', type=_positive, default=2)
+    tq.add_argument('--steps', type=_positive, default=None, help='denoising steps (default: 8 on the trained pipeline, else 2)')
     tq.add_argument('--size', type=_positive, default=32, help='image side in pixels')
     tq.add_argument('--runs', type=_positive, default=3, help='timed runs after warm-up (the median is reported)')
     tq.add_argument('--min-features', type=int, default=None, help='skip Linears narrower than this (default: 0 tiny, 512 real)')
@@ -99,15 +100,17 @@ def _run(args) -> int:
     elif args.command == 'study':
         from diffq_lab.study import default_study
         if args.transformer_quant is None:
-            from diffq_lab.study import STUDY_PROMPTS
+            from diffq_lab.pipelines import get_family
+            trained = args.model is None and get_family(args.family).name == 'z-image' and not args.random_weights
             default_study(args.device, schemes=args.schemes, out=Path(args.out), record=not args.no_record, family=args.family,
-                          model=args.model, steps=args.steps, size=args.size, seeds=args.seeds, prompts=args.prompts or STUDY_PROMPTS[:2],
+                          model=args.model, trained=trained, steps=args.steps, size=args.size, seeds=args.seeds, prompts=args.prompts,
                           compile=args.compile, te_quant='te' in args.parts, transformer_quant='transformer' in args.parts,
                           min_features=args.min_features)
         else:
             from diffq_lab.transformer import cli_transformer_bench
             if args.model is not None and not Path(args.model).exists() and '/' not in args.model:
                 raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')
+            args.steps = args.steps or 2
             cli_transformer_bench(args)
     elif args.command == 'blocks':
         from diffq_lab.block_select import cli_blocks

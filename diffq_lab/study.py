@@ -21,6 +21,7 @@ from .text_encoder import quantize_text_encoders
 from .transformer import load_pipeline_quantized
 from .quality import quality_metrics, summarise
 from .compare import compare_grid_png, compare_html
+from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
 __all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'probe_block', 'probe_tokens', 'scheme_numerics', 'run_study', 'write_report',
@@ -76,15 +77,15 @@ STUDY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, 
 def _peak_bytes(device):
     return torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else None
 
-def _timed_renders(pipe, pairs, steps, size, device):
+def _timed_renders(pipe, pairs, steps, size, device, **render_kw):
     "Warm up once, then render every (seed, prompt) pair: {pair: image} and the seconds each took."
-    render(pipe, pairs[0][1], steps=steps, size=size, seed=pairs[0][0])  # first call pays for lazy init and compile
+    render(pipe, pairs[0][1], steps=steps, size=size, seed=pairs[0][0], **render_kw)  # first call pays for lazy init and compile
     if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
     imgs, secs = {}, []
     for seed, prompt in pairs:
         if device.type == 'cuda': torch.cuda.synchronize(device)
         t = time.perf_counter()
-        imgs[seed, prompt] = render(pipe, prompt, steps=steps, size=size, seed=seed)
+        imgs[seed, prompt] = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)
         if device.type == 'cuda': torch.cuda.synchronize(device)
         secs.append(time.perf_counter() - t)
     return imgs, secs
@@ -101,19 +102,32 @@ def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
         if not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be an integer >= 1, got {v!r}')
     if not seeds or not prompts: raise ValueError('a study needs at least one seed and one prompt')
 
-def run_study(family='z-image', model=None, schemes=SCHEMES, *, te_quant=True, transformer_quant=True, steps=2, size=32,
-              seeds=(0, 1), prompts=STUDY_PROMPTS[:2], compile=False, device=None, min_features=None, progress=True) -> pd.DataFrame:
+def _adherence(imgs, pairs) -> dict:
+    "Prompt adherence of the trained pipeline's renders (the task metric of 14_trained), mean with its bootstrap interval."
+    a = summarise([adherence(imgs[k][0], k[1]) for k in pairs])
+    return dict(adherence=a.mean, adherence_lo=a.lo, adherence_hi=a.hi)
+
+def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
+              size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True) -> pd.DataFrame:
     "Per scheme: quantise the pipeline's encoder(s) and transformer, render every (seed, prompt), measure latency, memory, quality vs dense."
+    if trained and (model is not None or get_family(family).name != 'z-image'):
+        raise ValueError('trained=True studies the trained tiny z-image pipeline of data/trained: give no model and family z-image')
+    if steps is None: steps = TRAINED_STEPS if trained else 2
+    if prompts is None: prompts = heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]  # the trained model's held-out captions
     _check_study_args(family, model, schemes, steps, size, seeds, prompts)
     device = resolve_device(device)
-    build = (lambda: tiny_pipeline(family).to(device)) if model is None else (lambda: load_pipeline(model, family=family, device=device))
+    render_kw = dict(guidance_scale=TRAINED_GUIDANCE) if trained else {}
+    build = ((lambda: load_trained_pipeline().to(device)) if trained else (lambda: tiny_pipeline(family).to(device)) if model is None
+             else (lambda: load_pipeline(model, family=family, device=device)))
     min_features = (0 if model is None else 512) if min_features is None else min_features  # tiny Linears are 32-64 wide
     pairs = [(seed, p) for seed in seeds for p in prompts]
     dense = build()
     fam = family_of(dense)
-    ref, ref_secs = _timed_renders(dense, pairs, steps, size, device)
-    base = dict(family=fam, model=model or f'tiny {fam} (random weights)', steps=steps, size=size, pairs=len(pairs), compile=compile)
-    rows = [dict(base, scheme='dense', latency_s=float(np.median(ref_secs)), vs_dense=1.0, peak_gen_MiB=_mib(_peak_bytes(device)))]
+    ref, ref_secs = _timed_renders(dense, pairs, steps, size, device, **render_kw)
+    label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
+    base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile)
+    rows = [dict(base, scheme='dense', latency_s=float(np.median(ref_secs)), vs_dense=1.0, peak_gen_MiB=_mib(_peak_bytes(device)),
+                 **(_adherence(ref, pairs) if trained else {}))]
     renders = {}
     for scheme in tqdm(schemes, desc='study', disable=not progress):
         row = dict(base, scheme=normalize_scheme(scheme))
@@ -130,7 +144,8 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, te_quant=True, t
                 row.update(transformer=st['path'], transformer_backend=st['backend'],
                            transformer_quantized=f"{st['linears_quantized']}/{st['linears_total']}",
                            fallback_reason=st['fallback_reason'] or None, mem_load_MiB=_mib(st.get('mem_load_bytes')))
-            imgs, secs = _timed_renders(pipe, pairs, steps, size, device)
+            imgs, secs = _timed_renders(pipe, pairs, steps, size, device, **render_kw)
+            if trained: row.update(_adherence(imgs, pairs))
             q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
             psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
             row.update(latency_s=float(np.median(secs)), vs_dense=float(np.median(ref_secs) / np.median(secs)),
@@ -150,7 +165,8 @@ def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/11_study.ipynb #d3647d3d
 STUDY_COLS = ['scheme', 'te_applied', 'te_backend', 'transformer', 'transformer_backend', 'transformer_quantized', 'latency_s',
-              'vs_dense', 'peak_gen_MiB', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips', 'fallback_reason', 'error']
+              'vs_dense', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
+              'fallback_reason', 'error']
 
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') -> Path:
     "Write `report.md`, `report.html` and the render grid `grid.png` of a `run_study` table under `out`."
@@ -176,8 +192,8 @@ def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
 def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True, **study_kw) -> dict:
     "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
     device = resolve_device(device)
-    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, study_kw.get('steps', 2),
-                      study_kw.get('size', 32), study_kw.get('seeds', (0,)), study_kw.get('prompts', STUDY_PROMPTS))
+    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
+                      study_kw.get('size', 32), study_kw.get('seeds', (0,)), STUDY_PROMPTS if study_kw.get('prompts') is None else study_kw['prompts'])
     t0 = time.perf_counter()
     cap = capability_report(device)
     log(f'## Capability\n\n{format_report(cap)}\n')
