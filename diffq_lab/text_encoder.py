@@ -172,8 +172,7 @@ def quantize_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'a
         return EncoderReport(attr, arch, scheme, None, backend, why, len(fqns))
     if not rep.quantized:
         return EncoderReport(attr, arch, scheme, None, None, f'no Linear qualifies for {s}', rep.n_linear, [], rep.skipped)
-    ran = 'diffusers' if s == 'fp8_layerwise' else rep.backend  # layerwise casting is diffusers' hook, not torchao
-    return EncoderReport(attr, arch, scheme, s, ran, note, rep.n_linear, rep.quantized, rep.skipped)
+    return EncoderReport(attr, arch, scheme, s, rep.backend, note, rep.n_linear, rep.quantized, rep.skipped)
 
 # %% ../nbs/05_text_encoders.ipynb #9121573e
 ENCODER_RUNGS = ('fp8', 'int8')
@@ -234,10 +233,9 @@ def offload_probe(scheme, mode='model', device=None, backend: str = 'auto') -> O
     try:
         be, _ = resolve_backend(s, backend, device)
         g = torch.Generator().manual_seed(0)
-        label = 'diffusers' if s == 'fp8_layerwise' else be
         model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(torch.bfloat16)
         x = torch.randn(8, 256, generator=g, dtype=torch.bfloat16)
-        quantize(model, s, filter_fn=lambda m, fqn: isinstance(m, nn.Linear), backend=be, device=device)
+        label = quantize(model, s, filter_fn=lambda m, fqn: isinstance(m, nn.Linear), backend=be, device=device).backend
         with torch.no_grad():
             ref = model.to(device)(x.to(device)).float().cpu()
             model = _install_offload(model.to('cpu'), mode, device)
