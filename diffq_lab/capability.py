@@ -12,16 +12,17 @@ import torch
 from torch import nn
 from .core import (resolve_device, device_name, package_version, atomic_write_text, append_rows,
                             markdown_table)
-from .schemes import SCHEMES, normalize_scheme, make_config, quantize
+from .schemes import REGISTRY, SCHEMES, Scheme, apply_kernel, get_scheme, normalize_scheme, quantized_linears, scheme_choices
+from .emulate import EMULATIONS
 
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['ARCHS', 'GPU_RULES', 'KNOWN_GPUS', 'HARDWARE_GATES', 'PROBE_VERSION', 'PROBE_TOL', 'PROBE_SHAPE', 'REPORT_COLS',
+__all__ = ['ARCHS', 'GPU_RULES', 'KNOWN_GPUS', 'PROBE_VERSION', 'PROBE_TOL', 'PROBE_SHAPE', 'BACKENDS', 'REPORT_COLS',
            'gpu_capability', 'as_capability', 'arch_name', 'sm_name', 'gpu_tokens', 'classify_gpu', 'is_consumer_gpu',
            'auto_ladder', 'hardware_gate', 'ProbeResult', 'probe_cache_path', 'probe_key', 'clear_probe_cache',
-           'smoke_probe', 'SchemeUnavailableError', 'device_ladder', 'select_scheme', 'real_path', 'capability_report',
-           'format_report', 'record_capability']
+           'smoke_probe', 'SchemeUnavailableError', 'device_ladder', 'select_scheme', 'resolve_backend', 'real_path',
+           'capability_report', 'format_report', 'record_capability']
 
 # %% ../nbs/03_capability.ipynb #2f2c7302
 def gpu_capability(device=None) -> tuple[int, int] | None:
@@ -110,32 +111,18 @@ def auto_ladder(cap, consumer: bool) -> tuple[str, ...]:
     return ladder
 
 # %% ../nbs/03_capability.ipynb #37c72387
-HARDWARE_GATES = {
-    'int8':          dict(min_cuda=(8, 0), cpu=True, why='torch._int_mm: int8 tensor cores on sm_80+, an int8 mm on CPU'),
-    'int8wo':        dict(min_cuda=(8, 0), cpu=True, why='int8 weights dequantised to bf16: no special hardware'),
-    'fp8':           dict(min_cuda=(8, 9), cpu=False, why='fp8 tensor cores; torchao asserts sm_89+ for dynamic fp8 and refuses CPU'),
-    'fp8wo':         dict(min_cuda=(8, 9), cpu=True, why='fp8 e4m3 weights: native on sm_89+, dequantised on CPU'),
-    'fp8_layerwise': dict(min_cuda=(8, 0), cpu=True, why='diffusers storage cast to float8_e4m3fn, bf16 compute: any device with the dtype'),
-    'nvfp4':         dict(min_cuda=(10, 0), cpu=False, why='fp4 tensor cores; torchao asserts sm_100+ for NVFP4 dynamic'),
-    'nvfp4wo':       dict(min_cuda=(8, 0), cpu=False, why='packed fp4 weights dequantised to bf16: no fp4 tensor cores used; '
-                          'torchao 0.18 cannot expand its NVFP4Tensor for 3-D non-contiguous inputs'),
-    'mxfp8':         dict(min_cuda=(10, 0), cpu=False, why='block-scaled fp8 GEMM (e8m0 scales) needs sm_100+; no CPU kernel'),
-}
-
-def _check_scheme(scheme) -> str:
-    s = normalize_scheme(scheme)
-    if s is None or s == 'auto': raise ValueError(f"need a concrete scheme, one of {list(SCHEMES)}; got {scheme!r}")
+def _check_scheme(scheme) -> Scheme:
+    s = get_scheme(scheme) if normalize_scheme(scheme) != 'auto' else None
+    if s is None: raise ValueError(f"need a concrete scheme; got {scheme!r}; {scheme_choices()}")
     return s
 
 def hardware_gate(scheme, cap) -> tuple[bool, str]:
     "Whether compute capability `cap` (None: CPU) meets `scheme`'s hardware requirement, and why."
-    scheme, cap = _check_scheme(scheme), as_capability(cap)
-    g = HARDWARE_GATES[scheme]
-    if cap is None: ok = g['cpu']
-    else: ok = cap >= g['min_cuda']
+    g, cap = _check_scheme(scheme).gate, as_capability(cap)
+    ok = g.cpu if cap is None else cap >= g.min_cuda
     where = 'CPU' if cap is None else f'{sm_name(cap)} ({arch_name(cap)})'
-    need = f"needs {sm_name(g['min_cuda'])}+{' or CPU' if g['cpu'] else ''}"
-    return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g['why']}"
+    need = f"needs {sm_name(g.min_cuda)}+{' or CPU' if g.cpu else ''}"
+    return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g.why}"
 
 # %% ../nbs/03_capability.ipynb #fd817e2e
 PROBE_VERSION = 2   # bump when the probe's procedure changes: old cache entries stop matching
@@ -254,18 +241,15 @@ def _judge(out, ref, tol=PROBE_TOL) -> tuple[bool, str, float | None, float | No
     return True, f'ok: relative error {rel:.3g} vs bf16', rel, worst
 
 # %% ../nbs/03_capability.ipynb #43cf2d0f
-def _linear_only(module, fqn) -> bool: return isinstance(module, nn.Linear)
-
-def _run_probe(scheme: str, device: torch.device, name: str) -> ProbeResult:
+def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
     "Quantise the probe Linear with `scheme`'s real kernel and judge one forward; exceptions become a failed result."
-    base = dict(scheme=scheme, device_name=name, torch=torch.__version__, torchao=package_version('torchao'))
+    base = dict(scheme=scheme.name, device_name=name, torch=torch.__version__, torchao=package_version('torchao'))
     t0, stage = time.perf_counter(), ''
     try:
         model, x, ref = _probe_case(device)
-        report = quantize(model, scheme, filter_fn=_linear_only, backend='torchao')
-        if getattr(report, 'quantized', None) is not None and not report.quantized:
-            return ProbeResult(**base, ok=False, reason=f'quantize converted no Linear: {getattr(report, "skipped", {})}',
-                               seconds=time.perf_counter() - t0)
+        apply_kernel(model, scheme, ['0'])
+        if not quantized_linears(model):
+            return ProbeResult(**base, ok=False, reason='the kernel path converted no Linear', seconds=time.perf_counter() - t0)
         with torch.no_grad():
             out = model(x)
             # pipelines feed Linears 3-D, often non-contiguous views; NVFP4 weight-only fails there on torchao 0.18
@@ -288,7 +272,7 @@ def smoke_probe(scheme, device=None, refresh: bool = False) -> ProbeResult:
     "Does `scheme`'s real kernel quantise and run a 512x512 bf16 Linear on `device`, close to bf16? Cached."
     scheme, device = _check_scheme(scheme), _check_device(device)
     name = device_name(device)
-    path, key = probe_cache_path(), probe_key(scheme, name)
+    path, key = probe_cache_path(), probe_key(scheme.name, name)
     if not refresh and (hit := _cached(path, key)) is not None: return hit
     result = _run_probe(scheme, device, name)
     if result.transient: return result  # a full or broken GPU says nothing about the kernel: never cache it
@@ -329,34 +313,42 @@ def select_scheme(requested, device=None) -> str | None:
         f"scheme {scheme!r} does not run on {name} ({arch_name(cap)}, {sm_name(cap)}): probe: {r.reason}; gate: {gate}. "
         f"Study its numerics with backend='emulate', or ask for 'auto' (here: {device_ladder(device) or 'dense'}).")
 
+# %% ../nbs/03_capability.ipynb #cb0e0002
+BACKENDS = ('auto', 'torchao', 'emulate')
+
+def resolve_backend(scheme, backend: str = 'auto', device=None) -> tuple[str, str]:
+    "(backend that runs `scheme` on `device`, why): the lab's one backend policy; 'torchao' is reported as the real library."
+    s = _check_scheme(scheme)
+    if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
+    if backend == 'emulate': return 'emulate', 'asked for'
+    if backend == 'torchao': return s.library, 'asked for'
+    probe = smoke_probe(s, device)
+    if probe.ok: return s.library, ''
+    _log.info('%s: its kernel does not run on %s (%s); emulating', s.name, probe.device_name, probe.reason)
+    return 'emulate', f'probe: {probe.reason}'
+
 # %% ../nbs/03_capability.ipynb #51256595
 REPORT_COLS = ('scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_rank', 'auto_pick', 'kernel', 'probe')
 
-def _emulated_schemes() -> tuple[str, ...]:
-    try: from diffq_lab.emulate import EMULATED_SCHEMES
-    except ImportError: return ()
-    return tuple(EMULATED_SCHEMES)
-
-def _kernel(scheme: str) -> str:
-    try: cfg = make_config(scheme)
+def _kernel(scheme: Scheme) -> str:
+    try: cfg = scheme.make_config()
     except Exception as e: return f'no config ({_describe(e, 60)})'  # noqa: BLE001 -- the report still gets its row
     return 'diffusers apply_layerwise_casting' if cfg is None else f'torchao {type(cfg).__name__}'
 
-def real_path(scheme: str) -> str:
+def real_path(scheme) -> str:
     "How `scheme` runs when its probe passes: a torchao kernel, or (fp8_layerwise) a diffusers storage cast."
-    return 'diffusers cast' if scheme == 'fp8_layerwise' else 'torchao kernel'
+    return 'diffusers cast' if _check_scheme(scheme).library == 'diffusers' else 'torchao kernel'
 
 def capability_report(device=None, refresh: bool = False) -> pd.DataFrame:
     "One row per scheme on `device`: hardware gate, smoke probe, what would run (torchao kernel / emulated / nothing) and the `auto` ladder."
     device = _check_device(device)
     name, cap = device_name(device), gpu_capability(device)
-    ladder, emulated = device_ladder(device), _emulated_schemes()
-    rows = []
-    for s in SCHEMES:
+    ladder, rows = device_ladder(device), []
+    for s in REGISTRY.values():
         gate_ok, gate = hardware_gate(s, cap)
         r = smoke_probe(s, device, refresh=refresh)
-        runs_as = real_path(s) if r.ok else 'emulated' if s in emulated else 'nothing'
-        rows.append(dict(scheme=s, device_name=name, capability=None if cap is None else f'{cap[0]}.{cap[1]}',
+        runs_as = real_path(s) if r.ok else 'emulated' if s.name in EMULATIONS else 'nothing'
+        rows.append(dict(scheme=s.name, device_name=name, capability=None if cap is None else f'{cap[0]}.{cap[1]}',
                          arch=arch_name(cap), consumer=None if cap is None else is_consumer_gpu(name),
                          gate_ok=gate_ok, probe_ok=r.ok, rel_err=r.rel_err, max_rel_err=r.max_rel_err,
                          runs_as=runs_as, auto_rank=ladder.index(s) + 1 if s in ladder else None,

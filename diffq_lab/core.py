@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'repo_root',
+__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'fidelity', 'repo_root',
            'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'load_table',
            'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
@@ -53,6 +53,17 @@ def compute_dtype(device=None) -> torch.dtype:
     device = resolve_device(device)
     if device.type == 'cuda' and not torch.cuda.is_bf16_supported(): return torch.float16
     return torch.bfloat16
+
+# %% ../nbs/00_core.ipynb #c0f1d002
+def fidelity(out, ref) -> dict:
+    "How close `out` is to the dense `ref`: fp64 cosine, relative error, max-abs error, finiteness."
+    y, r = torch.as_tensor(out).detach().double().flatten(), torch.as_tensor(ref).detach().double().flatten()
+    if y.shape != r.shape: raise ValueError(f'fidelity compares equal sizes, got {tuple(out.shape)} vs {tuple(ref.shape)}')
+    finite = bool(torch.isfinite(y).all())
+    if not finite: return dict(cosine=float('nan'), rel_err=float('nan'), max_abs=float('inf'), finite=False)
+    cos = torch.nn.functional.cosine_similarity(y, r, dim=0, eps=1e-30).item()
+    rel = ((y - r).norm() / r.norm().clamp_min(1e-30)).item()
+    return dict(cosine=cos, rel_err=rel, max_abs=(y - r).abs().max().item() if y.numel() else 0.0, finite=True)
 
 # %% ../nbs/00_core.ipynb #6af58d71
 FINGERPRINT_KEYS = ('device', 'device_name', 'capability', 'torch', 'torchao', 'diffusers', 'transformers',

@@ -11,21 +11,21 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import append_rows, resolve_device, device_name
-from .schemes import (SCHEMES, normalize_scheme, make_filter_fn, quantize, quantized_linears,
-                               is_quantized_linear, PartialQuantizationError)
+from .schemes import SCHEMES, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
 from . import capability
-from .capability import SchemeUnavailableError
+from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, run_schemes
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'BACKENDS', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS',
-           'in_vision_tower', 'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks',
-           'encoder_filter', 'resolve_backend', 'EncoderReport', 'quantize_encoder', 'encoder_ladder',
-           'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
-           'select_encoder_scheme', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings', 'embedding_cosine',
-           'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report']
+__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS', 'in_vision_tower',
+           'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks', 'encoder_filter', 'plan_encoder',
+           'quantize_encoder', 'encoder_ladder', 'device_encoder_ladder', 'offload_mode', 'OffloadProbe',
+           'offload_probe', 'offload_report', 'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders',
+           'report_frame', 'prompt_embeddings', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine',
+           'pipeline_offload_report']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -99,80 +99,27 @@ def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int = EN
     return filter_fn
 
 # %% ../nbs/06_text_encoders.ipynb #88cf737e
-BACKENDS = ('auto', 'torchao', 'emulate')
-
-def resolve_backend(scheme, backend: str = 'auto', device=None) -> tuple[str, str]:
-    "`(backend, note)` that will run `scheme` on `device`: torchao if its probe passes, emulation on a CPU, else refused."
-    s = normalize_scheme(scheme)
-    if s in (None, 'auto'): raise ValueError(f'resolve_backend needs a concrete scheme, got {scheme!r}')
-    if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
-    if s == 'fp8_layerwise': return 'torchao', ''  # a storage cast in plain torch: real on every device
-    if backend != 'auto': return backend, ''
-    device = resolve_device(device)
-    probe = capability.smoke_probe(s, device)
-    if probe.ok: return 'torchao', ''
-    if device.type == 'cpu': return 'emulate', f'emulated on CPU (torchao: {probe.reason[:120]})'
-    capability.select_scheme(s, device)  # raises SchemeUnavailableError naming the probe and the hardware gate
-    raise SchemeUnavailableError(f'{s}: the probe failed on {device_name(device)}: {probe.reason}')
-
-# %% ../nbs/06_text_encoders.ipynb #7a3a5302
-@dataclass
-class EncoderReport:
-    "What happened to one text encoder: the scheme applied (None: left dense, and why), its Linears, the ones kept dense."
-    attr: str
-    arch: str
-    requested: str | None
-    scheme: str | None
-    backend: str | None = None
-    reason: str = ''
-    n_linear: int = 0
-    quantized: list[str] = field(default_factory=list)
-    kept: dict[str, str] = field(default_factory=dict)
-    @property
-    def n_quantized(self) -> int: return len(self.quantized)
-    def summary(self) -> str:
-        "One line: encoder, scheme and backend (or dense and why), Linears cast, and why the others stayed dense."
-        head = f'{self.attr or "encoder"} ({self.arch}): '
-        if self.scheme is None: return head + f'dense ({self.reason or "no scheme"})'
-        why = ', '.join(f'{r} {n}' for r, n in Counter(self.kept.values()).most_common())
-        return (head + f'{self.scheme} via {self.backend}: {self.n_quantized}/{self.n_linear} Linears'
-                + (f'; kept dense: {why}' if why else '') + (f'; note: {self.reason}' if self.reason else ''))
-    def __repr__(self): return f'EncoderReport({self.summary()})'
-
-def _linear_fqns(model) -> list[str]:
-    return [f for f, m in model.named_modules() if isinstance(m, nn.Linear) or is_quantized_linear(m)]
-
 def _encoder_device(model, device=None) -> torch.device:
     if device is not None: return resolve_device(device)
     p = next(model.parameters(), None)
     return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
 
-# %% ../nbs/06_text_encoders.ipynb #c722dd0c
-def quantize_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
-                     min_features: int = ENCODER_MIN_FEATURES, attr: str = '') -> EncoderReport:
-    "Cast the Linears of text encoder `model` in place with `scheme`, with the encoder guards; report what was done."
+def plan_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
+                 min_features: int = ENCODER_MIN_FEATURES) -> ComponentPlan:
+    "The plan of `scheme` for text encoder `model` under the encoder guards and a keep-bf16 schedule `keep`; nothing changes."
     s = normalize_scheme(scheme)
-    if s == 'auto': raise ValueError("quantize_encoder needs a concrete scheme; 'auto' is resolved by quantize_text_encoders")
-    arch, fqns = type(model).__name__, _linear_fqns(model)
-    if not fqns: raise ValueError(f'{arch} holds no nn.Linear: nothing to cast with {scheme!r}')
-    if s is None: return EncoderReport(attr, arch, scheme, None, reason='dense requested', n_linear=len(fqns))
-    device = _encoder_device(model, device)
-    backend, note = resolve_backend(s, backend, device)
-    fn, before = encoder_filter(model, s, keep, min_features), set(quantized_linears(model))
-    try:
-        with warnings.catch_warnings():
-            warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')  # the report says it instead
-            rep = quantize(model, s, filter_fn=fn, backend=backend, device=device)
-    except PartialQuantizationError: raise
-    except Exception as e:  # noqa: BLE001 -- a clean failure leaves the encoder dense; a half-done one must not pass
-        done = sorted(set(quantized_linears(model)) - before)
-        if done: raise PartialQuantizationError(s, backend, done, None, e) from e
-        why = f'{s} ({backend}) failed before converting any Linear, left dense: {type(e).__name__}: {str(e)[:200]}'
-        log.warning('%s: %s', attr or arch, why)
-        return EncoderReport(attr, arch, scheme, None, backend, why, len(fqns))
-    if not rep.quantized:
-        return EncoderReport(attr, arch, scheme, None, None, f'no Linear qualifies for {s}', rep.n_linear, [], rep.skipped)
-    return EncoderReport(attr, arch, scheme, s, rep.backend, note, rep.n_linear, rep.quantized, rep.skipped)
+    if s == 'auto': raise ValueError("plan_encoder needs a concrete scheme; 'auto' is resolved by quantize_text_encoders")
+    fn = encoder_filter(model, s, keep, min_features) if s else None
+    with warnings.catch_warnings():
+        warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')  # the plan says it instead
+        return plan_linears(model, s, fn, backend, _encoder_device(model, device))
+
+# %% ../nbs/06_text_encoders.ipynb #7a3a5302
+def quantize_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
+                     min_features: int = ENCODER_MIN_FEATURES) -> ComponentPlan:
+    "Cast the Linears of text encoder `model` in place with `scheme` under the encoder guards, all or nothing; the applied plan."
+    plan = plan_encoder(model, scheme, keep=keep, backend=backend, device=device, min_features=min_features)
+    return apply_plan(model, plan).components[''] if plan.quantized else plan
 
 # %% ../nbs/06_text_encoders.ipynb #9121573e
 ENCODER_RUNGS = ('fp8', 'int8')
@@ -232,6 +179,7 @@ def offload_probe(scheme, mode='model', device=None, backend: str = 'auto') -> O
     name, be = device_name(device), backend
     try:
         be, _ = resolve_backend(s, backend, device)
+        be = 'emulate' if be == 'emulate' else 'torchao'
         g = torch.Generator().manual_seed(0)
         model = nn.Sequential(nn.Linear(256, 256), nn.GELU(), nn.Linear(256, 256)).to(torch.bfloat16)
         x = torch.randn(8, 256, generator=g, dtype=torch.bfloat16)
@@ -282,7 +230,8 @@ def select_encoder_scheme(requested, family=None, *, device=None, offload=False,
                 f"fp8_layerwise instead")
         log.warning(note)
         s = 'fp8_layerwise'
-    _, why = resolve_backend(s, backend, device)  # refuses (SchemeUnavailableError) what the device cannot run
+    _, why = resolve_backend(s, backend, device)
+    if device.type == 'cuda' and backend == 'auto': capability.select_scheme(s, device)  # a GPU refuses, never emulates slowly
     note = '; '.join(n for n in (note, why) if n)
     if mode is not None and s != 'fp8_layerwise':
         probe = offload_probe(s, mode, device, backend)
@@ -310,45 +259,42 @@ def _select_auto(fam, device, mode, backend, keep, ladder):
     return None, f"auto: no rung of {rungs} applies ({'; '.join(skipped)}): dense"
 
 # %% ../nbs/06_text_encoders.ipynb #f5cf139d
-def quantize_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str = 'auto', keep=None,
-                           device=None, min_features: int = ENCODER_MIN_FEATURES) -> dict[str, EncoderReport]:
-    "Cast each text encoder of `pipe` in place with `scheme` ('auto', a scheme or None) under the family's rules; a report per encoder."
+def _family_or_none(pipe, family):
+    if family is not None: return get_family(family)
+    try: return get_family(family_of(pipe))
+    except ValueError as e:  # an unregistered pipeline: no schedule, no deny list, said out loud
+        log.warning('%s; casting its encoders without family rules', e)
+        return None
+
+def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str = 'auto', keep=None,
+                       device=None, min_features: int = ENCODER_MIN_FEATURES) -> QuantPlan:
+    "The plan for every text encoder of `pipe` under `scheme` ('auto', a scheme or None) and the family's rules."
     encoders = text_encoders(pipe)
     if not encoders:
         raise ValueError(f'{type(pipe).__name__} has no text encoder (no non-None text_encoder, text_encoder_2, ... '
                          f'component): nothing to cast with {scheme!r}')
-    if family is not None: fam = get_family(family)
-    else:
-        try: fam = get_family(family_of(pipe))
-        except ValueError as e:  # an unregistered pipeline: no schedule, no deny list, said out loud
-            log.warning('%s; casting its encoders without family rules', e)
-            fam = None
+    fam = _family_or_none(pipe, family)
     device = resolve_device(device) if device is not None else (
         resolve_device(None) if offload_mode(offload) else _encoder_device(next(iter(encoders.values()))))
     s, note = select_encoder_scheme(scheme, fam, device=device, offload=offload, backend=backend, keep=keep)
     sched = (_schedule(fam, keep) or (0, 0)) if s == 'int8' else (0, 0)
-    reports, done = {}, []
+    comps = {}
     for attr, enc in encoders.items():
-        if s is None:
-            reports[attr] = EncoderReport(attr, type(enc).__name__, scheme, None, reason=note, n_linear=len(_linear_fqns(enc)))
-            continue
-        try: rep = quantize_encoder(enc, s, keep=sched, backend=backend, device=device, min_features=min_features, attr=attr)
-        except PartialQuantizationError as e:
-            raise PartialQuantizationError(s, e.backend, done + [f'{attr}.{f}' for f in e.converted],
-                                           f'{attr}.{e.failed}' if e.failed else attr, e) from e
-        rep.requested = scheme
-        if rep.scheme is not None:
-            rep.reason = '; '.join(dict.fromkeys(n for n in (*note.split('; '), *rep.reason.split('; ')) if n))
-            done += [f'{attr}.{f}' for f in rep.quantized]
-        reports[attr] = rep
-    return reports
+        p = plan_encoder(enc, s, keep=sched, backend=backend, device=device, min_features=min_features)
+        p.requested, p.note = normalize_scheme(scheme), note
+        comps[attr] = p
+    return QuantPlan(comps)
 
-def report_frame(reports: dict[str, EncoderReport]) -> pd.DataFrame:
-    "The reports of `quantize_text_encoders` as a table, one row per encoder."
-    return pd.DataFrame([dict(encoder=r.attr, arch=r.arch, requested=r.requested, scheme=r.scheme, backend=r.backend,
-                              linears=r.n_linear, quantized=r.n_quantized,
-                              kept=', '.join(f'{k} {n}' for k, n in Counter(r.kept.values()).most_common()), note=r.reason)
-                         for r in reports.values()])
+def quantize_text_encoders(pipe, scheme, **kwargs) -> QuantPlan:
+    "Cast every text encoder of `pipe` in place as `plan_text_encoders` plans, all or nothing across the encoders; the applied plan."
+    return apply_plan(pipe, plan_text_encoders(pipe, scheme, **kwargs))
+
+def report_frame(plan: QuantPlan) -> pd.DataFrame:
+    "A text-encoder plan as a table, one row per encoder."
+    return pd.DataFrame([dict(encoder=a, requested=p.requested, scheme=p.scheme, backend=p.backend, linears=p.n_linear,
+                              quantized=p.n_quantized, kept=', '.join(f'{k} {n}' for k, n in Counter(p.skipped.values()).most_common()),
+                              note='; '.join(n for n in (p.note, p.backend_reason) if n))
+                         for a, p in plan.components.items()])
 
 # %% ../nbs/06_text_encoders.ipynb #29b99cdd
 PROMPTS = ('A photo of a cat sitting on a red sofa.', 'An astronaut riding a horse on the moon.',
@@ -401,22 +347,21 @@ def _keep_label(s, applied, keep, fam) -> str:
     return '{}+{}'.format(*sched) if 'int8' in applied and sched is not None else ''
 
 def te_cosine(pipe, schemes=SCHEMES, *, backend: str = 'auto', keep=None, prompts=PROMPTS, family=None) -> pd.DataFrame:
-    "One row per scheme: what `quantize_text_encoders` applied to fresh copies of `pipe`'s encoders and the embedding cosine vs dense."
+    "One row per requested scheme: what `quantize_text_encoders` applied to fresh copies of `pipe`'s encoders and the cosine vs dense."
     fam = get_family(family if family is not None else family_of(pipe))
     dense_encoders = text_encoders(pipe)
     dense = prompt_embeddings(pipe, prompts)
-    rows = []
-    try:
-        for s in schemes:
-            _swap_encoders(pipe, {a: copy.deepcopy(e) for a, e in dense_encoders.items()})
-            reps = quantize_text_encoders(pipe, s, family=fam, backend=backend, keep=keep)
-            applied = sorted({r.scheme or 'dense' for r in reps.values()})
-            rows.append(dict(family=fam.name, encoders='+'.join(r.arch for r in reps.values()), scheme=s,
-                             applied='+'.join(applied), backend='+'.join(sorted({r.backend for r in reps.values() if r.backend})) or None,
-                             keep=_keep_label(s, applied, keep, fam),
-                             linears=sum(r.n_linear for r in reps.values()), quantized=sum(r.n_quantized for r in reps.values()),
-                             **embedding_cosine(dense, prompt_embeddings(pipe, prompts)),
-                             note=' | '.join(sorted({r.reason for r in reps.values() if r.reason}))[:300]))
+    def one(s):
+        _swap_encoders(pipe, {a: copy.deepcopy(e) for a, e in dense_encoders.items()})
+        plan = quantize_text_encoders(pipe, s, family=fam, backend=backend, keep=keep)
+        comps = plan.components.values()
+        applied = sorted({p.scheme or 'dense' for p in comps})
+        return plan, dict(family=fam.name, encoders='+'.join(type(e).__name__ for e in dense_encoders.values()),
+                          scheme='+'.join(applied), backend='+'.join(sorted({p.backend for p in comps if p.backend})) or None,
+                          keep=_keep_label(s, applied, keep, fam), linears=sum(p.n_linear for p in comps),
+                          quantized=sum(p.n_quantized for p in comps), **embedding_cosine(dense, prompt_embeddings(pipe, prompts)),
+                          note=' | '.join(sorted({p.note for p in comps if p.note}))[:300])
+    try: rows = run_schemes(schemes, one)
     finally: _swap_encoders(pipe, dense_encoders)
     return pd.DataFrame(rows)
 
