@@ -14,7 +14,7 @@ import argparse, time
 import torch
 from torch import nn
 from diffq_lab.core import device_name, resolve_device
-from diffq_lab.emulate import EMULATED_SCHEMES, EmulatedLinear, compare_outputs
+from diffq_lab.emulate import EMULATIONS, EmulatedLinear, compare_outputs
 
 
 def _sync(device):
@@ -43,7 +43,7 @@ def main(argv=None):
     p.add_argument('--k', type=int, default=4096)
     p.add_argument('--n', type=int, default=4096)
     p.add_argument('--reps', type=int, default=9)
-    p.add_argument('--schemes', nargs='*', default=list(EMULATED_SCHEMES))
+    p.add_argument('--schemes', nargs='*', default=list(EMULATIONS))
     p.add_argument('--compile', action='store_true', help='also time torch.compile(EmulatedLinear)')
     p.add_argument('--threads', type=int, default=None, help='torch CPU threads (1 is steadier on a shared machine)')
     a = p.parse_args(argv)

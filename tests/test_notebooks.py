@@ -29,3 +29,38 @@ def test_flagged_cells_have_no_imports(nb):
     bad = [i for i, src in code_cells(nb) if set(DIRECTIVE.findall(src)) & {'gpu', 'slow'}
            and _has(ast.parse(src), (ast.Import, ast.ImportFrom))]
     assert not bad, f'{nb.name}: gpu/slow cells {bad} import'
+
+PKG = Path(__file__).resolve().parent.parent/'diffq_lab'
+
+def _notebook_order() -> dict[str, int]:
+    "module name -> the number of the notebook that exports it (the order data flows through the lab)."
+    order = {}
+    for py in PKG.glob('*.py'):
+        m = re.search(r'File to edit: \.\./nbs/(\d+)_\w+\.ipynb', py.read_text())
+        if m: order[py.stem] = int(m[1])
+    return order
+
+def _package_imports(py: Path) -> set[str]:
+    "The diffq_lab modules `py` imports anywhere (top level or inside functions)."
+    out = set()
+    for n in ast.walk(ast.parse(py.read_text())):
+        if isinstance(n, ast.ImportFrom):
+            mod = n.module or ''
+            if n.level == 1: out |= {mod} if mod else {a.name for a in n.names}
+            elif mod.startswith('diffq_lab.'): out.add(mod.split('.')[1])
+            elif mod == 'diffq_lab': out |= {a.name for a in n.names}
+        elif isinstance(n, ast.Import):
+            out |= {a.name.split('.')[1] for a in n.names if a.name.startswith('diffq_lab.')}
+    return out - {'_modidx'}
+
+def test_no_module_imports_a_later_notebook():
+    "Data flows one way: a module imports only modules of earlier notebooks, so the import graph has no circle."
+    order = _notebook_order()
+    assert len(order) >= 15, order
+    bad = [f'{m} ({order[m]:02d}) imports {d} ({order.get(d, "?")})' for m in order
+           for d in _package_imports(PKG/f'{m}.py') if d != m and (d not in order or order[d] >= order[m])]
+    assert not bad, bad
+
+def test_notebook_numbers_are_unique():
+    nums = [int(p.name.split('_')[0]) for p in NBS if p.name[0].isdigit()]
+    assert len(nums) == len(set(nums)), sorted(nums)
