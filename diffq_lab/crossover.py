@@ -5,7 +5,7 @@
 # %% ../nbs/11_crossover.ipynb #29598be0
 from __future__ import annotations
 import contextlib, copy, functools, math, re, statistics, time, warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 import numpy as np
 import pandas as pd
