@@ -27,8 +27,8 @@ from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_
 
 # %% auto #0
 __all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'BENCH_COLS', 'probe_block', 'probe_tokens', 'scheme_numerics', 'run_study',
-           'write_report', 'image_quality', 'transformer_bench', 'record_transformer_bench', 'cli_transformer_bench',
-           'numerics_summary', 'default_study']
+           'write_report', 'numerics_summary', 'default_study', 'image_quality', 'transformer_bench',
+           'record_transformer_bench', 'cli_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -185,6 +185,37 @@ def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') ->
                           + f'<pre>{html.escape(provenance(df))}</pre>' + df[[c for c in STUDY_COLS if c in df]].to_html(index=False))
     return out
 
+# %% ../nbs/15_study.ipynb #b32097dc
+def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
+    "One row per scheme: how it ran and its error on each token kind, best first."
+    wide = num.pivot_table(index=['scheme', 'runs_as', 'quantized'], columns='tokens', values=['rel_err', 'cosine'])
+    wide.columns = [f'{m}_{k}' for m, k in wide.columns]
+    return wide.reset_index().sort_values(f'rel_err_{num.tokens.iloc[0]}').reset_index(drop=True)
+
+def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True, **study_kw) -> dict:
+    "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
+    device = resolve_device(device)
+    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
+                      study_kw.get('size', 32), study_kw.get('seeds', (0,)), STUDY_PROMPTS if study_kw.get('prompts') is None else study_kw['prompts'])
+    t0 = time.perf_counter()
+    cap = capability_report(device)
+    log(f'## Capability\n\n{format_report(cap)}\n')
+    num = scheme_numerics(schemes, device)
+    summary = numerics_summary(num)
+    log(f'## Scheme numerics on a bf16 MLP block ({device_name(device)})\n\n{markdown_table(summary)}\n')
+    study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
+    log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
+        f'{markdown_table(study, cols=STUDY_COLS)}\n')
+    if record:
+        append_rows('capability', cap.to_dict('records'), root=root, device=device)
+        append_rows('study_numerics', num.to_dict('records'), root=root, device=device)
+        append_rows('study', study.to_dict('records'), root=root, device=device)
+    if out is not None:
+        extra = (f'## Capability\n\n{format_report(cap)}\n\n## Scheme numerics on a bf16 MLP block\n\n{markdown_table(summary)}\n\n')
+        write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}', extra)
+    log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
+    return dict(capability=cap, numerics=num, summary=summary, study=study)
+
 # %% ../nbs/15_study.ipynb #e0cda8a4
 def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -> dict:
     "PSNR, SSIM and LPIPS (where it can run) from `diffq_lab.quality`, plus the cosine of the mean-centred images, of `x` vs `ref`."
@@ -273,34 +304,3 @@ def cli_transformer_bench(args) -> pd.DataFrame:
     df = transformer_bench(**kw) if args.no_record else record_transformer_bench(**kw)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return df
-
-# %% ../nbs/15_study.ipynb #b32097dc
-def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
-    "One row per scheme: how it ran and its error on each token kind, best first."
-    wide = num.pivot_table(index=['scheme', 'runs_as', 'quantized'], columns='tokens', values=['rel_err', 'cosine'])
-    wide.columns = [f'{m}_{k}' for m, k in wide.columns]
-    return wide.reset_index().sort_values(f'rel_err_{num.tokens.iloc[0]}').reset_index(drop=True)
-
-def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True, **study_kw) -> dict:
-    "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
-    device = resolve_device(device)
-    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
-                      study_kw.get('size', 32), study_kw.get('seeds', (0,)), STUDY_PROMPTS if study_kw.get('prompts') is None else study_kw['prompts'])
-    t0 = time.perf_counter()
-    cap = capability_report(device)
-    log(f'## Capability\n\n{format_report(cap)}\n')
-    num = scheme_numerics(schemes, device)
-    summary = numerics_summary(num)
-    log(f'## Scheme numerics on a bf16 MLP block ({device_name(device)})\n\n{markdown_table(summary)}\n')
-    study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
-    log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
-        f'{markdown_table(study, cols=STUDY_COLS)}\n')
-    if record:
-        append_rows('capability', cap.to_dict('records'), root=root, device=device)
-        append_rows('study_numerics', num.to_dict('records'), root=root, device=device)
-        append_rows('study', study.to_dict('records'), root=root, device=device)
-    if out is not None:
-        extra = (f'## Capability\n\n{format_report(cap)}\n\n## Scheme numerics on a bf16 MLP block\n\n{markdown_table(summary)}\n\n')
-        write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}', extra)
-    log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
-    return dict(capability=cap, numerics=num, summary=summary, study=study)
