@@ -16,13 +16,13 @@ from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
 from .text_encoder import ENCODER_MIN_FEATURES, block_lists, encoder_filter, resolve_backend
 
 # %% auto #0
-__all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'READ_LAYERS', 'MINILM', 'MINILM_NAMES', 'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR',
-           'block_stacks', 'block_names', 'schedule_blocks', 'check_read_layer', 'read_hidden', 'encoder_run',
-           'token_fidelity', 'flat_fidelity', 'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts',
-           'encoder_inputs', 'KeepSchedule', 'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack',
-           'capture_calls', 'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule', 'FamilySchedule',
-           'schedule_for_family', 'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'deepened',
-           'measure_block_selection', 'record_block_selection']
+__all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks',
+           'block_names', 'schedule_blocks', 'check_read_layer', 'read_hidden', 'encoder_run', 'token_fidelity',
+           'flat_fidelity', 'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'encoder_inputs',
+           'KeepSchedule', 'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls',
+           'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule', 'FamilySchedule', 'schedule_for_family',
+           'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'deepened', 'measure_block_selection',
+           'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
 def block_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
@@ -451,19 +451,11 @@ def dit_calls(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int 
     return capture_calls(pipe.transformer, lambda: render(pipe, prompt, steps=steps, size=size, seed=seed))
 
 # %% ../nbs/07_block_select.ipynb #a345980a
-READ_LAYERS = {  # where each family's pipeline reads its encoders (diffusers 0.42 encode_prompt); others: last hidden state
-    'z-image': {'text_encoder': -2},
-    'flux.2-dev': {'text_encoder': (10, 20, 30)},
-    'flux.2-klein': {'text_encoder': (9, 18, 27)},
-    'sd3': {'text_encoder': -2, 'text_encoder_2': -2},
-    'sd3.5': {'text_encoder': -2, 'text_encoder_2': -2},
-    'sdxl': {'text_encoder': -2, 'text_encoder_2': -2}}
-
 def family_read_layer(family, attr: str = 'text_encoder', n_layers: int | None = None):
     "Where `family`'s pipeline reads encoder `attr`; stacked layers beyond a shallow (tiny) encoder's `n_layers` become its last ones."
     fam = get_family(family)
     if attr not in fam.encoders: raise ValueError(f'{fam.name} has no encoder {attr!r}; its encoders are {fam.encoders}')
-    rl = READ_LAYERS.get(fam.name, {}).get(attr, READ_LAST)
+    rl = fam.read_layers.get(attr, READ_LAST)
     if isinstance(rl, tuple) and n_layers is not None and max(rl) > n_layers:
         rl = tuple(range(n_layers - len(rl) + 1, n_layers + 1))  # as pipelines._derived_kwargs does for the tiny FLUX.2
     return rl

@@ -98,7 +98,7 @@ def _run(args) -> int:
         rep = record_capability(device=args.device) if args.record else capability_report(args.device, refresh=args.refresh)
         print(format_report(rep))
     elif args.command == 'study':
-        from diffq_lab.study import default_study
+        from diffq_lab.study import default_study, cli_transformer_bench
         if args.transformer_quant is None:
             from diffq_lab.pipelines import get_family
             trained = args.model is None and get_family(args.family).name == 'z-image' and not args.random_weights
@@ -107,7 +107,6 @@ def _run(args) -> int:
                           compile=args.compile, te_quant='te' in args.parts, transformer_quant='transformer' in args.parts,
                           min_features=args.min_features)
         else:
-            from diffq_lab.transformer import cli_transformer_bench
             if args.model is not None and not Path(args.model).exists() and '/' not in args.model:
                 raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')
             args.steps = args.steps or 2

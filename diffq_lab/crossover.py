@@ -5,7 +5,7 @@
 # %% ../nbs/11_crossover.ipynb #29598be0
 from __future__ import annotations
 import contextlib, copy, functools, math, re, statistics, time, warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from itertools import product
 import numpy as np
 import pandas as pd
@@ -14,6 +14,7 @@ from torch import nn
 from .core import (append_rows, device_name, markdown_table, repo_root, resolve_device)
 from .capability import gpu_capability, hardware_gate
 from .schemes import fp8_gate_bypassed, make_config, make_filter_fn, quantize
+from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
 
 # %% auto #0
 __all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS',
@@ -21,9 +22,9 @@ __all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEAS
            'EMULATED_LABEL', 'BENCH_COLS', 'MODELS', 'PIXELS_PER_TOKEN', 'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT',
            'gpu_specs', 'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
            'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'gemm_bench',
-           'record_gemm_bench', 'measured_spec', 'compare_bench', 'ModelDims', 'get_model', 'meta_transformer',
-           'latent_grid', 'model_linear_shapes', 'layer_policy', 'analyse_layers', 'summarise_layers', 'layer_pattern',
-           'layers_table', 'cli_crossover', 'plot_crossover']
+           'record_gemm_bench', 'measured_spec', 'compare_bench', 'get_model', 'meta_transformer', 'latent_grid',
+           'model_linear_shapes', 'layer_policy', 'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table',
+           'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/11_crossover.ipynb #7b60eb10
 SPEC_COLS = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
@@ -394,50 +395,22 @@ def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
     return out
 
 # %% ../nbs/11_crossover.ipynb #83af3be7
-@dataclass(frozen=True)
-class ModelDims:
-    "A real transformer's diffusers class and config overrides, its default text tokens, and where the dims come from."
-    name: str
-    cls: str
-    overrides: dict = field(default_factory=dict, hash=False)
-    text_tokens: int = 512
-    video: bool = False
-    frames: int = 1
-    source: str = ''
-
-MODELS = {m.name: m for m in [
-    ModelDims('z-image', 'ZImageTransformer2DModel', {}, 128,
-              source='diffusers defaults = Tongyi-MAI/Z-Image-Turbo (dim 3840, 30 + 2 x 2 refiner layers, 6.15B, 276 Linears)'),
-    ModelDims('flux.1-dev', 'FluxTransformer2DModel', {'guidance_embeds': True}, 512,
-              source='diffusers defaults (19 double + 38 single blocks, 3072 wide) + guidance embedding = FLUX.1-dev, 11.9B'),
-    ModelDims('flux.2-dev', 'Flux2Transformer2DModel', {}, 512,
-              source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)'),
-    ModelDims('qwen-image', 'QwenImageTransformer2DModel', {}, 256, source='diffusers defaults = Qwen-Image (60 blocks, 3072 wide, 20B)'),
-    ModelDims('sd3.5', 'SD3Transformer2DModel',
-              dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192, qk_norm='rms_norm'), 333,
-              source='stabilityai/stable-diffusion-3.5-large transformer config (38 layers, 2432 wide, 8.1B); diffusers defaults are the 2B-class SD3'),
-    ModelDims('wan2.1', 'WanTransformer3DModel', dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), 512, True, 81,
-              source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)'),
-    ModelDims('wan2.2-t2v-a14b', 'WanTransformer3DModel', {}, 512, True, 81,
-              source='diffusers defaults = Wan 14B dims (40 layers, 5120 wide): one of the two A14B experts'),
-]}
+MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
 PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
 
-def get_model(model) -> ModelDims:
-    "The `ModelDims` of `model` (a name or an alias the pipelines registry knows, e.g. 'flux', 'wan', 'zimage')."
-    if isinstance(model, ModelDims): return model
-    from diffq_lab.pipelines import get_family
-    try: name = get_family(model).name
-    except ValueError: name = str(model)
-    if name not in MODELS: raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
-    return MODELS[name]
+def get_model(model) -> Family:
+    "The `Family` of `model` (a name or alias, e.g. 'flux', 'wan', 'zimage'), which must know its real denoiser dims."
+    try: fam = get_family(model)
+    except ValueError: fam = None
+    if fam is None or fam.denoiser_dims is None:
+        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
+    return fam
 
 def meta_transformer(model) -> nn.Module:
     "The real-dimension transformer of `model`, built on the meta device (no memory) and cast as a bf16 load would."
     import diffusers
-    from diffq_lab.pipelines import cast_as_loaded
     m = get_model(model)
-    with torch.device('meta'): tr = getattr(diffusers, m.cls)(**m.overrides)
+    with torch.device('meta'): tr = getattr(diffusers, m.denoiser)(**m.denoiser_dims)
     return cast_as_loaded(tr.eval(), torch.bfloat16)
 
 def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
@@ -454,7 +427,7 @@ def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
 # %% ../nbs/11_crossover.ipynb #b22c72d9
 def _inputs(tr, grid, text_tokens, batch):
     "Forward kwargs for transformer `tr` at token grid (f, h, w), on its device and dtype."
-    name, known = type(tr).__name__, sorted({m.cls for m in MODELS.values()})
+    name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
     if name not in known: raise ValueError(f'no input recipe for {name}; model_linear_shapes knows {", ".join(known)}')
     p = next(tr.parameters())
     dev, dt, c = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype, tr.config
@@ -497,7 +470,7 @@ def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -
     if text_tokens is not None and (isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 1):
         raise ValueError(f'text_tokens must be a positive int, got {text_tokens!r}')
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1: raise ValueError(f'batch must be an int >= 1, got {batch!r}')
-    if isinstance(transformer, (str, ModelDims)):
+    if isinstance(transformer, (str, Family)):
         m = get_model(transformer)
         text_tokens = m.text_tokens if text_tokens is None else text_tokens
         return _cached_shapes(m.name, _as_grid(tokens), text_tokens, batch).copy()
@@ -602,7 +575,7 @@ def cli_crossover(gpu='h200', model='z-image', size: int = 1024, frames=None, te
     layers = analyse_layers(model_linear_shapes(m.name, grid, text_tokens), spec, eff)
     table = layers_table(layers, group)
     head = (f"# {m.name} on {spec['name']} (roofline prediction, not a measurement)\n"
-            f"model dims: {m.source}\nGPU spec: {spec['source']}\n"
+            f"model dims: {m.dims_source}\nGPU spec: {spec['source']}\n"
             f"efficiency: {', '.join(f'{k}={v:g}' for k, v in as_eff(eff).items())} (fitted on published B200 ratios)\n")
     fmt = {c: '{:.1f}'.format for c in table if c.endswith('_us')} | {'gflop': '{:.1f}'.format, 'nvfp4_vs_fp8': '{:.2f}x'.format}
     body = table.to_string(index=False, formatters=fmt)

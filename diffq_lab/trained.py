@@ -274,7 +274,7 @@ def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'),
     from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise
     from diffq_lab.schemes import normalize_scheme
     from diffq_lab.text_encoder import quantize_text_encoders
-    from diffq_lab.transformer import load_pipeline_quantized
+    from diffq_lab.gguf import load_pipeline_quantized
     schemes = [normalize_scheme(s) for s in schemes]  # ValueError naming the valid schemes before any work
     prompts = heldout_prompts() if prompts is None else list(prompts)
     for p in prompts: parse_prompt(p)

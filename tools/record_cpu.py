@@ -10,7 +10,7 @@ import os, sys, time
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 
 def _transformer_bench():
-    from diffq_lab.transformer import record_transformer_bench
+    from diffq_lab.study import record_transformer_bench
     from diffq_lab.schemes import SCHEMES
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=SCHEMES, runs=5)
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=('int8', 'fp8wo', 'nvfp4wo', 'mxfp8'),

@@ -1,0 +1,67 @@
+"diffq_lab.memory: the real-dims plans against byte-exact counts, released encoder/VAE sizes, torchao storage, folders, bad inputs."
+import os, warnings
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+from torch import nn
+
+from diffq_lab.gguf import load_pipeline_quantized
+from diffq_lab.memory import linear_bytes, module_bytes, plan_memory, real_dims_components
+from diffq_lab.pipelines import render, tiny_pipeline
+from diffq_lab.transformer import quantize_transformer
+
+warnings.filterwarnings('ignore', message='.*Tensor objects.*')
+
+
+@pytest.mark.parametrize('family', ['z-image', 'flux.1-dev', 'qwen-image'])
+def test_real_dims_plan_matches_the_parameter_counts(family):
+    p = plan_memory(family, 'int8', 'cpu', free_bytes=2**40)
+    tr = real_dims_components(family)['transformer']  # the parameter counts and dense bytes: 09_memory
+    assert p.transformer_params == sum(t.numel() for t in tr.parameters())
+    # the int8 plan: every quantised Linear at one byte a weight plus 5 bytes of scale a row, the rest bf16
+    lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
+    picked = set(quantize_transformer(tr, 'int8', dry_run=True).quantized)
+    saved = sum(m.in_features * m.out_features - 5 * m.out_features for f, m in lin.items() if f in picked)
+    assert p.quant_bytes == p.dense_bytes - saved
+    assert p.decision == 'dense+quant'
+
+
+def test_plan_encoders_and_vae_are_the_released_sizes():
+    p = plan_memory('flux.1-dev', None, 'cpu', free_bytes=2**40)
+    assert p.encoder_bytes['text_encoder'] == 2 * 123_060_480  # CLIP-L text
+    assert abs(p.encoder_bytes['text_encoder_2'] / 2 / 4.762e9 - 1) < 0.001  # T5-XXL v1.1 encoder
+    assert abs(p.vae_bytes / 2 / 83.8e6 - 1) < 0.001 and p.decision == 'dense'
+    q = plan_memory('qwen-image', None, 'cpu', free_bytes=2**40)
+    assert abs(q.encoder_bytes['text_encoder'] / 2 / 8.29e9 - 1) < 0.001  # Qwen2.5-VL-7B with its vision tower
+
+
+def test_linear_bytes_match_torchao_storage():
+    from torchao.quantization import quantize_
+    from diffq_lab.schemes import fp8_gate_bypassed, make_config
+    for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'mxfp8'):
+        for k, n, bias in ((64, 16, True), (160, 272, False), (2048, 384, True)):
+            m = nn.Sequential(nn.Linear(k, n, bias=bias)).to(torch.bfloat16)
+            with fp8_gate_bypassed(): quantize_(m, make_config(s))
+            assert module_bytes(m) == linear_bytes(k, n, s, bias), (s, k, n)
+
+
+def test_plan_from_a_pipeline_folder_equals_the_plan_of_the_pipeline(tmp_path):
+    pipe = tiny_pipeline('flux.1-schnell')
+    pipe.save_pretrained(tmp_path/'flux')
+    a = plan_memory(pipe, 'int8', 'cpu', free_bytes=2**30, min_features=0)
+    b = plan_memory(str(tmp_path/'flux'), 'int8', 'cpu', free_bytes=2**30, min_features=0)
+    for k in ('transformer_params', 'linears', 'quantized_linears', 'dense_bytes', 'quant_bytes', 'gguf_bytes', 'encoder_bytes', 'vae_bytes'):
+        assert getattr(a, k) == getattr(b, k), k
+    # and the loader takes the folder through diffq_lab.pipelines.load_pipeline
+    out, st = load_pipeline_quantized(str(tmp_path/'flux'), transformer_quant='int8', compile=False, min_features=0)
+    assert st['path'] == 'quant' and st['linears_quantized'] == a.quantized_linears > 0
+    assert torch.isfinite(render(out, steps=1)).all()
+
+
+def test_plan_bad_inputs():
+    with pytest.raises(ValueError, match='known families'): plan_memory('not-a-family', 'int8')
+    with pytest.raises(ValueError, match='Q8_0'): plan_memory('z-image', 'int8', gguf_type='Q2_K')
+    with pytest.raises(ValueError, match='reserve'): plan_memory('z-image', 'int8', reserve=1.5)
+    with pytest.raises(ValueError, match='no real-dims'): plan_memory('sana', 'int8')
+    with pytest.raises(ValueError, match='choose one of'): plan_memory('z-image', 'int4')
+    with pytest.raises(ValueError, match="'auto'"): linear_bytes(64, 64, 'auto')
