@@ -10,11 +10,11 @@ import numpy as np
 import torch
 from torch import nn
 from .core import as_dtype, resolve_device, device_name
-from .schemes import normalize_scheme, quantized_linears, PartialQuantizationError
-from .capability import SchemeUnavailableError
+from .schemes import normalize_scheme, quantized_linears
+from .capability import BACKENDS, SchemeUnavailableError, select_scheme
+from .plan import QuantPlan, apply_plan
 from .pipelines import get_family, family_of, render, load_pipeline
-from .text_encoder import resolve_backend
-from .transformer import denoisers, quantize_transformer, is_gguf_linear, compile_transformer, _concrete
+from .transformer import denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
 from .memory import GGUF_TYPES, _gguf_quantizable, module_bytes, plan_memory
 
 log = logging.getLogger(__name__)
@@ -78,25 +78,6 @@ def load_gguf_transformer(path, like: nn.Module, dtype=torch.bfloat16, device=No
     return model.to(resolve_device(device)) if device is not None else model
 
 # %% ../nbs/10_gguf.ipynb #0d4fee9b
-def _snapshot(module: nn.Module, planned) -> dict:
-    "CPU copies (references when already on the CPU) of the weights of every plain Linear of `module`, to restore them dense."
-    odd = [f for f in planned if type(module.get_submodule(f)) is not nn.Linear]
-    if odd: raise ValueError(f'{odd[:3]} are Linear subclasses: no dense copy of them can be rebuilt')
-    keep = lambda t: None if t is None else (t.detach() if t.device.type == 'cpu' else t.detach().to('cpu', copy=True))
-    # every Linear, not only the planned ones: a pass that dies half-way may have touched any of them
-    return {f: (keep(m.weight), keep(m.bias), m.weight.requires_grad) for f, m in module.named_modules() if type(m) is nn.Linear}
-
-def _restore(module: nn.Module, snapshot: dict, device) -> None:
-    "Put fresh dense `nn.Linear`s built from `snapshot` back in place (dropping torchao tensors, emulated modules and hooks)."
-    for f, (w, b, grad) in snapshot.items():
-        parent, _, name = f.rpartition('.')
-        lin = nn.Linear(w.shape[1], w.shape[0], bias=b is not None, device='meta')
-        lin.weight = nn.Parameter(w.to(device), requires_grad=grad)
-        if b is not None: lin.bias = nn.Parameter(b.to(device), requires_grad=grad)
-        setattr(module.get_submodule(parent) if parent else module, name, lin)
-    left = quantized_linears(module)
-    if left: raise PartialQuantizationError('restore', 'dense', left, None, RuntimeError('Linears still quantised after restoring'))
-
 class _ForwardFailed(RuntimeError):
     "The validation render of a quantised transformer failed (the kernel, not the quantisation pass)."
 
@@ -120,31 +101,27 @@ def _gguf_paths(gguf, dens: dict) -> dict:
 def _validate(pipe, status, device):
     "Render one step at 32 px: a quantised kernel that fails in the real forward fails here, not in the user's render."
     if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
-    x = render(pipe, steps=1, size=32)  # as the user calls it: under the pipeline's no_grad, not inference_mode
-    if not torch.isfinite(x).all(): raise FloatingPointError('the validation render is not finite')
+    try:
+        x = render(pipe, steps=1, size=32)  # as the user calls it: under the pipeline's no_grad, not inference_mode
+        if not torch.isfinite(x).all(): raise FloatingPointError('the validation render is not finite')
+    except Exception as e: raise _ForwardFailed(_describe(e)) from e
     if device.type == 'cuda': status['mem_gen_peak_bytes'] = torch.cuda.max_memory_allocated(device)
 
-def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate, offload=False):
-    "Quantise every denoiser with `s` on `backend`, then validate; on failure restore dense and re-raise."
-    snaps, reports = {}, {}
+def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate, offload=False) -> QuantPlan:
+    "Plan `s` for every denoiser, move them to `device`, apply all or nothing with a validation render inside the window."
+    plan = QuantPlan({a: plan_transformer(tr, s, min_features=min_features, backend=backend, device=device) for a, tr in dens.items()})
+    if not any(p.quantized for p in plan.components.values()):
+        raise ValueError(f'no Linear qualifies for {s} (min_features={min_features})')
     offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under model offload
-    try:
-        for a, tr in dens.items():
-            snaps[a] = _snapshot(tr, quantize_transformer(tr, s, min_features=min_features, dry_run=True, device=device).quantized)
-            tr.to(device)
-            reports[a] = quantize_transformer(tr, s, min_features=min_features, backend=backend, device=device)
-        if not any(r.quantized for r in reports.values()): raise ValueError(f'no Linear qualifies for {s} (min_features={min_features})')
-        if offload: pipe.enable_model_cpu_offload(device=device)
-        else: pipe.to(device)
-        if validate:
-            try: _validate(pipe, status, device)
-            except Exception as e: raise _ForwardFailed(_describe(e)) from e
-        if offload: pipe.remove_all_hooks()  # compile comes before placement: the hooks go back on after it
-        return reports
-    except BaseException:
-        if offload: pipe.remove_all_hooks()
-        for a, snap in snaps.items(): _restore(dens[a], snap, device)  # raises PartialQuantizationError('restore') if it cannot
-        raise
+    for tr in dens.values(): tr.to(device)
+    def check():
+        try:
+            if offload: pipe.enable_model_cpu_offload(device=device)
+            else: pipe.to(device)
+            if validate: _validate(pipe, status, device)
+        finally:
+            if offload: pipe.remove_all_hooks()  # compile comes before placement: the hooks go back on after it
+    return apply_plan(pipe, plan, check=check)
 
 def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, gguf=None, compile: bool = True, device=None,
                             dtype=torch.bfloat16, *, min_features: int = 512, backend: str = 'auto', free_bytes: int | None = None,
@@ -153,7 +130,7 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
     t0 = time.perf_counter()
     device, dtype = resolve_device(device), as_dtype(dtype)
     requested = normalize_scheme(transformer_quant)  # an unknown name fails before anything loads
-    if backend not in ('auto', 'torchao', 'emulate'): raise ValueError(f"unknown backend {backend!r}; choose 'auto', 'torchao' or 'emulate'")
+    if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
     built = hasattr(model_or_pipe, 'components')
     if built: pipe = model_or_pipe
     else:  # the dense load goes to the CPU first: the transformer reaches the device alone, and is quantised there
@@ -163,49 +140,50 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
     ggufs = _gguf_paths(gguf, dens)
     status = dict(family=fam, requested=transformer_quant, scheme=None, path='dense', backend=None, fallback_reason='',
                   linears_quantized=0, linears_total=sum(isinstance(m, nn.Linear) for d in dens.values() for m in d.modules()),
-                  backend_note='', quant_summary='', gguf=', '.join(map(str, ggufs.values())), plan='', compile='', placement='',
-                  device=str(device),
-                  device_name=device_name(device), dtype=str(dtype).removeprefix('torch.'))
+                  backend_note='', quant_summary='', quant_plan=None, gguf=', '.join(map(str, ggufs.values())), memory='',
+                  compile='', placement='', device=str(device), device_name=device_name(device),
+                  dtype=str(dtype).removeprefix('torch.'))
     def fall_back(reason):
         status['fallback_reason'] = reason
         log.warning('%s transformer: %s; falling back to %s', fam, reason, 'GGUF' if ggufs else 'dense')
     s = None
     if requested is not None:
-        try: s = _concrete(requested, device)
-        except SchemeUnavailableError as e: fall_back(_describe(e))
+        try:
+            s = concrete_scheme(requested, device)
+            # a GPU runs the real kernel or refuses; only a CPU studies the emulated numerics
+            if s is not None and device.type == 'cuda' and backend == 'auto': select_scheme(s, device)
+        except SchemeUnavailableError as e: fall_back(_describe(e)); s = None
         if s is None and not status['fallback_reason']: fall_back(f'auto: no quantised scheme runs on {device_name(device)}')
-    plan_ = None
+    mem = None
     if s is not None:
-        plan_ = plan_memory(pipe, s, device, free_bytes=free_bytes, min_features=min_features, gguf=bool(ggufs), reserve=reserve)
-        status['plan'] = plan_.summary()
-        if plan_.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {plan_.reason}'); s = None
-    if s is not None:
-        try: be, note = resolve_backend(s, backend, device)
-        except (SchemeUnavailableError, ValueError) as e: fall_back(_describe(e)); s = None
+        mem = plan_memory(pipe, s, device, free_bytes=free_bytes, min_features=min_features, gguf=bool(ggufs), reserve=reserve)
+        status['memory'] = mem.summary()
+        if mem.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {mem.reason}'); s = None
     if s is not None:
         # on a CPU a torchao kernel that fails in the real forward is swapped for the emulation: the CPU studies numerics
-        tries = [be] + (['emulate'] if be == 'torchao' and backend == 'auto' and device.type == 'cpu' else [])
+        tries = [backend] + (['emulate'] if backend == 'auto' and device.type == 'cpu' else [])
+        note = ''
         for i, be in enumerate(tries):
-            try: reports = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, plan_.decision == 'offload')
+            try: applied = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, mem.decision == 'offload')
             except Exception as e:  # noqa: BLE001 -- every failure falls back; the dense Linears are back in place
-                if isinstance(e, PartialQuantizationError) and e.scheme == 'restore' and not ggufs: raise  # never return it
                 if device.type == 'cuda' and 'out of memory' in str(e).lower(): torch.cuda.empty_cache()
                 if isinstance(e, _ForwardFailed) and i + 1 < len(tries):
-                    note = f'torchao {s} failed in the forward ({_describe(e, 160)}); emulated on the CPU'
+                    note = f'{s} failed in the forward ({_describe(e, 160)}); emulated on the CPU'
                     log.warning('%s transformer: %s', fam, note)
                     continue
                 fall_back(f'{s} ({be}): {_describe(e)}'); s = None
                 break
-            status.update(scheme=s, path='quant', backend='+'.join(sorted({r.backend for r in reports.values() if r.backend})) or be,
-                          backend_note=note,
-                          linears_quantized=sum(r.n_quantized for r in reports.values()),
-                          quant_summary=' | '.join(f'{a}: {r.summary()}' for a, r in reports.items()))
+            parts = applied.components.values()
+            status.update(scheme=s, path='quant', backend='+'.join(sorted({p.backend for p in parts if p.backend})) or None,
+                          backend_note='; '.join(n for n in (note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n),
+                          linears_quantized=sum(p.n_quantized for p in parts), quant_plan=applied,
+                          quant_summary=' | '.join(f'{a}: {p.summary()}' for a, p in applied.components.items()))
             break
     if status['path'] == 'dense' and ggufs:
         for a, p in ggufs.items():
             setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))
         status.update(path='gguf', linears_quantized=sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules()))
-    offloaded = plan_ is not None and plan_.decision == 'offload' and status['path'] == 'quant' and device.type == 'cuda'
+    offloaded = mem is not None and mem.decision == 'offload' and status['path'] == 'quant' and device.type == 'cuda'
     if not offloaded: pipe.to(device)
     if compile:
         try:
@@ -213,7 +191,7 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
             status['compile'] = ' | '.join(f'{a}: {r.summary()}' for a, r in reps.items())
         except Exception as e:  # noqa: BLE001 -- an uncompiled transformer still renders the same images
             status['compile'] = f'failed: {_describe(e)}'; log.warning('%s: compile failed: %s', fam, status['compile'])
-    if plan_ is not None and plan_.decision == 'offload' and status['path'] == 'quant':
+    if mem is not None and mem.decision == 'offload' and status['path'] == 'quant':
         if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); status['placement'] = 'model CPU offload'
         else: status['placement'] = 'offload planned; not applied on a CPU'
     status.update(mem_load_bytes=sum(module_bytes(m) for m in denoisers(pipe).values()), device_mem_bytes=_device_bytes(device),

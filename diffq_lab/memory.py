@@ -11,9 +11,9 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import as_dtype, resolve_device
-from .schemes import normalize_scheme
+from .schemes import get_scheme, normalize_scheme
 from .pipelines import get_family, family_of, load_tokenizer, cast_as_loaded, FAMILIES
-from .transformer import DENOISER_ATTRS, quantize_transformer, _concrete
+from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'linear_bytes', 'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline',
@@ -21,8 +21,6 @@ __all__ = ['GGUF_TYPES', 'linear_bytes', 'tensor_bytes', 'module_bytes', 'real_d
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
-
-def _pad(n: int, m: int) -> int: return -(-n // m) * m
 
 def linear_bytes(in_features: int, out_features: int, scheme=None, bias: bool = True, dtype_bytes: int = 2) -> int:
     "Resident bytes of one Linear (weight + bias) quantised with `scheme` (a lab scheme, a GGUF type, or None: dense)."
@@ -32,15 +30,11 @@ def linear_bytes(in_features: int, out_features: int, scheme=None, bias: bool = 
         block, size = GGUF_TYPES[scheme]
         if k % block: return n * k * dtype_bytes + b  # GGUF keeps a row that blocks do not tile unquantised
         return n * k // block * size + b
-    s = normalize_scheme(scheme)
-    if s == 'auto': raise ValueError("linear_bytes needs a concrete scheme; resolve 'auto' first")
+    if normalize_scheme(scheme) == 'auto': raise ValueError("linear_bytes needs a concrete scheme; resolve 'auto' first")
+    s = get_scheme(scheme)
     if s is None: return n * k * dtype_bytes + b
-    if s in ('int8', 'int8wo'): return n * k + n * 5 + b                # codes, fp32 scale, int8 zero point
-    if s in ('fp8', 'fp8wo'): return n * k + n * 4 + b                  # codes, fp32 row scale
-    if s == 'fp8_layerwise': return n * k + b // dtype_bytes            # weight and bias stored in fp8
-    if s in ('nvfp4', 'nvfp4wo'): return n * k // 2 + _pad(n, 128) * _pad(k // 16, 4) + 4 + b  # + per-tensor fp32 scale
-    if s == 'mxfp8': return n * k + _pad(n, 128) * _pad(k // 32, 4) + b
-    raise AssertionError(f'no byte count for {s}')  # unreachable: SCHEMES and this function must agree
+    bias_bytes = b if s.bias_bytes is None else (n * s.bias_bytes if bias else 0)  # layerwise casting stores the bias in fp8 too
+    return int(s.weight_bytes(k, n)) + bias_bytes  # the registry record knows its storage
 
 def _gguf_quantizable(transformer: nn.Module) -> set[str]:
     "Names of the Linear weights a GGUF file quantises: K a multiple of 32, outside the model's `_keep_in_fp32_modules`."
@@ -217,10 +211,10 @@ def plan_memory(target, scheme=None, device=None, *, free_bytes: int | None = No
     fam, comps = _components(target, dtype)
     dens = {a: m for a, m in comps.items() if a in DENOISER_ATTRS}
     if not dens: raise ValueError(f'no denoiser among the components {list(comps)}')
-    s = _concrete(scheme, device)
+    s = concrete_scheme(scheme, device)
     dense = quant = gg = params = nlin = nq = 0
     for tr in dens.values():
-        rep = quantize_transformer(tr, s, min_features=min_features, dry_run=True, device=device) if s else None
+        rep = plan_transformer(tr, s, min_features=min_features, device=device) if s else None
         picked = set(rep.quantized) if rep else set()
         lin_params, gq = set(), _gguf_quantizable(tr)
         for f, m in tr.named_modules():

@@ -10,16 +10,17 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import resolve_device, device_name
-from .schemes import SCHEMES, normalize_scheme, make_filter_fn, plan, quantize, QuantReport
+from .schemes import get_scheme, make_filter_fn, normalize_scheme, scheme_choices
 from .capability import select_scheme
+from .plan import ComponentPlan, apply_plan, plan_linears
 from .pipelines import FAMILIES, get_family, render
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'DENOISER_ATTRS', 'GENERIC_TINY_M', 'ACTIVATION_SCHEMES', 'denoisers', 'tiny_m_tokens', 'linear_rows',
-           'transformer_filter', 'is_gguf_linear', 'quantize_transformer', 'dynamo_counters', 'compile_stats',
-           'CompileReport', 'compile_regions', 'compile_transformer']
+__all__ = ['log', 'DENOISER_ATTRS', 'GENERIC_TINY_M', 'denoisers', 'tiny_m_tokens', 'linear_rows', 'concrete_scheme',
+           'transformer_filter', 'is_gguf_linear', 'plan_transformer', 'quantize_transformer', 'dynamo_counters',
+           'compile_stats', 'CompileReport', 'compile_regions', 'compile_transformer']
 
 # %% ../nbs/08_transformer.ipynb #3e5cc187
 DENOISER_ATTRS = ('transformer', 'transformer_2', 'unet')
@@ -34,7 +35,6 @@ def denoisers(pipe) -> dict[str, nn.Module]:
 # %% ../nbs/08_transformer.ipynb #58a24f5b
 GENERIC_TINY_M = (('time_embed', 'timestep_embedder', 'guidance_embedder', 't_embedder', 'time_text_embed'),
                   ('adaLN', 'modulation', 'norm_out.linear'))  # for a class no family names: said in the log
-ACTIVATION_SCHEMES = ('int8', 'fp8', 'nvfp4', 'mxfp8')  # the schemes that quantise activations too
 
 def tiny_m_tokens(transformer) -> tuple[tuple[str, ...], tuple[str, ...]]:
     "(embedder tokens, modulation tokens) of the Linears of `transformer` (a module or its class name) that run at M = batch, from the family registry."
@@ -61,20 +61,21 @@ def linear_rows(pipe, attr: str | None = None, **render_kwargs) -> pd.Series:
     return pd.Series(seen, name='rows', dtype='int64')
 
 # %% ../nbs/08_transformer.ipynb #1e16f442
-def _concrete(scheme, device) -> str | None:
-    "`scheme` normalised, with 'auto' resolved on `device` (None: dense)."
+def concrete_scheme(scheme, device) -> str | None:
+    "`scheme` as a registered name, with 'auto' resolved on `device` (None: dense)."
     s = normalize_scheme(scheme)
     return select_scheme('auto', device) if s == 'auto' else s
 
 def transformer_filter(transformer, scheme, min_features: int = 512):
     "A `filter_fn(module, fqn)` for `scheme` on denoiser `transformer`; its `.skip_reason` says why a Linear stays dense."
-    s = normalize_scheme(scheme)
-    if s in (None, 'auto'): raise ValueError(f'transformer_filter needs a concrete scheme, one of {SCHEMES}; got {scheme!r}')
+    if normalize_scheme(scheme) in (None, 'auto'):
+        raise ValueError(f'transformer_filter needs a concrete scheme; got {scheme!r}; {scheme_choices()}')
+    s = get_scheme(scheme)
     embed, modulation = tiny_m_tokens(transformer)
     base = make_filter_fn(min_features=min_features)
     def reason(module, fqn=''):
         if any(t in fqn for t in embed): return 'embedder (M = batch)'
-        if s in ACTIVATION_SCHEMES and any(t in fqn for t in modulation): return f'modulation (M = batch; {s} quantises activations)'
+        if not s.weight_only and any(t in fqn for t in modulation): return f'modulation (M = batch; {s} quantises activations)'
         return base.skip_reason(module, fqn)
     def filter_fn(module, fqn=''): return reason(module, fqn) is None
     filter_fn.skip_reason = reason
@@ -87,31 +88,33 @@ def is_gguf_linear(module) -> bool:
     "Whether `module` is a Linear whose weight diffusers loaded from a GGUF file (a `GGUFParameter`)."
     return isinstance(module, nn.Linear) and type(module.weight).__name__ == 'GGUFParameter'
 
-def quantize_transformer(transformer: nn.Module, scheme, *, min_features: int = 512, family=None, backend: str = 'auto',
-                         device=None, dry_run: bool = False) -> QuantReport:
-    "Quantise the FLOP-heavy Linears of denoiser `transformer` in place with `scheme` ('auto': the device ladder); report every skip."
-    if not isinstance(transformer, nn.Module): raise ValueError(f'quantize_transformer needs an nn.Module, got {type(transformer).__name__}')
+def _check_denoiser(transformer, family):
+    if not isinstance(transformer, nn.Module): raise ValueError(f'a denoiser must be an nn.Module, got {type(transformer).__name__}')
     if family is not None: get_family(family)  # an unknown family is an error, not a silent no-op
     if _compiled(transformer): raise ValueError('the transformer is already compiled: quantise first, then compile_transformer')
     if any(is_gguf_linear(m) for m in transformer.modules()):
         raise ValueError('this transformer was loaded from GGUF: its Linears are GGUF-quantised already; load the dense one')
+
+def plan_transformer(transformer: nn.Module, scheme, *, min_features: int = 512, family=None, backend: str = 'auto',
+                     device=None) -> ComponentPlan:
+    "The plan of `scheme` ('auto': the device ladder) for the FLOP-heavy Linears of denoiser `transformer`; nothing changes."
+    _check_denoiser(transformer, family)
     meta = any(p.device.type == 'meta' for p in transformer.parameters())
-    if meta and not dry_run: raise ValueError('the transformer is on the meta device (no weights): use dry_run=True to plan')
-    dev = resolve_device(device) if device is not None else (
-        resolve_device(None) if meta else next(transformer.parameters()).device)
-    s = _concrete(scheme, dev)
-    shapes = {f: (m.in_features, m.out_features) for f, m in transformer.named_modules() if isinstance(m, nn.Linear)}
-    if s is None:
-        why = 'dense requested' if normalize_scheme(scheme) is None else f'auto: no quantised scheme runs on {device_name(dev)}'
-        return QuantReport(None, None, [], {f: why for f in shapes}, shapes, why)
-    filt = transformer_filter(transformer, s, min_features)
-    if dry_run:
-        planned = plan(transformer, s, filt)
-        return QuantReport(s, 'plan', [f for f, r in planned.items() if r is None], {f: r for f, r in planned.items() if r},
-                           shapes, 'dry run: nothing converted')
+    dev = resolve_device(device) if device is not None else (resolve_device(None) if meta else next(transformer.parameters()).device)
+    s = concrete_scheme(scheme, dev)
+    filt = transformer_filter(transformer, s, min_features) if s else None
     with warnings.catch_warnings():
-        warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')  # the report says so
-        return quantize(transformer, s, filter_fn=filt, backend=backend, device=dev)
+        warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')  # the plan says so
+        p = plan_linears(transformer, s, filt, backend, dev)
+    p.requested = normalize_scheme(scheme)
+    if normalize_scheme(scheme) == 'auto': p.note = f'auto -> {s or "dense"} on {device_name(dev)}'
+    return p
+
+def quantize_transformer(transformer: nn.Module, scheme, *, min_features: int = 512, family=None, backend: str = 'auto',
+                         device=None) -> ComponentPlan:
+    "Quantise the FLOP-heavy Linears of denoiser `transformer` in place with `scheme`, all or nothing; the applied plan."
+    p = plan_transformer(transformer, scheme, min_features=min_features, family=family, backend=backend, device=device)
+    return apply_plan(transformer, p).components[''] if p.quantized else p
 
 # %% ../nbs/08_transformer.ipynb #56767e92
 def dynamo_counters() -> dict[str, int]:
