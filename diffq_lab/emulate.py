@@ -390,21 +390,6 @@ register_emulation('fp8_layerwise', activation='bf16', weight='fp8 e4m3 storage,
                    reference=_layerwise_reference, cast_bias=fp8_cast)(_fwd_linear)
 
 # %% ../nbs/02_emulate.ipynb #e3a00006
-def _mx_emulated_kernel(scheme, device):
-    "torchao's own MX path with `KernelPreference.EMULATED`: runs wherever torch does."
-    def config():
-        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
-        return dataclasses.replace(scheme.make_config(), kernel_preference=KernelPreference.EMULATED)
-    return 'torchao quantize_ (KernelPreference.EMULATED)', _torchao_quantized(config)
-
-@register_emulation('mxfp8', activation='MXFP8: e4m3, blocks of 32, e8m0 scale (torchao_mx_scaling(): RCEIL)',
-                    weight='MXFP8 (same)', mirrors='MXDynamicActivationMXWeightConfig: to_mx + _addmm_mx_dispatch',
-                    quantize_weight=lambda w, rowwise: (mxfp8(w, scaling=torchao_mx_scaling()), None),
-                    reference=real_or(_mx_emulated_kernel))
-def _fwd_mxfp8(m, x):
-    # _addmm_mx_dispatch: activation MXTensor.to_mx(x, e4m3, 32, scaling_mode), then the MX GEMM
-    return F.linear(mxfp8(x, scaling=torchao_mx_scaling()), _w(m, x), _b(m, x))
-
 def _nvfp4_torchao_dequant(t: torch.Tensor) -> torch.Tensor:
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
     scale = per_tensor_amax_to_scale(torch.max(torch.abs(t)))
@@ -431,6 +416,21 @@ def _fwd_nvfp4(m, x):
 register_emulation('nvfp4wo', activation='bf16', weight='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                    mirrors='NVFP4WeightOnlyConfig: NVFP4Tensor.dequantize + linear',
                    quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_2d))(_fwd_linear)
+
+def _mx_emulated_kernel(scheme, device):
+    "torchao's own MX path with `KernelPreference.EMULATED`: runs wherever torch does."
+    def config():
+        from torchao.quantization.quantize_.common.kernel_preference import KernelPreference
+        return dataclasses.replace(scheme.make_config(), kernel_preference=KernelPreference.EMULATED)
+    return 'torchao quantize_ (KernelPreference.EMULATED)', _torchao_quantized(config)
+
+@register_emulation('mxfp8', activation='MXFP8: e4m3, blocks of 32, e8m0 scale (torchao_mx_scaling(): RCEIL)',
+                    weight='MXFP8 (same)', mirrors='MXDynamicActivationMXWeightConfig: to_mx + _addmm_mx_dispatch',
+                    quantize_weight=lambda w, rowwise: (mxfp8(w, scaling=torchao_mx_scaling()), None),
+                    reference=real_or(_mx_emulated_kernel))
+def _fwd_mxfp8(m, x):
+    # _addmm_mx_dispatch: activation MXTensor.to_mx(x, e4m3, 32, scaling_mode), then the MX GEMM
+    return F.linear(mxfp8(x, scaling=torchao_mx_scaling()), _w(m, x), _b(m, x))
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

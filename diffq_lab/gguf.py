@@ -12,8 +12,9 @@ from torch import nn
 from .core import as_dtype, resolve_device, device_name
 from .schemes import normalize_scheme, quantized_linears
 from .capability import BACKENDS, SchemeUnavailableError, select_scheme
-from .plan import QuantPlan, apply_plan
+from .plan import QuantPlan, apply_plan, dense_plan
 from .pipelines import get_family, family_of, render, load_pipeline
+from .text_encoder import plan_text_encoders
 from .transformer import denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
 from .memory import GGUF_TYPES, _gguf_quantizable, module_bytes, plan_memory
 
@@ -107,11 +108,12 @@ def _validate(pipe, status, device):
     except Exception as e: raise _ForwardFailed(_describe(e)) from e
     if device.type == 'cuda': status['mem_gen_peak_bytes'] = torch.cuda.max_memory_allocated(device)
 
-def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate, offload=False) -> QuantPlan:
-    "Plan `s` for every denoiser, move them to `device`, apply all or nothing with a validation render inside the window."
+def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate, offload=False, encoders=None) -> QuantPlan:
+    "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validation render inside."
     plan = QuantPlan({a: plan_transformer(tr, s, min_features=min_features, backend=backend, device=device) for a, tr in dens.items()})
     if not any(p.quantized for p in plan.components.values()):
         raise ValueError(f'no Linear qualifies for {s} (min_features={min_features})')
+    plan = QuantPlan({**(encoders.components if encoders else {}), **plan.components})
     offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under model offload
     for tr in dens.values(): tr.to(device)
     def check():
@@ -124,12 +126,14 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
     return apply_plan(pipe, plan, check=check)
 
 def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, gguf=None, compile: bool = True, device=None,
-                            dtype=torch.bfloat16, *, min_features: int = 512, backend: str = 'auto', free_bytes: int | None = None,
-                            reserve: float = 0.1, validate: bool = True, compile_kwargs: dict | None = None, **load_kwargs):
-    "Load (or take) a pipeline, quantise its transformer with `transformer_quant` and compile it; fall back to GGUF or dense with a reason. Returns (pipe, status)."
+                            dtype=torch.bfloat16, *, te_quant=None, min_features: int = 512, backend: str = 'auto',
+                            free_bytes: int | None = None, reserve: float = 0.1, validate: bool = True,
+                            compile_kwargs: dict | None = None, **load_kwargs):
+    "Load (or take) a pipeline, quantise its text encoders (`te_quant`) and transformer (`transformer_quant`), compile; fall back to GGUF or dense with a reason. Returns (pipe, status)."
     t0 = time.perf_counter()
     device, dtype = resolve_device(device), as_dtype(dtype)
     requested = normalize_scheme(transformer_quant)  # an unknown name fails before anything loads
+    normalize_scheme(te_quant)
     if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
     built = hasattr(model_or_pipe, 'components')
     if built: pipe = model_or_pipe
@@ -138,6 +142,8 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
     fam = get_family(family).name if family is not None else family_of(pipe)
     dens = denoisers(pipe)
     ggufs = _gguf_paths(gguf, dens)
+    # the encoders' plan comes first: a scheme their family denies is refused before anything changes
+    encoders = plan_text_encoders(pipe, te_quant, family=fam, backend=backend, device=device) if te_quant is not None else None
     status = dict(family=fam, requested=transformer_quant, scheme=None, path='dense', backend=None, fallback_reason='',
                   linears_quantized=0, linears_total=sum(isinstance(m, nn.Linear) for d in dens.values() for m in d.modules()),
                   backend_note='', quant_summary='', quant_plan=None, gguf=', '.join(map(str, ggufs.values())), memory='',
@@ -164,7 +170,7 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
         tries = [backend] + (['emulate'] if backend == 'auto' and device.type == 'cpu' else [])
         note = ''
         for i, be in enumerate(tries):
-            try: applied = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, mem.decision == 'offload')
+            try: applied = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, mem.decision == 'offload', encoders)
             except Exception as e:  # noqa: BLE001 -- every failure falls back; the dense Linears are back in place
                 if device.type == 'cuda' and 'out of memory' in str(e).lower(): torch.cuda.empty_cache()
                 if isinstance(e, _ForwardFailed) and i + 1 < len(tries):
@@ -173,12 +179,16 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
                     continue
                 fall_back(f'{s} ({be}): {_describe(e)}'); s = None
                 break
-            parts = applied.components.values()
+            parts = [applied.components[a] for a in dens]
             status.update(scheme=s, path='quant', backend='+'.join(sorted({p.backend for p in parts if p.backend})) or None,
                           backend_note='; '.join(n for n in (note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n),
                           linears_quantized=sum(p.n_quantized for p in parts), quant_plan=applied,
-                          quant_summary=' | '.join(f'{a}: {p.summary()}' for a, p in applied.components.items()))
+                          quant_summary=' | '.join(f'{a}: {applied.components[a].summary()}' for a in dens))
             break
+    if status['quant_plan'] is None:  # the transformer stays dense (or loads GGUF): the encoders alone, all or nothing
+        why = (f"GGUF {status['gguf']}" if ggufs else '') or status['fallback_reason'] or 'dense requested'
+        applied = apply_plan(pipe, encoders) if encoders else QuantPlan()
+        status['quant_plan'] = QuantPlan({**applied.components, **{a: dense_plan(m, why) for a, m in dens.items()}})
     if status['path'] == 'dense' and ggufs:
         for a, p in ggufs.items():
             setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))

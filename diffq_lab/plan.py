@@ -20,8 +20,8 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['LinearPlan', 'ComponentPlan', 'QuantPlan', 'plan_linears', 'QuantizationError', 'apply_plan', 'quantize',
-           'run_schemes']
+__all__ = ['LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError', 'apply_plan',
+           'quantize', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -131,6 +131,10 @@ def _linear_shapes(module) -> dict[str, tuple[int, int]]:
     return {f: (m.in_features, m.out_features) for f, m in module.named_modules()
             if isinstance(m, nn.Linear) or is_quantized_linear(m)}
 
+def dense_plan(module: nn.Module, why: str, requested=None) -> ComponentPlan:
+    "Every Linear of `module` left dense, for the reason `why` (a fallback, a family rule)."
+    return ComponentPlan({f: LinearPlan(None, None, why, sh) for f, sh in _linear_shapes(module).items()}, requested)
+
 def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', device=None) -> ComponentPlan:
     "Plan `scheme` (a name, record, 'auto', None, or {fqn: scheme}) for the Linears of `module`; nothing is changed."
     if not isinstance(module, nn.Module): raise ValueError(f'plan_linears needs an nn.Module, got {type(module).__name__}')
@@ -164,11 +168,11 @@ def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto
 # %% ../nbs/04_plan.ipynb #c6a7e2aa
 class QuantizationError(RuntimeError):
     "Applying a plan failed; every component was restored to its state before the call."
-    def __init__(self, component, fqn, scheme, backend, cause):
+    def __init__(self, component, fqn, scheme, backend, cause, converted=0, planned=0):
         self.component, self.fqn, self.scheme, self.backend = component, fqn, scheme, backend
-        where = f"{component + ': ' if component else ''}{fqn or 'a Linear'}"
-        super().__init__(f'{scheme} ({backend}) failed at {where}; the model was restored to its state before '
-                         f'quantisation. Cause: {type(cause).__name__}: {cause}')
+        where = f"{component + ': ' if component else ''}{fqn!r}"
+        super().__init__(f'{scheme} ({backend}) failed after converting {converted} of {planned} Linear(s), at or just after '
+                         f'{where}; the model was restored to its state before quantisation. Cause: {type(cause).__name__}: {cause}')
 
 def _components(target, plan: QuantPlan) -> dict[str, nn.Module]:
     "The module each component of `plan` names in `target` (a module for component '', else pipeline attributes)."
@@ -190,6 +194,8 @@ def _check_applicable(mods: dict, plan: QuantPlan):
                 raise ValueError(f'{c or "module"}: {f!r} is {(m.in_features, m.out_features)}, the plan says {p.linears[f].shape}')
             if m.weight.device.type == 'meta':
                 raise ValueError(f'{c or "module"}: {f!r} is on the meta device (no weights): load the weights before quantising')
+            if f == '' and p.linears[f].backend == 'emulate':
+                raise ValueError("emulation swaps a Linear in its parent: pass the Linear's parent, e.g. nn.Sequential(linear)")
 
 # %% ../nbs/04_plan.ipynb #6fa0d81d
 def _snapshot(module: nn.Module, fqns) -> list:
@@ -199,7 +205,8 @@ def _snapshot(module: nn.Module, fqns) -> list:
         parent, _, attr = f.rpartition('.')
         m = named[f]
         tensors = {n: (t, t.data) for n, t in [*m._parameters.items(), *m._buffers.items()] if t is not None}
-        snap.append((named[parent], attr, m, dict(m._parameters), dict(m._buffers), tensors, set(vars(m))))
+        slot = None if f == '' else named[parent]  # a bare Linear is its own root: nothing holds it
+        snap.append((slot, attr, m, dict(m._parameters), dict(m._buffers), tensors, set(vars(m))))
     return snap
 
 def _restore(snap: list):
@@ -209,7 +216,7 @@ def _restore(snap: list):
         m._parameters.clear(); m._parameters.update(params)
         m._buffers.clear(); m._buffers.update(buffers)
         for t, data in tensors.values(): t.data = data  # layerwise casting changed .data in place
-        setattr(parent, attr, m)
+        if parent is not None: setattr(parent, attr, m)
 
 # %% ../nbs/04_plan.ipynb #e9e9ad2f
 def _convert(module: nn.Module, p: ComponentPlan, component: str):
@@ -221,8 +228,9 @@ def _convert(module: nn.Module, p: ComponentPlan, component: str):
             if b == 'emulate': emulate_linears(module, s, fqns)
             else: apply_kernel(module, s, fqns)
         except Exception as e:
-            done = set(quantized_linears(module))
-            raise QuantizationError(component, next((f for f in fqns if f not in done), None), s, b, e) from e
+            done = [f for f in fqns if f in set(quantized_linears(module))]
+            at = next((f for f in fqns if f not in done), fqns[-1])  # the library does not say which Linear died
+            raise QuantizationError(component, at, s, b, e, len(done), len(fqns)) from e
 
 def _as_applied(module: nn.Module, p: ComponentPlan) -> ComponentPlan:
     "The plan as it ran: a planned Linear that the library left dense is recorded dense, with the reason."

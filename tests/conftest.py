@@ -13,3 +13,61 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------- fault injection at the library level
+class FaultRecord:
+    "What an armed fault saw: conversions counted so far, the module it fired on, the state captured when it fired."
+    def __init__(self, k):
+        self.k, self.calls, self.fired_on, self.at_fault = k, 0, None, None
+    @property
+    def fired(self) -> bool: return self.fired_on is not None
+
+
+@pytest.fixture
+def fail_at_kth_linear(monkeypatch):
+    """Arm a fault: the `k`-th Linear conversion that `backend`'s real library makes raises `exc`.
+
+    `arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None) -> FaultRecord`
+    - backend 'torchao': wraps torchao's handler of the scheme's config type in `_QUANTIZE_CONFIG_HANDLER`
+      (what `quantize_` calls once per selected Linear); 'emulate': wraps `EmulatedLinear.from_linear`;
+      'diffusers' (fp8_layerwise): wraps `diffusers.hooks.apply_layerwise_casting_hook`.
+    - `within`: modules whose Linears count (others, e.g. a smoke probe's, pass through uncounted); None: all.
+    - `when='after'`: the k-th conversion is made first, then the fault fires (a conversion that dies half-way).
+    - `on_fault(record)`: called just before raising, e.g. to capture how many Linears were converted by then.
+    Any entry point that converts Linears (text encoders, transformer, pipeline loaders) can be checked with it."""
+    def arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None) -> FaultRecord:
+        from diffq_lab.schemes import get_scheme
+        assert when in ('before', 'after') and k >= 1
+        rec = FaultRecord(k)
+        ids = None if within is None else {id(m) for root in within for m in root.modules()}
+
+        def step(module, convert):
+            if ids is not None and id(module) not in ids: return convert()
+            rec.calls += 1
+            if rec.calls != k: return convert()
+            out = convert() if when == 'after' else None
+            rec.fired_on = module
+            if on_fault is not None: rec.at_fault = on_fault(rec)
+            raise exc if exc is not None else RuntimeError(f'injected fault at Linear #{k} ({backend})')
+
+        s = get_scheme(scheme)
+        if backend == 'torchao':
+            from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
+            cfg_type = type(s.make_config())
+            real = _QUANTIZE_CONFIG_HANDLER[cfg_type]
+            def handler(module, *args, **kwargs): return step(module, lambda: real(module, *args, **kwargs))
+            monkeypatch.setitem(_QUANTIZE_CONFIG_HANDLER, cfg_type, handler)
+        elif backend == 'emulate':
+            from diffq_lab.emulate import EmulatedLinear
+            real = EmulatedLinear.from_linear.__func__
+            def from_linear(cls, linear, *args, **kwargs): return step(linear, lambda: real(cls, linear, *args, **kwargs))
+            monkeypatch.setattr(EmulatedLinear, 'from_linear', classmethod(from_linear))
+        elif backend == 'diffusers':
+            import diffusers.hooks
+            real = diffusers.hooks.apply_layerwise_casting_hook
+            def hook(module, *args, **kwargs): return step(module, lambda: real(module, *args, **kwargs))
+            monkeypatch.setattr(diffusers.hooks, 'apply_layerwise_casting_hook', hook)
+        else: raise ValueError(f'unknown backend {backend!r}')
+        return rec
+    return arm
