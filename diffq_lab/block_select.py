@@ -4,16 +4,18 @@
 
 # %% ../nbs/07_block_select.ipynb #9628aed5
 from __future__ import annotations
-import copy, math, re, warnings
+import copy, re, warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, as_dtype, markdown_table, repo_root, resolve_device
-from .schemes import BACKENDS, normalize_scheme, quantize, quantized_linears
+from .core import append_rows, as_dtype, fidelity, markdown_table, repo_root, resolve_device
+from .schemes import normalize_scheme, quantized_linears
+from .capability import BACKENDS, resolve_backend, select_scheme
+from .plan import quantize
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
-from .text_encoder import ENCODER_MIN_FEATURES, block_lists, encoder_filter, resolve_backend
+from .text_encoder import ENCODER_MIN_FEATURES, block_lists, encoder_filter
 
 # %% auto #0
 __all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks',
@@ -89,21 +91,21 @@ def _tensors(x) -> list[torch.Tensor]:
     if hasattr(x, 'to_tuple'): return _tensors(x.to_tuple())  # a transformers / diffusers ModelOutput
     return []
 
-def _summary(cos: torch.Tensor, err2: float, ref2: float, finite: bool) -> dict:
-    if not finite: return dict(cosine=float('nan'), cosine_min=float('nan'), rel_err=float('nan'), finite=False)
-    return dict(cosine=cos.mean().item(), cosine_min=cos.min().item(), rel_err=math.sqrt(err2 / max(ref2, 1e-30)), finite=True)
+def _summary(cos: list[float], whole: dict) -> dict:
+    "Mean and worst of the cosines `cos`, and the relative error of `whole` (`core.fidelity` over everything compared)."
+    if not whole['finite']: return dict(cosine=float('nan'), cosine_min=float('nan'), rel_err=float('nan'), finite=False)
+    return dict(cosine=sum(cos) / len(cos), cosine_min=min(cos), rel_err=whole['rel_err'], finite=True)
 
 def token_fidelity(ref, out, inputs=None) -> dict:
     "Mean and worst per-token cosine of `out` vs `ref` (B, T, D) over real tokens (`inputs['attention_mask']`), and the relative error."
-    ref, out = ref.float(), out.float()
     if ref.shape != out.shape: raise ValueError(f'outputs differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}')
-    live = ref.norm(dim=-1) > 0  # an all-zero reference token has no direction
+    live = ref.float().norm(dim=-1) > 0  # an all-zero reference token has no direction
     mask = inputs.get('attention_mask') if hasattr(inputs, 'get') else None
     if mask is not None and tuple(mask.shape) == tuple(live.shape): live &= mask.to(live.device).bool()
     d, q = ref[live], out[live]
     if not len(d): raise ValueError('no non-zero token to compare')
-    return _summary(torch.cosine_similarity(d, q, dim=-1), (q - d).pow(2).sum().item(), d.pow(2).sum().item(),
-                    bool(torch.isfinite(q).all()))
+    whole = fidelity(q, d)  # every real token: the relative error, and whether the output is finite
+    return _summary([fidelity(qt, dt)['cosine'] for qt, dt in zip(q, d)] if whole['finite'] else [], whole)
 
 def flat_fidelity(ref, out, inputs=None) -> dict:
     "Cosine of each output tensor taken whole (mean and worst over the tensors) and the relative error: a DiT's fidelity."
@@ -111,10 +113,8 @@ def flat_fidelity(ref, out, inputs=None) -> dict:
     if len(rs) != len(qs) or any(r.shape != q.shape for r, q in zip(rs, qs)):
         raise ValueError(f'outputs differ in structure: {[tuple(r.shape) for r in rs]} vs {[tuple(q.shape) for q in qs]}')
     if not rs: raise ValueError('no floating-point output to compare')
-    rs, qs = [r.float().flatten() for r in rs], [q.float().flatten() for q in qs]
-    cos = torch.stack([torch.cosine_similarity(r, q, dim=0) for r, q in zip(rs, qs)])
-    return _summary(cos, sum((q - r).pow(2).sum().item() for r, q in zip(rs, qs)), sum(r.pow(2).sum().item() for r in rs),
-                    all(bool(torch.isfinite(q).all()) for q in qs))
+    whole = fidelity(torch.cat([q.double().flatten() for q in qs]), torch.cat([r.double().flatten() for r in rs]))
+    return _summary([fidelity(q, r)['cosine'] for r, q in zip(rs, qs)] if whole['finite'] else [], whole)
 
 # %% ../nbs/07_block_select.ipynb #badefbbf
 def _check_exclude(exclude_tokens) -> tuple[str, ...]:
@@ -146,6 +146,11 @@ def _model_device(model) -> torch.device:
     p = next(model.parameters(), None)
     return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
 
+def _resolve(scheme: str, backend: str, device) -> tuple[str, str]:
+    "`(backend, why)` that runs `scheme` on `device` (`capability.resolve_backend`); a GPU under 'auto' refuses, never emulates slowly."
+    if device.type == 'cuda' and backend == 'auto': select_scheme(scheme, device)  # SchemeUnavailableError naming probe and gate
+    return resolve_backend(scheme, backend, device)
+
 # %% ../nbs/07_block_select.ipynb #f7c342b0
 class _Bench:
     "A dense model whose units (its blocks, and the Linears outside them) are swapped for quantised copies, run, and put back."
@@ -155,7 +160,7 @@ class _Bench:
         self.blocks = [p[0] for p in self.pos]
         self.depth = max(p[3] for p in self.pos)
         self.device = _model_device(model)
-        self.backend, self.note = resolve_backend(scheme, backend, self.device)  # refuses what the device cannot run
+        self.backend, self.note = _resolve(scheme, backend, self.device)  # 'torchao' / 'diffusers' (the real path) or 'emulate'
         self.filter = block_filter(model, scheme, min_features, exclude_tokens)
         inside = lambda f: any(f.startswith(b + '.') for b in self.blocks)
         self.rest = [f for f, m in model.named_modules()
@@ -177,7 +182,8 @@ class _Bench:
             holder = nn.Sequential(copy.deepcopy(self.dense[fqn]))  # `quantize` swaps Linears in their parent: give it one
             with warnings.catch_warnings():
                 warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')
-                rep = quantize(holder, self.scheme, filter_fn=_prefixed(self.filter, fqn), backend=self.backend, device=self.device)
+                rep = quantize(holder, self.scheme, filter_fn=_prefixed(self.filter, fqn), device=self.device,
+                               backend='emulate' if self.backend == 'emulate' else 'torchao')  # resolved once, above
             self.reports[fqn] = rep
             if rep.quantized: self.quant[fqn] = holder[0]
         return self.quant.get(fqn)

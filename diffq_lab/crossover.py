@@ -13,7 +13,8 @@ import torch
 from torch import nn
 from .core import (append_rows, device_name, markdown_table, repo_root, resolve_device)
 from .capability import gpu_capability, hardware_gate
-from .schemes import fp8_gate_bypassed, make_config, make_filter_fn, quantize
+from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
+from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
 
 # %% auto #0
@@ -225,11 +226,10 @@ def find_crossover(gpu, scheme_a, scheme_b, M=SURFACE_M, K=SURFACE_KN, N=SURFACE
     return Crossover(spec['gpu'], scheme_a, scheme_b, cube, pd.DataFrame(rows), grid)
 
 # %% ../nbs/11_crossover.ipynb #d0866c5f
-BENCH_SCHEMES = ('bf16', 'int8', 'fp8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4', 'mxfp8')
+BENCH_SCHEMES = ('bf16',) + SCHEMES   # the dense baseline, then every registered scheme
 CPU_SHAPES = ((128, 1024, 1024), (512, 1024, 4096), (1024, 2048, 2048))
 GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
               (4224, 3840, 3840), (4224, 3840, 10240), (4224, 10240, 3840), (4608, 3072, 12288))  # cubes; Z-Image, FLUX.1 at 1024px
-_RAW_DTYPE = {'bf16': 'bf16', 'int8': 'int8', 'fp8': 'fp8', 'int8wo': 'bf16', 'fp8wo': 'bf16', 'nvfp4wo': 'bf16'}
 EMULATED_LABEL = 'emulated (fake-quant numerics, NOT the kernel)'
 
 def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
@@ -246,13 +246,19 @@ def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
         t0 = time.perf_counter(); fn(); out.append(time.perf_counter() - t0)
     return out
 
+def _gemm_kind(scheme) -> str:
+    "The bare GEMM timed beside `scheme` ('bf16', 'int8', 'fp8'; '' for none): the registry's `Scheme.gemm`."
+    return 'bf16' if scheme == 'bf16' else get_scheme(scheme).gemm
+
 def _bench_path(scheme, device) -> tuple[str, str, str]:
     "(status, path, reason) for `scheme` on `device`: what `gemm_bench` will time, or why it will not."
     if scheme == 'bf16': return 'ok', 'dense bf16 nn.Linear', ''
-    cfg = f'torchao {type(make_config(scheme)).__name__}'
-    ok, why = hardware_gate(scheme, gpu_capability(device))
-    if device.type == 'cpu' and scheme == 'fp8': return 'ok', cfg + ' (fp8 gate bypassed: CPU torch._scaled_mm)', why
-    return ('ok', cfg, '') if ok else ('not run', 'not run', why)
+    s = get_scheme(scheme)
+    cfg = s.make_config()  # None: not a torchao config (fp8_layerwise is diffusers' layerwise-casting hook)
+    path = f'{s.library} ' + (type(cfg).__name__ if cfg is not None else s.name)
+    ok, why = hardware_gate(s, gpu_capability(device))
+    if device.type == 'cpu' and s.name == 'fp8': return 'ok', path + ' (fp8 gate bypassed: CPU torch._scaled_mm)', why
+    return ('ok', path, '') if ok else ('not run', 'not run', why)
 
 def _raw_gemm(kind, M, K, N, device):
     "The bare GEMM kernel `kind` ('bf16'|'int8'|'fp8') of a Linear's math, as a zero-argument callable."
@@ -292,7 +298,7 @@ def _time_linear(lin, x, device, repeats, warmup, compile):
 
 def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, warmup=None, emulated=False,
                compile=False, seed=0) -> pd.DataFrame:
-    "Time Linear-shaped GEMMs (M, K, N) in bf16 and each scheme's real torchao path; median seconds, TFLOPS, speedup vs bf16."
+    "Time Linear-shaped GEMMs (M, K, N) in bf16 and each scheme's real path (torchao / diffusers); median seconds, TFLOPS, speedup vs bf16."
     device = resolve_device(device)
     shapes = shapes if shapes is not None else CPU_SHAPES if device.type == 'cpu' else GPU_SHAPES
     repeats = repeats if repeats is not None else 5 if device.type == 'cpu' else 20
@@ -320,9 +326,9 @@ def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, wa
                         if rep.n_quantized != 1: raise RuntimeError(f'quantize converted nothing: {rep.summary()}')
                     ts = _time_linear(lin, x, device, repeats, warmup, compile)
                     row.update(median_s=statistics.median(ts), min_s=min(ts))
-                    kind = _RAW_DTYPE[scheme]
-                    if kind not in raw: raw[kind] = _raw_time(kind, M, K, N, device, repeats, warmup)
-                    row['gemm_only_s'] = raw[kind]
+                    kind = _gemm_kind(scheme)
+                    if kind and kind not in raw: raw[kind] = _raw_time(kind, M, K, N, device, repeats, warmup)
+                    row['gemm_only_s'] = raw[kind] if kind else float('nan')
                 except Exception as e:  # noqa: BLE001 -- a failing scheme is a result, recorded with its reason
                     row.update(status='failed', reason=f'{type(e).__name__}: {str(e)[:200]}')
                     if device.type == 'cuda': torch.cuda.empty_cache()

@@ -14,10 +14,11 @@ import torch.nn.functional as F
 from torch import nn
 from .core import (as_dtype, resolve_device, device_name, append_rows, markdown_table, atomic_write_text, utc_now,
                             fingerprint, provenance)
+from .core import fidelity
 from .capability import capability_report, format_report, real_path
-from .schemes import SCHEMES, normalize_scheme, quantize, make_filter_fn
+from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
+from .plan import QuantPlan, quantize, run_schemes
 from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of
-from .text_encoder import quantize_text_encoders
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
@@ -50,27 +51,23 @@ def probe_tokens(kind='gaussian', tokens=64, width=512, seed=0, dtype=torch.bflo
     return x.to(resolve_device(device), dtype)
 
 # %% ../nbs/15_study.ipynb #ec229c5b
-def _fidelity(y, ref) -> dict:
-    y, ref = y.double(), ref.double()
-    return dict(rel_err=((y - ref).norm() / ref.norm()).item(),
-                cosine=F.cosine_similarity(y.flatten(), ref.flatten(), dim=0).item(),
-                finite=bool(torch.isfinite(y).all()))
-
 def scheme_numerics(schemes=SCHEMES, device=None, backend='auto', kinds=('gaussian', 'outliers')) -> pd.DataFrame:
-    "Apply each scheme to a fresh `probe_block` with `quantize(..., backend)` and measure its output against dense bf16."
+    "Apply each scheme to a fresh `probe_block` through `plan.quantize(..., backend)`; its output vs dense bf16, per token kind."
     device = resolve_device(device)
     dense = probe_block(device=device)
     xs = {k: probe_tokens(k, device=device) for k in kinds}
     with torch.inference_mode(): refs = {k: dense(x) for k, x in xs.items()}
-    rows = []
-    for scheme in schemes:
-        s = normalize_scheme(scheme)
+    def one(s):
         block = copy.deepcopy(dense)
-        rep = quantize(block, s, make_filter_fn(min_features=512), backend=backend, device=device)
-        for k, x in xs.items():
-            with torch.inference_mode(): y = block(x)
-            rows.append(dict(scheme=s, runs_as='emulated' if rep.backend == 'emulate' else real_path(s),
-                             tokens=k, quantized=f'{rep.n_quantized}/{rep.n_linear}', **_fidelity(y, refs[k])))
+        applied = QuantPlan({'': quantize(block, s, make_filter_fn(min_features=512), backend=backend, device=device)})
+        p = applied.components['']
+        with torch.inference_mode():
+            per_kind = {k: fidelity(block(x), refs[k]) for k, x in xs.items()}
+        return applied, dict(runs_as='emulated' if p.backend == 'emulate' else real_path(p.scheme), per_kind=per_kind)
+    rows = []
+    for r in run_schemes(schemes, one):  # one row per scheme and token kind, keyed by the applied scheme
+        for k, f in r.pop('per_kind', {}).items(): rows.append(dict(r, tokens=k, **f))
+        if r['status'] != 'ok': rows.append(r)
     return pd.DataFrame(rows)
 
 # %% ../nbs/15_study.ipynb #12aed81b
@@ -98,9 +95,9 @@ def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
     get_family(family) if family is not None else None
     if model is not None and not Path(model).exists() and str(model).count('/') != 1:
         raise ValueError(f'model {model!r} is neither a local folder nor a hub id (owner/name)')
-    if not schemes: raise ValueError(f'no schemes to study; choose from {SCHEMES} or auto')
+    if not schemes: raise ValueError(f'no schemes to study; {scheme_choices()}')
     bad = [s for s in schemes if normalize_scheme(s) is None]
-    if bad: raise ValueError(f'{bad} is not a scheme to study; choose from {SCHEMES} or auto')
+    if bad: raise ValueError(f'{bad} is not a scheme to study; {scheme_choices()}')
     for name, v in (('steps', steps), ('size', size)):
         if not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be an integer >= 1, got {v!r}')
     if not seeds or not prompts: raise ValueError('a study needs at least one seed and one prompt')
@@ -109,6 +106,15 @@ def _adherence(imgs, pairs) -> dict:
     "Prompt adherence of the trained pipeline's renders (the task metric of 14_trained), mean with its bootstrap interval."
     a = summarise([adherence(imgs[k][0], k[1]) for k in pairs])
     return dict(adherence=a.mean, adherence_lo=a.lo, adherence_hi=a.hi)
+
+def _plan_columns(plan: QuantPlan, dens) -> dict:
+    "The study's view of an applied plan: encoders and transformer, each with the scheme and backend that ran."
+    enc = [p for a, p in plan.components.items() if a not in dens]
+    tr = [p for a, p in plan.components.items() if a in dens]
+    join = lambda ps, attr: '+'.join(sorted({getattr(p, attr) or ('dense' if attr == 'scheme' else '') for p in ps} - {''})) or None
+    count = lambda ps: f'{sum(p.n_quantized for p in ps)}/{sum(p.n_linear for p in ps)}'
+    return dict(te_scheme=join(enc, 'scheme'), te_backend=join(enc, 'backend'), te_quantized=count(enc),
+                transformer_scheme=join(tr, 'scheme'), transformer_backend=join(tr, 'backend'), transformer_quantized=count(tr))
 
 def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
               size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True) -> pd.DataFrame:
@@ -129,53 +135,45 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, t
     ref, ref_secs = _timed_renders(dense, pairs, steps, size, device, **render_kw)
     label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
     base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile)
-    rows = [dict(base, scheme='dense', latency_s=float(np.median(ref_secs)), vs_dense=1.0, peak_gen_MiB=_mib(_peak_bytes(device)),
-                 **(_adherence(ref, pairs) if trained else {}))]
     renders = {}
-    for scheme in tqdm(schemes, desc='study', disable=not progress):
-        row = dict(base, scheme=normalize_scheme(scheme))
-        try:
-            pipe = build()
-            if te_quant:
-                reps = quantize_text_encoders(pipe, scheme, family=fam)
-                row.update(te_applied='+'.join(sorted({r.scheme or 'dense' for r in reps.values()})),
-                           te_backend='+'.join(sorted({r.backend for r in reps.values() if r.backend})) or None,
-                           te_quantized=f"{sum(r.n_quantized for r in reps.values())}/{sum(r.n_linear for r in reps.values())}")
-            if transformer_quant:
-                pipe, st = load_pipeline_quantized(pipe, family=fam, transformer_quant=scheme, compile=compile, device=device,
-                                                   min_features=min_features)
-                row.update(transformer=st['path'], transformer_backend=st['backend'],
-                           transformer_quantized=f"{st['linears_quantized']}/{st['linears_total']}",
-                           fallback_reason=st['fallback_reason'] or None, mem_load_MiB=_mib(st.get('mem_load_bytes')))
-            imgs, secs = _timed_renders(pipe, pairs, steps, size, device, **render_kw)
-            if trained: row.update(_adherence(imgs, pairs))
-            q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
-            psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
-            row.update(latency_s=float(np.median(secs)), vs_dense=float(np.median(ref_secs) / np.median(secs)),
-                       peak_gen_MiB=_mib(_peak_bytes(device)), finite=all(m['finite'] for m in q),
-                       psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
-                       **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
-                          {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
-            renders[row['scheme']] = imgs[pairs[0]]
-        except Exception as e:  # one scheme failing is a finding, not the end of the study
-            row['error'] = f'{type(e).__name__}: {e}'[:300]
-        rows.append(row)
-    df = pd.DataFrame(rows)
+    def one(s):
+        pipe, st = load_pipeline_quantized(build(), family=fam, te_quant=s if te_quant else None,
+                                           transformer_quant=s if transformer_quant else None, compile=compile, device=device,
+                                           min_features=min_features)
+        plan = st['quant_plan']
+        cols = _plan_columns(plan, denoisers(pipe))
+        imgs, secs = _timed_renders(pipe, pairs, steps, size, device, **render_kw)
+        q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
+        psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
+        renders[s] = imgs[pairs[0]]
+        return plan, dict(base, scheme='/'.join(dict.fromkeys(x for x in (cols['te_scheme'], cols['transformer_scheme']) if x)),
+                          **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
+                          mem_load_MiB=_mib(st.get('mem_load_bytes')),
+                          latency_s=float(np.median(secs)), vs_dense=float(np.median(ref_secs) / np.median(secs)),
+                          peak_gen_MiB=_mib(_peak_bytes(device)), finite=all(m['finite'] for m in q),
+                          psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
+                          **(_adherence(imgs, pairs) if trained else {}),
+                          **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
+                             {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
+    dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(ref_secs)), vs_dense=1.0,
+                     peak_gen_MiB=_mib(_peak_bytes(device)), **(_adherence(ref, pairs) if trained else {}), status='ok')
+    df = pd.DataFrame([dense_row, *({**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study'))])
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
     return df
 
 def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/15_study.ipynb #d3647d3d
-STUDY_COLS = ['scheme', 'te_applied', 'te_backend', 'transformer', 'transformer_backend', 'transformer_quantized', 'latency_s',
+STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend', 'transformer_quantized', 'latency_s',
               'vs_dense', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
-              'fallback_reason', 'error']
+              'fallback_reason', 'plan', 'error']
 
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') -> Path:
     "Write `report.md`, `report.html` and the render grid `grid.png` of a `run_study` table under `out`."
     out = Path(out)
     renders, ref = df.attrs.get('renders', {}), df.attrs.get('reference')
-    metrics = {r.scheme: {k: r[k] for k in ('psnr', 'ssim') if k in r and pd.notna(r[k])} for r in df.itertuples() if r.scheme in renders}
+    metrics = {r['requested']: {k: r[k] for k in ('psnr', 'ssim') if k in r and pd.notna(r[k])}
+               for r in df.to_dict('records') if r.get('requested') in renders}
     table = markdown_table(df, cols=STUDY_COLS)
     md = f'# {title}\n\n{provenance(df)}\n\n{extra_md}## Per scheme\n\n{table}\n\n![renders](grid.png)\n'
     atomic_write_text(out/'report.md', md)
@@ -249,16 +247,15 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
         raise ValueError(f'gguf must be one of {list(GGUF_TYPES)} (written from the dense weights), a .gguf file, or None; got {gguf!r}')
     fresh = _fresh(pipe_or_family, dims, device, dtype, seed)
     glabel = None if gguf is None else 'gguf-' + (gguf if gguf in GGUF_TYPES else Path(gguf).stem)
-    configs = ([(glabel, None)] if gguf else []) + [('dense', None)] + [(normalize_scheme(s), s) for s in schemes]
-    rows, outs = [], {}
+    outs = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for label, scheme in configs:
+        def one(scheme, label=None):
             # every configuration builds new block instances of the same classes: without a reset, Dynamo's recompile
             # limit (8 per code object) is spent by the third or fourth one and later rows run eager, silently
             if compile: torch.compiler.reset()
             pipe = fresh()
             gpath = None
-            if label == glabel:  # a GGUF type is written from this pipeline's dense weights; a file is taken as it is
+            if label == glabel and gguf:  # a GGUF type is written from this pipeline's dense weights; a file is taken as it is
                 gpath = ({a: write_gguf(m, Path(tmp)/f'{a}-{gguf}.gguf', gguf) for a, m in denoisers(pipe).items()}
                          if gguf in GGUF_TYPES else gguf)
             pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, compile=compile, device=device, dtype=dtype,
@@ -269,21 +266,27 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                 t = time.perf_counter(); x = go(); times.append(time.perf_counter() - t); return x
             if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
             cs = compile_stats(timed, runs=runs)  # the pipeline's own no_grad, as a user runs it
-            outs[label] = cs['output']
-            rows.append(dict(family=st['family'], config=label, scheme=st['scheme'], path=st['path'], backend=st['backend'] or '',
-                             compile=compile, quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=steps, size=size,
-                             runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=times[0],
-                             median_s=statistics.median(times[1:]), frames_first_call=cs['frames_first_call'],
-                             recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
-                             peak_gen_MiB=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == 'cuda' else None,
-                             finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
-                             threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2)))
-            del pipe
-    df = pd.DataFrame(rows)
+            config = label or scheme or 'dense'
+            outs[config] = cs['output']
+            plan = st['quant_plan']
+            parts = [plan.components[a] for a in denoisers(pipe)]
+            return plan, dict(family=st['family'], config=config, scheme='+'.join(sorted({p.scheme or 'dense' for p in parts})),
+                              path=st['path'], backend=st['backend'] or '', compile=compile,
+                              quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=steps, size=size,
+                              runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=times[0],
+                              median_s=statistics.median(times[1:]), frames_first_call=cs['frames_first_call'],
+                              recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
+                              peak_gen_MiB=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == 'cuda' else None,
+                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
+                              threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2))
+        rows = run_schemes([None], lambda s: one(None, glabel)) if gguf else []   # the GGUF baseline, then dense and each scheme
+        rows += run_schemes([None, *schemes], one)
+    df = pd.DataFrame([{'config': r['requested'], 'median_s': float('nan'), **r} for r in rows])  # a failed scheme keeps its row
     med = df.set_index('config')['median_s']
-    df['vs_dense'] = med['dense'] / df['median_s']  # > 1: faster than dense
-    df['vs_gguf'] = med[glabel] / df['median_s'] if gguf else None
-    q = pd.DataFrame([image_quality(outs[c], outs['dense'], with_lpips) for c in df['config']])
+    df['vs_dense'] = med.get('dense', float('nan')) / df['median_s']  # > 1: faster than dense
+    df['vs_gguf'] = med.get(glabel, float('nan')) / df['median_s'] if gguf else None
+    q = pd.DataFrame([image_quality(outs[c], outs['dense'], with_lpips) if c in outs and 'dense' in outs else {}
+                      for c in df['config']], index=df.index)
     return pd.concat([df, q], axis=1)
 
 def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:

@@ -1,4 +1,7 @@
-"Block selection: per-block sensitivity and the keep-schedule search, on a real trained encoder, tiny encoders, a toy stack and a DiT."
+"""Block selection: per-block sensitivity and the keep-schedule search, on a real trained encoder, tiny encoders, a toy stack and a DiT.
+
+The notebook (nbs/07_block_select.ipynb) holds the worked examples and their assertions; these tests add the properties,
+faults, wiring and end-to-end runs it does not make."""
 import copy, math, os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
@@ -6,6 +9,7 @@ import torch
 from torch import nn
 from diffq_lab import block_select as bs
 from diffq_lab.core import load_table, results_dir
+from diffq_lab.capability import SchemeUnavailableError
 from diffq_lab.schemes import quantized_linears
 from diffq_lab.pipelines import tiny_pipeline
 
@@ -61,37 +65,6 @@ def test_planted_first_and_last_blocks_are_found_exactly(mini, spiked):
     assert_untouched(spiked, mods, inp, ref)
 
 
-def test_inner_blocks_give_a_smaller_per_block_keep_set(mini):
-    model, tok, inp = mini
-    mid = copy.deepcopy(model)
-    bs.inject_outliers(mid, ['encoder.layer.2', 'encoder.layer.4'])
-    ks = bs.find_keep_schedule(mid, inp, 'int8', bar=0.99)
-    assert ks.ok and ks.dense_blocks >= 3
-    assert ks.keep_set == ('encoder.layer.2', 'encoder.layer.4') and ks.keep_set_cosine >= 0.99, ks
-    assert 'keep-set' in set(ks.curve.phase)
-
-
-def test_real_encoder_curve_and_schedule(mini):
-    model, tok, inp = mini
-    sens = bs.block_sensitivity(model, inp, 'int8', min_features=256)
-    assert list(sens.block) == [f'encoder.layer.{i}' for i in range(6)] and (sens.n_quantized == 6).all()
-    assert ((sens.cosine > 0.99) & (sens.cosine < 1)).all() and (sens.rel_err > 0).all()
-    assert sens.attrs['forward_passes'] == 7
-    ks = bs.find_keep_schedule(model, inp, 'int8', bar=0.999, min_features=256)
-    assert ks.ok and ks.cosine >= 0.999 and sum(ks.keep) >= 1, ks
-    assert (ks.curve.cosine[ks.curve.clears] >= 0.999).all() and (ks.curve.cosine[~ks.curve.clears] < 0.999).all()
-
-
-def test_found_cosine_is_what_the_caster_gives(mini, spiked):
-    from diffq_lab.text_encoder import quantize_encoder
-    model, tok, inp = mini
-    ks = bs.find_keep_schedule(spiked, inp, 'int8', bar=0.99, per_block=False)
-    cast = copy.deepcopy(spiked)
-    quantize_encoder(cast, 'int8', keep=ks.keep)
-    got = bs.token_fidelity(out(spiked, inp), out(cast, inp), inp)['cosine']
-    assert math.isclose(got, ks.cosine, abs_tol=1e-5), (got, ks.cosine)
-
-
 @pytest.mark.parametrize('planted', [(0, -1), (0,), (-1,)])
 def test_toy_stack_finds_planted_blocks(planted):
     ks = bs.find_keep_schedule(*toy(8, planted), 'int8', bar=0.995)
@@ -120,6 +93,25 @@ def test_reference_is_reused_and_configurations_memoised():
     every = set(range(6))
     cast = {frozenset(every - {int(k) for k in kept.split()}) for kept in ks.curve.kept} | {frozenset({p}) for p in ks.sensitivity.pos}
     assert len(calls) == 1 + len(cast - {frozenset()})  # one pass per distinct configuration, plus the reference once
+
+
+def test_backend_is_the_capability_policy(mini, monkeypatch):
+    "The backend is capability.resolve_backend's (the real path where it runs, else emulation); a GPU under 'auto' refuses."
+    model, tok, inp = mini
+    mods, ref = snapshot(model), out(model, inp)
+    assert bs.block_sensitivity(model, inp, 'int8').attrs['backend'] == 'torchao'          # its CPU kernel runs
+    assert bs.block_sensitivity(model, inp, 'fp8').attrs['backend'] == 'emulate'           # no CPU kernel: emulated
+    lw = bs.block_sensitivity(model, inp, 'fp8_layerwise')                                 # diffusers' hook is its real path
+    assert lw.attrs['backend'] == 'diffusers' and (lw.n_quantized == 6).all() and (lw.cosine > 0.99).all()
+    assert_untouched(model, mods, inp, ref)
+    passes = []
+    def refuse(scheme, device): raise SchemeUnavailableError(f'{scheme} does not run on {device}')
+    monkeypatch.setattr(bs, '_model_device', lambda m: torch.device('cuda'))
+    monkeypatch.setattr(bs, 'select_scheme', refuse)
+    run = lambda m, x: passes.append(1) or bs.encoder_run('last')(m, x)
+    with pytest.raises(SchemeUnavailableError, match='fp8 does not run'): bs.find_keep_schedule(model, inp, 'fp8', run_fn=run)
+    assert passes == []  # refused before any forward pass
+    assert_untouched(model, mods, inp, ref)
 
 
 # ---- filters, read layers, integrity ----------------------------------------------------------------------------
