@@ -231,9 +231,10 @@ QUALITY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset
 def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), prompts=QUALITY_PROMPTS,
                   size: int = 32, steps: int = 2, device=None) -> pd.DataFrame:
     "One row per scheme x seed x prompt: PSNR/SSIM (and LPIPS when available) of the encoder-cast render vs dense, and the prompt cosine."
-    from diffq_lab.core import resolve_device
+    from diffq_lab.core import resolve_device  # earlier notebooks' modules, imported here so the metrics alone stay light
     from diffq_lab.pipelines import tiny_pipeline, render
     from diffq_lab.schemes import SCHEMES, normalize_scheme
+    from diffq_lab.plan import run_schemes
     from diffq_lab.text_encoder import quantize_text_encoders, prompt_embeddings
     schemes, device = tuple(SCHEMES if schemes is None else schemes), resolve_device(device)
     if not seeds or not prompts: raise ValueError('quality_pairs needs at least one seed and one prompt')
@@ -241,20 +242,20 @@ def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), pro
     dense = tiny_pipeline(family).to(device)
     ref = {(sd, p): render(dense, p, steps=steps, size=size, seed=sd) for p in prompts for sd in seeds}
     ref_emb = {p: prompt_embeddings(dense, [p]) for p in prompts}
+    def one(s):
+        pipe = tiny_pipeline(family).to(device)
+        plan = quantize_text_encoders(pipe, s, family=family)
+        parts = plan.components.values()
+        cos = {p: hidden_cosine(ref_emb[p], prompt_embeddings(pipe, [p]))['cosine'] for p in prompts}
+        pairs = [dict(seed=sd, prompt=p, cosine=cos[p], **quality_metrics(render(pipe, p, steps=steps, size=size, seed=sd), r))
+                 for (sd, p), r in ref.items()]
+        return plan, dict(scheme='+'.join(sorted({c.scheme or 'dense' for c in parts})),
+                          backend='+'.join(sorted({c.backend for c in parts if c.backend})) or None, pairs=pairs)
     rows = []
-    for s in schemes:
-        base = dict(family=family, scheme=s, size=size, steps=steps)
-        try:
-            pipe = tiny_pipeline(family).to(device)
-            reps = quantize_text_encoders(pipe, s, family=family)
-            base.update(applied='+'.join(sorted({r.scheme or 'dense' for r in reps.values()})),
-                        backend='+'.join(sorted({r.backend for r in reps.values() if r.backend})) or None)
-            cos = {p: hidden_cosine(ref_emb[p], prompt_embeddings(pipe, [p]))['cosine'] for p in prompts}
-            for (sd, p), r in ref.items():
-                rows.append(dict(base, seed=sd, prompt=p, cosine=cos[p],
-                                 **quality_metrics(render(pipe, p, steps=steps, size=size, seed=sd), r)))
-        except Exception as e:  # one scheme failing is a finding, recorded with its reason
-            rows.append(dict(base, error=f'{type(e).__name__}: {e}'[:300]))
+    for r in run_schemes(schemes, one):  # keyed by the scheme that ran; `requested` beside it
+        base = dict(r, family=family, size=size, steps=steps)
+        pairs = base.pop('pairs', None) or [{}]
+        rows += [dict(base, **q) for q in pairs]
     return pd.DataFrame(rows)
 
 def record_quality(root=None, **kwargs) -> pd.DataFrame:

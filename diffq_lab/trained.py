@@ -271,39 +271,34 @@ def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
 def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'), prompts=None, seeds=(0, 1), te_quant: bool = True,
                         min_features: int = 512) -> pd.DataFrame:
     "Per scheme: quantise the trained pipeline, render `prompts` x `seeds` (default: held-out), adherence and its paired change vs dense, PSNR/SSIM."
-    from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise
+    from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise  # earlier notebooks' modules
     from diffq_lab.schemes import normalize_scheme
-    from diffq_lab.text_encoder import quantize_text_encoders
+    from diffq_lab.plan import run_schemes
     from diffq_lab.gguf import load_pipeline_quantized
-    schemes = [normalize_scheme(s) for s in schemes]  # ValueError naming the valid schemes before any work
+    for s in schemes: normalize_scheme(s)  # a ValueError naming the valid schemes before any work
     prompts = heldout_prompts() if prompts is None else list(prompts)
     for p in prompts: parse_prompt(p)
     pairs = [(p, s) for p in prompts for s in seeds]
+    def one(scheme):
+        pipe, st = load_pipeline_quantized(load_trained_pipeline(), family='z-image', te_quant=scheme if te_quant else None,
+                                           transformer_quant=scheme, compile=False, min_features=min_features)
+        plan, tr = st['quant_plan'], st['quant_plan'].components['transformer']
+        enc = [c for a, c in plan.components.items() if a != 'transformer']
+        imgs = {k: render_trained(pipe, k[0], seed=k[1]) for k in pairs}
+        adh = [adherence(imgs[k], k[0]) for k in pairs]
+        e, d = summarise(adh), paired_bootstrap(adh, ref_adh)
+        q = [quality_metrics(imgs[k], ref[k], with_lpips=False) for k in pairs]
+        return plan, dict(scheme=tr.scheme or 'dense', transformer=st['path'], transformer_backend=st['backend'],
+                          transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}', fallback_reason=st['fallback_reason'] or None,
+                          te_quantized=f'{sum(c.n_quantized for c in enc)}/{sum(c.n_linear for c in enc)}' if enc else None,
+                          renders=len(pairs), adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo, delta_hi=d.hi,
+                          psnr=float(np.mean([m['psnr'] for m in q])), ssim=float(np.mean([m['ssim'] for m in q])))
     dense = load_trained_pipeline()
     ref = {k: render_trained(dense, k[0], seed=k[1]) for k in pairs}
     ref_adh = [adherence(ref[k], k[0]) for k in pairs]
     est = summarise(ref_adh)
-    rows = [dict(scheme='dense', adherence=est.mean, adh_lo=est.lo, adh_hi=est.hi, renders=len(pairs))]
-    for scheme in schemes:
-        row = dict(scheme=scheme, renders=len(pairs))
-        try:
-            pipe = load_trained_pipeline()
-            if te_quant:
-                reps = quantize_text_encoders(pipe, scheme, family='z-image')
-                row['te_quantized'] = f"{sum(r.n_quantized for r in reps.values())}/{sum(r.n_linear for r in reps.values())}"
-            pipe, st = load_pipeline_quantized(pipe, family='z-image', transformer_quant=scheme, compile=False, min_features=min_features)
-            row.update(transformer=st['path'], transformer_backend=st['backend'], fallback_reason=st['fallback_reason'] or None,
-                       transformer_quantized=f"{st['linears_quantized']}/{st['linears_total']}")
-            imgs = {k: render_trained(pipe, k[0], seed=k[1]) for k in pairs}
-            adh = [adherence(imgs[k], k[0]) for k in pairs]
-            e, d = summarise(adh), paired_bootstrap(adh, ref_adh)
-            q = [quality_metrics(imgs[k], ref[k], with_lpips=False) for k in pairs]
-            row.update(adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo, delta_hi=d.hi,
-                       psnr=float(np.mean([m['psnr'] for m in q])), ssim=float(np.mean([m['ssim'] for m in q])))
-        except Exception as ex:  # one scheme failing is a finding, not the end of the comparison
-            row['error'] = f'{type(ex).__name__}: {ex}'[:300]
-        rows.append(row)
-    return pd.DataFrame(rows)
+    dense_row = dict(requested='dense', scheme='dense', adherence=est.mean, adh_lo=est.lo, adh_hi=est.hi, renders=len(pairs), status='ok')
+    return pd.DataFrame([dense_row, *run_schemes(schemes, one)])
 
 def record_adherence_by_scheme(root=None, **kw) -> pd.DataFrame:
     "Run `adherence_by_scheme` and append its rows to the `trained_schemes` table."
