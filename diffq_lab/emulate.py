@@ -16,12 +16,12 @@ from .schemes import REGISTRY, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_s
 
 # %% auto #0
 __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'EMULATIONS', 'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS',
-           'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'e2m1_round',
-           'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
-           'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'compare_outputs',
-           'agreement_tolerance', 'agreement_table', 'record_agreement', 'make_activations', 'numerics_table',
-           'record_numerics']
+           'MX_SCALINGS', 'EMULATIONS', 'INT4_GROUP', 'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS',
+           'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast',
+           'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation',
+           'recipes_table', 'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind',
+           'int4_groupwise', 'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement',
+           'make_activations', 'numerics_table', 'record_numerics']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -431,6 +431,37 @@ def _mx_emulated_kernel(scheme, device):
 def _fwd_mxfp8(m, x):
     # _addmm_mx_dispatch: activation MXTensor.to_mx(x, e4m3, 32, scaling_mode), then the MX GEMM
     return F.linear(mxfp8(x, scaling=torchao_mx_scaling()), _w(m, x), _b(m, x))
+
+# %% ../nbs/02_emulate.ipynb #2964d402
+INT4_GROUP = 128
+
+def int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
+    "Fake-quant `w` to tinygemm's asymmetric uint4: groups of `group` along K with a scale and a float zero point each."
+    g = _blocks(w, group)  # zero-padded like torchao's K padding
+    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+    scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(w.dtype).smallest_normal)
+    zero = lo + scale * 8.0
+    q = ((g - (zero - scale * 8.0)) / scale).round().clamp(0, 15)
+    return _unblock((q - 8.0).to(w.dtype) * scale + zero, w.shape[-1])
+
+def _int4_tinygemm_primitives(scheme, device):
+    "torchao's tinygemm quantise + dequantise primitives on the weight, then a bf16 matmul: where no int4 kernel runs."
+    def build(linear):
+        # private: torchao's tinygemm primitives (0.15-0.18); tests/test_emulate.py notices when they move
+        from torchao.quantization.quant_primitives import (MappingType, _choose_qparams_affine_tinygemm,
+                                                           _dequantize_affine_tinygemm, _quantize_affine_tinygemm)
+        w, bs = linear.weight.detach(), (1, INT4_GROUP)
+        s, z = _choose_qparams_affine_tinygemm(w, MappingType.ASYMMETRIC, bs, torch.int32, 0, 15, scale_dtype=w.dtype,
+                                               zero_point_dtype=w.dtype)
+        q = _quantize_affine_tinygemm(w, bs, s, z, torch.int32, 0, 15)
+        wd = _dequantize_affine_tinygemm(q, bs, s, z, torch.int32, 0, 15, output_dtype=w.dtype)
+        return lambda x: F.linear(x, wd, linear.bias)
+    return 'torchao tinygemm int4 primitives, dequantised', build
+
+register_emulation('int4wo', activation='bf16', weight='uint4 per group of 128 along K, bf16 scale and zero point',
+                   mirrors='Int4WeightOnlyConfig: Int4TilePackedTo4dTensor.from_hp + torch._weight_int4pack_mm',
+                   quantize_weight=lambda w, rowwise: (int4_groupwise(w), None),
+                   reference=real_or(_int4_tinygemm_primitives))(_fwd_linear)
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

@@ -228,6 +228,20 @@ register_scheme(Scheme(
     gate=Gate((10, 0), False, 'block-scaled fp8 GEMM (e8m0 scales) needs sm_100+; no CPU kernel'),
     weight_bytes=lambda k, n: n * k + _pad(n, 128) * _pad(k // 32, 4), gemm=''))
 
+# %% ../nbs/01_schemes.ipynb #7542fcc3
+def _int4_weight_only():
+    from torchao.quantization import Int4WeightOnlyConfig
+    # tinygemm's tile-packed layout on CUDA; before 0.18 torchao had an 'opaque' CPU layout, 0.18 has none
+    fmt = 'tile_packed_to_4d' if torch.cuda.is_available() else 'opaque' if _torchao_version() < (0, 18) else 'plain'
+    return _build(Int4WeightOnlyConfig, group_size=128, int4_packing_format=fmt)
+
+register_scheme(Scheme(
+    'int4wo', 'int4 group-wise weights (groups of 128, asymmetric), bf16 activations',
+    weights='uint4 per group of 128 along K, bf16 scale and zero point', activations=None, config=_int4_weight_only,
+    multiple_of=(128, 1), dtypes=(torch.bfloat16,), aliases=('int4_weight_only', 'w4a16', 'int4w'),
+    gate=Gate((8, 0), False, 'tinygemm int4 kernel (torch._weight_int4pack_mm) on sm_80+; torchao 0.18 has no CPU int4 layout'),
+    weight_bytes=lambda k, n: n * k // 2 + n * (k // 128) * 4))  # packed nibbles, bf16 scale + zero per group
+
 # %% ../nbs/01_schemes.ipynb #a1e0c00a
 SCHEMES = tuple(REGISTRY)  # the registered scheme names, in registry order
 

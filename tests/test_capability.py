@@ -109,7 +109,7 @@ def test_gates_are_monotone():
     for s in SCHEMES:
         oks = [hardware_gate(s, c)[0] for c in caps]
         assert oks == sorted(oks), f'{s}: a newer GPU fails a gate an older one meets: {oks}'
-    assert [s for s in SCHEMES if hardware_gate(s, (9, 0))[0]] == ['int8', 'int8wo', 'fp8', 'fp8wo', 'fp8_layerwise', 'nvfp4wo']
+    assert [s for s in SCHEMES if hardware_gate(s, (9, 0))[0]] == ['int8', 'int8wo', 'fp8', 'fp8wo', 'fp8_layerwise', 'nvfp4wo', 'int4wo']
     assert not hardware_gate('nvfp4', (9, 0))[0] and hardware_gate('nvfp4', (10, 0))[0]
 
 def test_known_gpus_ladders():
