@@ -12,7 +12,7 @@ from torch import nn
 from .core import as_dtype, resolve_device, device_name
 from .schemes import normalize_scheme, quantized_linears
 from .capability import BACKENDS, SchemeUnavailableError, select_scheme
-from .plan import QuantPlan, apply_plan, dense_plan
+from .plan import QuantPlan, QuantizationError, RestoreError, apply_plan, dense_plan
 from .pipelines import get_family, family_of, render, load_pipeline
 from .text_encoder import plan_text_encoders
 from .transformer import denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
@@ -116,11 +116,16 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
     plan = QuantPlan({**(encoders.components if encoders else {}), **plan.components})
     offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under model offload
     for tr in dens.values(): tr.to(device)
+    homes = {a: next(m.parameters()).device for a, m in pipe.components.items()
+             if isinstance(m, nn.Module) and next(m.parameters(), None) is not None}
     def check():
         try:
             if offload: pipe.enable_model_cpu_offload(device=device)
             else: pipe.to(device)
             if validate: _validate(pipe, status, device)
+        except BaseException:
+            for a, home in homes.items(): getattr(pipe, a).to(home)  # the restore puts the planned Linears back there too
+            raise
         finally:
             if offload: pipe.remove_all_hooks()  # compile comes before placement: the hooks go back on after it
     return apply_plan(pipe, plan, check=check)
@@ -171,7 +176,9 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
         note = ''
         for i, be in enumerate(tries):
             try: applied = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, mem.decision == 'offload', encoders)
-            except Exception as e:  # noqa: BLE001 -- every failure falls back; the dense Linears are back in place
+            except Exception as e:  # noqa: BLE001 -- a transformer failure falls back; the dense Linears are back in place
+                if isinstance(e, RestoreError): raise  # never hand back a model that could not be put back
+                if isinstance(e, QuantizationError) and e.component not in dens: raise  # the encoders have no fallback
                 if device.type == 'cuda' and 'out of memory' in str(e).lower(): torch.cuda.empty_cache()
                 if isinstance(e, _ForwardFailed) and i + 1 < len(tries):
                     note = f'{s} failed in the forward ({_describe(e, 160)}); emulated on the CPU'

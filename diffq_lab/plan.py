@@ -20,8 +20,8 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError', 'apply_plan',
-           'quantize', 'run_schemes']
+__all__ = ['LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError', 'RestoreError',
+           'apply_plan', 'quantize', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -174,6 +174,9 @@ class QuantizationError(RuntimeError):
         super().__init__(f'{scheme} ({backend}) failed after converting {converted} of {planned} Linear(s), at or just after '
                          f'{where}; the model was restored to its state before quantisation. Cause: {type(cause).__name__}: {cause}')
 
+class RestoreError(RuntimeError):
+    "Applying a plan failed and putting the model back failed too: the model is in an unknown state and must be rebuilt."
+
 def _components(target, plan: QuantPlan) -> dict[str, nn.Module]:
     "The module each component of `plan` names in `target` (a module for component '', else pipeline attributes)."
     out = {}
@@ -249,8 +252,10 @@ def apply_plan(target, plan, check=None) -> QuantPlan:
     try:
         for c, p in plan.components.items(): _convert(mods[c], p, c)
         if check is not None: check()  # e.g. a validation render: a kernel that fails in the real forward undoes the plan too
-    except BaseException:
-        _restore(snap)
+    except BaseException as e:
+        try: _restore(snap)
+        except Exception as r:  # never report a half-restored model as a clean failure
+            raise RestoreError(f'restoring after {type(e).__name__}: {e} failed: {type(r).__name__}: {r}; rebuild the model') from r
         raise
     return QuantPlan({c: _as_applied(mods[c], p) for c, p in plan.components.items()})
 

@@ -28,30 +28,39 @@ class FaultRecord:
 def fail_at_kth_linear(monkeypatch):
     """Arm a fault: the `k`-th Linear conversion that `backend`'s real library makes raises `exc`.
 
-    `arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None) -> FaultRecord`
+    `arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None, persist=False) -> FaultRecord`
     - backend 'torchao': wraps torchao's handler of the scheme's config type in `_QUANTIZE_CONFIG_HANDLER`
       (what `quantize_` calls once per selected Linear); 'emulate': wraps `EmulatedLinear.from_linear`;
       'diffusers' (fp8_layerwise): wraps `diffusers.hooks.apply_layerwise_casting_hook`.
+      A tuple of backends wraps each with ONE counter: k counts across libraries in call order (e.g. a loader whose
+      encoders go through diffusers and whose transformer goes through torchao).
+    - `persist=False`: the fault fires once, at the k-th call, and later calls (a second apply) pass. `persist=True`: the
+      Linear it fired on fails again at every later conversion of it (a Linear the library cannot convert).
     - `within`: modules whose Linears count (others, e.g. a smoke probe's, pass through uncounted); None: all.
     - `when='after'`: the k-th conversion is made first, then the fault fires (a conversion that dies half-way).
     - `on_fault(record)`: called just before raising, e.g. to capture how many Linears were converted by then.
     Any entry point that converts Linears (text encoders, transformer, pipeline loaders) can be checked with it."""
-    def arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None) -> FaultRecord:
+    def arm(scheme, backend, k, exc=None, within=None, when='before', on_fault=None, persist=False) -> FaultRecord:
         from diffq_lab.schemes import get_scheme
         assert when in ('before', 'after') and k >= 1
         rec = FaultRecord(k)
         ids = None if within is None else {id(m) for root in within for m in root.modules()}
+        libs = backend if isinstance(backend, str) else '+'.join(dict.fromkeys(backend))
 
         def step(module, convert):
             if ids is not None and id(module) not in ids: return convert()
             rec.calls += 1
-            if rec.calls != k: return convert()
+            if rec.calls != k and not (persist and module is rec.fired_on): return convert()
             out = convert() if when == 'after' else None
             rec.fired_on = module
             if on_fault is not None: rec.at_fault = on_fault(rec)
-            raise exc if exc is not None else RuntimeError(f'injected fault at Linear #{k} ({backend})')
+            raise exc if exc is not None else RuntimeError(f'injected fault at Linear #{k} ({libs})')
 
         s = get_scheme(scheme)
+        for b in dict.fromkeys((backend,) if isinstance(backend, str) else backend): wrap(b, s, step)
+        return rec
+
+    def wrap(backend, s, step):
         if backend == 'torchao':
             from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
             cfg_type = type(s.make_config())
@@ -69,5 +78,4 @@ def fail_at_kth_linear(monkeypatch):
             def hook(module, *args, **kwargs): return step(module, lambda: real(module, *args, **kwargs))
             monkeypatch.setattr(diffusers.hooks, 'apply_layerwise_casting_hook', hook)
         else: raise ValueError(f'unknown backend {backend!r}')
-        return rec
     return arm

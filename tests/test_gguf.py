@@ -1,4 +1,4 @@
-"diffq_lab.gguf: every tiny family x scheme through the loader, real GGUF files, forced fallbacks, bad inputs."
+"diffq_lab.gguf: every tiny family x scheme through the loader, te_quant, real GGUF files, failures inside the apply window, bad inputs."
 import copy, os, warnings
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import numpy as np
@@ -9,9 +9,9 @@ from torch import nn
 import diffq_lab.gguf as G
 from diffq_lab.capability import smoke_probe
 from diffq_lab.pipelines import TINY_FAMILIES, render, tiny_pipeline
-from diffq_lab.schemes import SCHEMES, PartialQuantizationError, quantize, quantized_linears
+from diffq_lab.schemes import SCHEMES, quantized_linears
 from diffq_lab.memory import GGUF_TYPES, plan_memory
-from diffq_lab.transformer import denoisers, is_gguf_linear, quantize_transformer
+from diffq_lab.transformer import denoisers, is_gguf_linear, plan_transformer, quantize_transformer
 from diffq_lab.gguf import load_pipeline_quantized, write_gguf
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
@@ -28,7 +28,7 @@ def dense_images(pipes):
 
 
 def n_planned(pipe, scheme, min_features=0):
-    return sum(quantize_transformer(m, scheme, min_features=min_features, dry_run=True).n_quantized for m in denoisers(pipe).values())
+    return sum(plan_transformer(m, scheme, min_features=min_features).n_quantized for m in denoisers(pipe).values())
 
 
 # ---- every tiny family x scheme through the loader ----------------------------------------------------------------------
@@ -48,20 +48,26 @@ def test_every_scheme_renders_finite_with_the_planned_count(pipes, dense_images,
             continue
         assert (st['path'], st['scheme'], st['fallback_reason']) == ('quant', s, ''), (family, s, st)
         assert st['linears_quantized'] == planned == quant, (family, s, st)
+        for a, m in denoisers(pipe).items():  # the status' applied plan is what the modules hold
+            assert st['quant_plan'].components[a].quantized == quantized_linears(m), (family, s, a)
         # the real path wherever the capability probe passes: a torchao kernel, or diffusers' cast for fp8_layerwise
         real = 'diffusers' if s == 'fp8_layerwise' else 'torchao' if smoke_probe(s, 'cpu').ok else 'emulate'
         assert st['backend'] == real or 'failed in the forward' in st['backend_note'], (family, s, st)
         assert not torch.equal(x, dense_images[family]), (family, s)  # something really changed
 
 
-def test_default_path_never_regresses(pipes, dense_images):
+def test_te_quant_alone_quantises_the_encoders_and_leaves_the_transformer_bit_identical(pipes, dense_images):
     pipe = copy.deepcopy(pipes['flux.1-dev'])
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
-    out, st = load_pipeline_quantized(pipe, compile=False)
-    assert out is pipe and st['path'] == 'dense' and st['scheme'] is None and st['fallback_reason'] == ''
-    assert quantized_linears(out.transformer) == []
-    assert all(torch.equal(before[k], v) for k, v in out.transformer.state_dict().items())
-    assert torch.equal(render(out, steps=1), dense_images['flux.1-dev'])
+    out, st = load_pipeline_quantized(pipe, te_quant='int8wo', compile=False)
+    assert out is pipe and (st['path'], st['scheme'], st['fallback_reason']) == ('dense', None, ''), st
+    qp = st['quant_plan']
+    assert list(qp.components) == ['text_encoder', 'text_encoder_2', 'transformer']
+    for c in ('text_encoder', 'text_encoder_2'):
+        assert qp.components[c].scheme == 'int8wo' and qp.components[c].quantized == quantized_linears(getattr(pipe, c)) != []
+    assert set(qp.components['transformer'].skipped.values()) == {'dense requested'} and quantized_linears(pipe.transformer) == []
+    assert all(torch.equal(before[k], v) for k, v in pipe.transformer.state_dict().items())
+    assert not torch.equal(render(out, steps=1), dense_images['flux.1-dev'])  # the encoders really changed
 
 
 def test_auto_on_cpu_stays_dense_with_a_reason(pipes, dense_images):
@@ -86,54 +92,59 @@ def test_loader_compiles_and_reports(pipes):
     assert torch.isfinite(render(pipe, steps=1)).all()
 
 
-# ---- forced failures ----------------------------------------------------------------------------------------------------
+# ---- failures inside the apply window (the k-th Linear of every entry point: test_plan) ------------------------------------
 
-def _dies_half_way(monkeypatch, exc):
-    real = G.quantize_transformer
-    def fake(tr, scheme, **kw):
-        if kw.get('dry_run'): return real(tr, scheme, **kw)
-        # converts every Linear of the first block, including some the plan never selected, then dies
-        quantize(tr, 'int8', filter_fn=lambda m, f: isinstance(m, nn.Linear) and '.0.' in f, backend='torchao')
-        assert quantized_linears(tr)
-        raise exc
-    monkeypatch.setattr(G, 'quantize_transformer', fake)
-
-
-def test_half_way_failure_restores_dense_bit_exact(pipes, dense_images, monkeypatch):
-    _dies_half_way(monkeypatch, torch.OutOfMemoryError('CUDA out of memory (forced)'))
-    pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', compile=False, min_features=0)
-    assert st['path'] == 'dense' and 'out of memory' in st['fallback_reason'] and st['linears_quantized'] == 0
+def test_a_forward_failure_is_retried_emulated_then_restores_dense_bit_exact(pipes, dense_images, monkeypatch):
+    "The validation render fails after every planned Linear was converted, under torchao and again under the emulation retry."
+    pipe = copy.deepcopy(pipes['z-image'])
+    before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
+    seen = []
+    def dies(p, status, device):
+        seen.append((len(quantized_linears(p.transformer)), type(p.transformer.layers[0].attention.to_q).__name__))
+        raise G._ForwardFailed('RuntimeError: kernel died (forced)')
+    monkeypatch.setattr(G, '_validate', dies)
+    out, st = load_pipeline_quantized(pipe, transformer_quant='int8', compile=False, min_features=0)
+    planned = n_planned(pipes['z-image'], 'int8')
+    assert [n for n, _ in seen] == [planned, planned] and seen[0][1] != seen[1][1], seen  # torchao, then emulated
+    assert (st['path'], st['scheme'], st['linears_quantized']) == ('dense', None, 0), st
+    assert st['fallback_reason'] == 'int8 (emulate): _ForwardFailed: RuntimeError: kernel died (forced)', st['fallback_reason']
     assert quantized_linears(pipe.transformer) == []
-    assert torch.equal(render(pipe, steps=1), dense_images['z-image'])  # the dense weights are the very same
+    assert all(torch.equal(before[k], v) for k, v in pipe.transformer.state_dict().items())
+    assert torch.equal(render(out, steps=1), dense_images['z-image'])
 
 
-def test_half_way_failure_falls_back_to_gguf(pipes, monkeypatch, tmp_path):
+def test_a_failure_at_a_linear_falls_back_to_gguf(pipes, tmp_path, fail_at_kth_linear):
     gpath = write_gguf(pipes['z-image'].transformer, tmp_path/'z.gguf')
-    _dies_half_way(monkeypatch, PartialQuantizationError('int8', 'torchao', ['layers.0.attention.to_q'], None, RuntimeError('x')))
-    pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', gguf=gpath, compile=False,
-                                       min_features=0)
-    assert st['path'] == 'gguf' and 'PartialQuantizationError' in st['fallback_reason']
+    pipe = copy.deepcopy(pipes['z-image'])
+    rec = fail_at_kth_linear('int8', 'torchao', 3, exc=torch.OutOfMemoryError('CUDA out of memory (forced)'), within=[pipe.transformer])
+    pipe, st = load_pipeline_quantized(pipe, transformer_quant='int8', gguf=gpath, compile=False, min_features=0)
+    assert rec.fired and st['path'] == 'gguf', st
+    assert st['fallback_reason'].startswith('int8 (auto): QuantizationError') and 'out of memory' in st['fallback_reason']
     assert st['linears_quantized'] == sum(is_gguf_linear(m) for m in pipe.transformer.modules()) > 0
     assert quantized_linears(pipe.transformer) == [] and torch.isfinite(render(pipe, steps=1)).all()
+    assert set(st['quant_plan'].components['transformer'].skipped.values()) == {f'GGUF {gpath}'}
 
 
-def test_a_restore_that_fails_is_never_returned(pipes, monkeypatch, tmp_path):
-    _dies_half_way(monkeypatch, RuntimeError('forced'))
-    def broken_restore(module, snapshot, device):
-        raise PartialQuantizationError('restore', 'dense', ['x'], None, RuntimeError('cannot'))
-    monkeypatch.setattr(G, '_restore', broken_restore)
-    with pytest.raises(PartialQuantizationError, match='restore'):
-        load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', compile=False, min_features=0)
-    gpath = write_gguf(pipes['z-image'].transformer, tmp_path/'z.gguf')  # with a GGUF file the broken transformer is replaced
-    pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', gguf=gpath, compile=False,
-                                       min_features=0)
-    assert st['path'] == 'gguf' and quantized_linears(pipe.transformer) == []
+def test_a_restore_that_fails_is_never_returned(pipes, monkeypatch, fail_at_kth_linear):
+    import diffq_lab.plan as P
+    real = P._restore
+    def half_restores(snap):
+        real(snap[:2])
+        raise RuntimeError('cannot restore (forced)')
+    monkeypatch.setattr(P, '_restore', half_restores)
+    pipe = copy.deepcopy(pipes['z-image'])
+    fail_at_kth_linear('int8', 'torchao', 10, within=[pipe.transformer])
+    try: out, st = load_pipeline_quantized(pipe, transformer_quant='int8', compile=False, min_features=0)
+    except Exception: return  # raising is the contract: a half-restored pipeline is never handed back
+    pytest.fail(f"returned path={st['path']!r} with {len(quantized_linears(out.transformer))} quantised Linears left; "
+                f"reason {st['fallback_reason']!r}")
 
 
 def test_a_plan_that_does_not_fit_falls_back(pipes, dense_images, tmp_path):
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', compile=False, min_features=0,
                                        free_bytes=1000)
     assert st['path'] == 'dense' and st['fallback_reason'].startswith('memory plan: the dense transformer')
+    assert st['memory'].startswith('too-large: ')
     assert quantized_linears(pipe.transformer) == [] and torch.equal(render(pipe, steps=1), dense_images['z-image'])
     z = pipes['z-image'].transformer
     gpath = write_gguf(z, tmp_path/'z.gguf')
@@ -195,6 +206,8 @@ def test_gguf_bad_inputs(pipes, tmp_path):
 
 def test_loader_bad_inputs(pipes):
     with pytest.raises(ValueError, match='choose one of'): load_pipeline_quantized(pipes['z-image'], transformer_quant='int3')
+    with pytest.raises(ValueError, match='choose one of'): load_pipeline_quantized(pipes['z-image'], te_quant='int3')
     with pytest.raises(ValueError, match='backend'): load_pipeline_quantized(pipes['z-image'], transformer_quant='int8', backend='cuda')
-    with pytest.raises(ValueError, match='known families'): quantize_transformer(pipes['z-image'].transformer, 'int8', family='nope', dry_run=True)
+    with pytest.raises(ValueError, match='known families'): plan_transformer(pipes['z-image'].transformer, 'int8', family='nope')
     with pytest.raises(ValueError, match='nn.Module'): quantize_transformer('transformer', 'int8')
+    assert all(quantized_linears(m) == [] for m in pipes['z-image'].components.values() if isinstance(m, nn.Module))

@@ -5,10 +5,10 @@ import pytest
 import torch
 from torch import nn
 
-from diffq_lab.gguf import load_pipeline_quantized
+from diffq_lab.gguf import load_pipeline_quantized, write_gguf
 from diffq_lab.memory import linear_bytes, module_bytes, plan_memory, real_dims_components
 from diffq_lab.pipelines import render, tiny_pipeline
-from diffq_lab.transformer import quantize_transformer
+from diffq_lab.transformer import plan_transformer
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
@@ -20,7 +20,7 @@ def test_real_dims_plan_matches_the_parameter_counts(family):
     assert p.transformer_params == sum(t.numel() for t in tr.parameters())
     # the int8 plan: every quantised Linear at one byte a weight plus 5 bytes of scale a row, the rest bf16
     lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
-    picked = set(quantize_transformer(tr, 'int8', dry_run=True).quantized)
+    picked = set(plan_transformer(tr, 'int8').quantized)
     saved = sum(m.in_features * m.out_features - 5 * m.out_features for f, m in lin.items() if f in picked)
     assert p.quant_bytes == p.dense_bytes - saved
     assert p.decision == 'dense+quant'
@@ -35,14 +35,32 @@ def test_plan_encoders_and_vae_are_the_released_sizes():
     assert abs(q.encoder_bytes['text_encoder'] / 2 / 8.29e9 - 1) < 0.001  # Qwen2.5-VL-7B with its vision tower
 
 
-def test_linear_bytes_match_torchao_storage():
+def test_linear_bytes_match_the_stored_bytes_without_bias_and_with_padding():
+    "09_memory checks biased Linears whose dims tile; here no bias, dims the kernels pad, and diffusers' fp8 (bias cast too)."
     from torchao.quantization import quantize_
-    from diffq_lab.schemes import fp8_gate_bypassed, make_config
-    for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'mxfp8'):
-        for k, n, bias in ((64, 16, True), (160, 272, False), (2048, 384, True)):
+    from diffq_lab.plan import quantize
+    from diffq_lab.schemes import fp8_gate_bypassed, make_config, make_filter_fn
+    for k, n, bias in ((160, 272, False), (2048, 384, False), (64, 16, True)):
+        for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'mxfp8'):
             m = nn.Sequential(nn.Linear(k, n, bias=bias)).to(torch.bfloat16)
             with fp8_gate_bypassed(): quantize_(m, make_config(s))
-            assert module_bytes(m) == linear_bytes(k, n, s, bias), (s, k, n)
+            assert module_bytes(m) == linear_bytes(k, n, s, bias), (s, k, n, bias)
+        m = nn.Sequential(nn.Linear(k, n, bias=bias)).to(torch.bfloat16)
+        assert quantize(m, 'fp8_layerwise', make_filter_fn(0)).backend == 'diffusers'
+        assert module_bytes(m) == linear_bytes(k, n, 'fp8_layerwise', bias) < linear_bytes(k, n, None, bias), (k, n, bias)
+
+
+@pytest.mark.parametrize('scheme', [None, 'int8', 'int8wo', 'fp8_layerwise', 'Q8_0'])
+def test_the_plan_is_the_loaded_bytes(scheme, tmp_path):
+    "Live, not from the recorded table 09_memory reads: the loader's resident transformer bytes are the plan's, to the byte."
+    pipe = tiny_pipeline('z-image')
+    p = plan_memory(pipe, None if scheme == 'Q8_0' else scheme, 'cpu', min_features=0, free_bytes=2**34)
+    gguf = write_gguf(pipe.transformer, tmp_path/'z.gguf') if scheme == 'Q8_0' else None
+    out, st = load_pipeline_quantized(pipe, transformer_quant=None if gguf else scheme, gguf=gguf, compile=False, min_features=0)
+    assert st['path'] == ('gguf' if gguf else 'quant' if scheme else 'dense'), st
+    assert st['backend'] in (None, 'torchao', 'diffusers'), st  # real storage, not the bf16 emulation
+    want = p.gguf_bytes if gguf else p.quant_bytes if scheme else p.dense_bytes
+    assert st['mem_load_bytes'] == want, (scheme, st['mem_load_bytes'], want)
 
 
 def test_plan_from_a_pipeline_folder_equals_the_plan_of_the_pipeline(tmp_path):
