@@ -267,7 +267,8 @@ def test_quality_pairs_records_a_failing_scheme(monkeypatch):
         return real(pipe, scheme, **kw)
     monkeypatch.setattr(te, 'quantize_text_encoders', flaky)
     t = Q.quality_pairs(schemes=('mxfp8', 'fp8wo'), seeds=(0,), prompts=Q.QUALITY_PROMPTS[:1])
-    assert list(t.scheme) == ['mxfp8', 'fp8wo']
+    assert list(t.requested) == ['mxfp8', 'fp8wo'] and list(t.status) == ['failed', 'ok']
+    assert t.scheme.iloc[1] == 'fp8wo'  # keyed by what ran, read from the applied plan
     assert t.error.iloc[0] == 'RuntimeError: kernel exploded' and math.isnan(t.ssim.iloc[0]) and t.ssim.iloc[1] > 0.9
 
 

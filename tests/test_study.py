@@ -8,13 +8,13 @@ import diffq_lab.study as S
 from diffq_lab.core import load_table
 from diffq_lab.gguf import write_gguf
 from diffq_lab.pipelines import tiny_pipeline
-from diffq_lab.transformer import denoisers, quantize_transformer
+from diffq_lab.transformer import denoisers, plan_transformer
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
 
 def n_planned(pipe, scheme, min_features=0):
-    return sum(quantize_transformer(m, scheme, min_features=min_features, dry_run=True).n_quantized for m in denoisers(pipe).values())
+    return sum(plan_transformer(m, scheme, min_features=min_features).n_quantized for m in denoisers(pipe).values())
 
 
 def test_bench_rows_and_record(tmp_path):
@@ -47,3 +47,17 @@ def test_bench_takes_a_gguf_file_and_refuses_nonsense(tmp_path):
     with pytest.raises(ValueError, match='gguf must be'): S.transformer_bench(sd3, gguf='Q3_K')
     with pytest.raises(ValueError, match='runs'): S.transformer_bench(sd3, runs=0)
     with pytest.raises(ValueError, match='dims'): S.transformer_bench('sd3', dims='huge')
+
+
+def test_a_failing_scheme_is_a_row_and_the_others_still_run(monkeypatch):
+    "The study's per-scheme runner turns one scheme's failure into its row; the rows key on the applied plan."
+    import diffq_lab.study as S
+    real = S.load_pipeline_quantized
+    def dies_for_fp8wo(pipe, **kw):
+        if kw.get('transformer_quant') == 'fp8wo': raise RuntimeError('no kernel (forced)')
+        return real(pipe, **kw)
+    monkeypatch.setattr(S, 'load_pipeline_quantized', dies_for_fp8wo)
+    st = S.run_study(schemes=['int8wo', 'fp8wo'], seeds=(0,), prompts=S.STUDY_PROMPTS[:1], device='cpu', progress=False)
+    assert list(st.requested) == ['dense', 'int8wo', 'fp8wo'] and list(st.status) == ['ok', 'ok', 'failed']
+    assert st.error.iloc[2] == 'RuntimeError: no kernel (forced)' and st.transformer_scheme.iloc[1] == 'int8wo'
+    assert st.plan.iloc[1] and len(st.plan.iloc[1]) == 12  # the applied plan's digest travels with the row
