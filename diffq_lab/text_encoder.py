@@ -360,7 +360,7 @@ def te_cosine(pipe, schemes=SCHEMES, *, backend: str = 'auto', keep=None, prompt
                           scheme='+'.join(applied), backend='+'.join(sorted({p.backend for p in comps if p.backend})) or None,
                           keep=_keep_label(s, applied, keep, fam), linears=sum(p.n_linear for p in comps),
                           quantized=sum(p.n_quantized for p in comps), **embedding_cosine(dense, prompt_embeddings(pipe, prompts)),
-                          note=' | '.join(sorted({p.note or p.summary() for p in comps}))[:300])
+                          note=' | '.join(sorted({p.summary() + (f' ({p.note})' if p.note else '') for p in comps}))[:300])
     try: rows = run_schemes(schemes, one)
     finally: _swap_encoders(pipe, dense_encoders)
     return pd.DataFrame(rows)

@@ -85,8 +85,10 @@ def test_every_scheme_finite_and_close(pipes, family):
     assert list(t.requested) == list(SCHEMES) and (t.status == 'ok').all(), t[t.status != 'ok'].to_dict('records')
     for _, row in [*t.iterrows(), *extra.iterrows()]:
         assert row.finite, row.to_dict()
-        if row.scheme == 'dense':  # only int8 whose schedule covers the 2-layer tiny stack (flux.2-dev 3+0, qwen-image 6+6)
-            assert row.requested == 'int8' and row.quantized == 0 and family in ('flux.2-dev', 'qwen-image'), row.to_dict()
+        if row.scheme == 'dense':  # int8 whose schedule covers the 2-layer tiny stack (flux.2-dev 3+0, qwen-image 6+6), or a
+            # scheme whose shape rule no tiny Linear meets (int4wo's groups of 128 along K), said in the row
+            covered = row.requested == 'int8' and family in ('flux.2-dev', 'qwen-image')
+            assert row.quantized == 0 and (covered or 'not divisible by' in row.note), row.to_dict()
             assert row.cosine_min > 0.99999, row.to_dict()  # dense: the embeddings of the dense encoders
             continue
         assert row.quantized > 0, row.to_dict()  # something was really cast
