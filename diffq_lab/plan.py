@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import atomic_write_text, resolve_device
+from .core import atomic_write_text, resolve_device, results_dir
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
@@ -20,8 +20,8 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError', 'RestoreError',
-           'apply_plan', 'quantize', 'run_schemes']
+__all__ = ['APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError',
+           'RestoreError', 'apply_plan', 'quantize', 'save_plans', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -266,6 +266,16 @@ def quantize(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', d
     return apply_plan(module, plan).components[''] if plan.quantized else plan
 
 # %% ../nbs/04_plan.ipynb #26807ca6
+APPLIED: dict[str, QuantPlan] = {}  # digest -> plan, for every plan a row of this process was made from
+
+def save_plans(digests, root=None) -> list[Path]:
+    "Write the applied plans behind `digests` (a table's `plan` column) as `plans/<digest>.json` beside the results tables."
+    out = []
+    for d in dict.fromkeys(x for x in digests if isinstance(x, str) and x):
+        if d not in APPLIED: raise ValueError(f'no applied plan {d!r} in this process: record the rows where they were measured')
+        out.append(APPLIED[d].save(results_dir(root)/'plans'/f'{d}.json'))
+    return out
+
 def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> list[dict]:
     "For each scheme: `run(scheme) -> (applied QuantPlan or None, measurements)`; one row each, failures included."
     requested = [normalize_scheme(s) if s is not None else None for s in schemes]  # every name checked before any work
@@ -277,6 +287,7 @@ def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> 
     for s in it:
         try:
             plan, measured = run(s)
+            if plan is not None: APPLIED[plan.digest()] = plan
             rows.append({'requested': s or 'dense', **(plan.columns() if plan is not None else {}), **measured,
                          'status': 'ok', 'error': ''})
         except Exception as e:  # noqa: BLE001 -- one scheme failing is a result; the others still run

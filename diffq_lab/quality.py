@@ -260,6 +260,8 @@ def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), pro
 
 def record_quality(root=None, **kwargs) -> pd.DataFrame:
     "Measure `quality_pairs` and append it to the 'quality_pairs' results table."
+    from diffq_lab.plan import save_plans
     table = quality_pairs(**kwargs)
     append_rows('quality_pairs', table.to_dict('records'), root=root, device=kwargs.get('device'))
+    save_plans(table.plan, root)  # each row's digest opens its applied plan
     return table

@@ -17,7 +17,7 @@ from .core import (as_dtype, resolve_device, device_name, append_rows, markdown_
 from .core import fidelity
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
-from .plan import QuantPlan, quantize, run_schemes
+from .plan import QuantPlan, quantize, run_schemes, save_plans
 from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, real_dims_pipeline
@@ -207,7 +207,9 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
     if record:
         append_rows('capability', cap.to_dict('records'), root=root, device=device)
         append_rows('study_numerics', num.to_dict('records'), root=root, device=device)
+        save_plans(num.plan, root)
         append_rows('study', study.to_dict('records'), root=root, device=device)
+        save_plans(study.plan, root)  # each row's digest opens its applied plan
     if out is not None:
         extra = (f'## Capability\n\n{format_report(cap)}\n\n## Scheme numerics on a bf16 MLP block\n\n{markdown_table(summary)}\n\n')
         write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}', extra)
@@ -293,6 +295,7 @@ def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
     "Run `transformer_bench(**kwargs)` and append its rows to the 'transformer_bench' results table (run by hand)."
     df = transformer_bench(**kwargs)
     append_rows('transformer_bench', df.to_dict('records'), root=root, device=kwargs.get('device'))
+    save_plans(df.plan, root)  # each row's digest opens its applied plan
     return df
 
 # %% ../nbs/15_study.ipynb #79a8ae8e

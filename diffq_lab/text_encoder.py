@@ -14,7 +14,7 @@ from .core import append_rows, resolve_device, device_name
 from .schemes import SCHEMES, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
-from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, run_schemes
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, run_schemes, save_plans
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
 
 log = logging.getLogger(__name__)
@@ -379,6 +379,7 @@ def record_te_cosine(root=None, **kwargs) -> pd.DataFrame:
     "Measure `te_cosine_table` (every tiny family x scheme) and append it to the 'te_cosine' results table."
     table = te_cosine_table(**kwargs)
     append_rows('te_cosine', table.to_dict('records'), root=root, device='cpu')
+    save_plans(table.plan, root)  # each row's digest opens its applied plan
     return table
 
 # %% ../nbs/06_text_encoders.ipynb #7932f61b

@@ -16,7 +16,7 @@ def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert 'Scheme numerics' in out and 'encoder + transformer quantised per scheme' in out
     assert sorted(p.name for p in (tmp_path/'out').iterdir()) == ['grid.png', 'report.html', 'report.md']
-    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'study.csv', 'study_numerics.csv']
+    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'plans', 'study.csv', 'study_numerics.csv']
 
 @pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--steps', '0'], ['study', '--family', 'sdxl-turbo'],
                                   ['study', '--prompts', '/no/such/prompts.txt'], ['study', '--model', 'not-a-model'],
