@@ -220,8 +220,7 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
 def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -> dict:
     "PSNR, SSIM and LPIPS (where it can run) from `diffq_lab.quality`, plus the cosine of the mean-centred images, of `x` vs `ref`."
     q = quality_metrics(x, ref, with_lpips=with_lpips)
-    a, b = (x.double() - x.double().mean()).flatten(), (ref.double() - ref.double().mean()).flatten()
-    cos = (a @ b / (a.norm() * b.norm())).item() if a.norm() > 0 and b.norm() > 0 else float('nan')
+    cos = fidelity(x.double() - x.double().mean(), ref.double() - ref.double().mean())['cosine']  # the lab's one fidelity function
     keep = ('psnr', 'ssim', 'lpips', 'lpips_unavailable')
     return {**{k: q[k] for k in keep if k in q}, 'cosine': cos}
 
