@@ -50,6 +50,8 @@ def parser() -> argparse.ArgumentParser:
     study.add_argument('--schemes', type=_scheme_list(), default='all', help="comma list of schemes, or 'all'")
     study.add_argument('--out', default='out/study', help='report folder (default: out/study)')
     study.add_argument('--no-record', action='store_true', help='do not append rows to data/results')
+    study.add_argument('--allow-dirty', action='store_true',
+                       help='record into data/results from a code tree with uncommitted changes (the rows say +dirty)')
     study.add_argument('--seeds', type=_int_list, default=[0, 1], help='comma list of seeds (default 0,1)')
     study.add_argument('--prompts', type=_prompt_file, default=None, help='a text file, one prompt a line (# comments)')
     study.add_argument('--random-weights', action='store_true', help='study the random-weight tiny pipeline, not the trained one')
@@ -102,10 +104,10 @@ def _run(args) -> int:
         if args.transformer_quant is None:
             from diffq_lab.pipelines import get_family
             trained = args.model is None and get_family(args.family).name == 'z-image' and not args.random_weights
-            default_study(args.device, schemes=args.schemes, out=Path(args.out), record=not args.no_record, family=args.family,
+            default_study(args.device, schemes=args.schemes, out=args.out, record=not args.no_record, family=args.family,
                           model=args.model, trained=trained, steps=args.steps, size=args.size, seeds=args.seeds, prompts=args.prompts,
                           compile=args.compile, te_quant='te' in args.parts, transformer_quant='transformer' in args.parts,
-                          min_features=args.min_features)
+                          min_features=args.min_features, allow_dirty=args.allow_dirty)
         else:
             if args.model is not None and not Path(args.model).exists() and '/' not in args.model:
                 raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')

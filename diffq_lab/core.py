@@ -4,7 +4,8 @@
 
 # %% ../nbs/00_core.ipynb #22cc86dc
 from __future__ import annotations
-import datetime, math, os, platform, re, subprocess, tempfile, uuid
+import contextlib, csv, datetime, io, math, os, platform, re, subprocess, tempfile, uuid
+from filelock import FileLock
 from importlib.metadata import version as _pkg_version, PackageNotFoundError
 from pathlib import Path
 import pandas as pd
@@ -12,8 +13,9 @@ import torch
 
 # %% auto #0
 __all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'fidelity', 'repo_root',
-           'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'load_table',
-           'append_rows', 'latest_run', 'markdown_table', 'provenance']
+           'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable',
+           'DamagedTable', 'load_table', 'check_recordable', 'record_tables', 'append_rows', 'latest_run',
+           'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 def resolve_device(device=None) -> torch.device:
@@ -116,34 +118,108 @@ def _table_path(kind, root=None) -> Path:
         raise ValueError(f"bad table kind {kind!r}: use lowercase letters, digits, '_' and '-'")
     return results_dir(root)/f'{kind}.csv'
 
-def atomic_write_text(path, text: str):
-    "Write `text` to `path` through a temp file in the same folder and a rename, so readers never see half a file."
-    path = Path(path)
+def _stage(path: Path, text: str) -> Path:
+    "`text` written to a temp file beside `path`, with `path`'s mode (or the umask's default): ready to rename over it."
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
     try:
         with os.fdopen(fd, 'w', encoding='utf-8') as f: f.write(text)
-        os.replace(tmp, path)
+        umask = os.umask(0); os.umask(umask)
+        os.chmod(tmp, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)  # mkstemp makes 0600
+        return Path(tmp)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
 
-# %% ../nbs/00_core.ipynb #9d903863
-def load_table(kind, root=None) -> pd.DataFrame:
-    "The results table `kind` as a DataFrame (empty when nothing was recorded yet)."
-    path = _table_path(kind, root)
-    return pd.read_csv(path) if path.exists() else pd.DataFrame()
+def atomic_write_text(path, text: str):
+    "Write `text` to `path` through a temp file in the same folder and a rename (keeping its mode), so readers never see half a file."
+    path = Path(path)
+    if path.is_dir(): raise ValueError(f'{path} is a folder, not a file to write')
+    tmp = _stage(path, text)
+    try: os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
-def append_rows(kind, rows, root=None, device=None) -> pd.DataFrame:
-    "Append `rows` (dicts) to table `kind`, each stamped with the fingerprint; returns the whole table."
+def check_writable(folder) -> Path:
+    "`folder`, created if needed, after proving a file can be written there: ValueError naming it otherwise."
+    if isinstance(folder, str) and not folder.strip(): raise ValueError('an output folder must be named, got an empty path')
+    folder = Path(folder)
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=folder, prefix='.write-probe-'); os.close(fd); os.unlink(probe)
+    except OSError as e: raise ValueError(f'cannot write into {folder}: {e.strerror or e}') from e
+    return folder
+
+# %% ../nbs/00_core.ipynb #9d903863
+class DamagedTable(ValueError):
+    "A results table that does not parse cleanly: refused, and left as it is."
+
+def _parse_strict(path: Path) -> pd.DataFrame:
+    if path.is_dir(): raise DamagedTable(f'{path} is a folder, not a results table')
+    text = path.read_text(encoding='utf-8')
+    if not text: return pd.DataFrame()
+    lines = text.count('\n') + (not text.endswith('\n'))
+    if not text.endswith('\n'):
+        raise DamagedTable(f'{path}, line {lines}: the last line is cut short (no newline at the end); the table was left as it is')
+    reader = csv.reader(io.StringIO(text))
+    header = next(reader)
+    for record in reader:
+        if len(record) != len(header):
+            raise DamagedTable(f'{path}, line {reader.line_num}: {len(record)} fields where the header has {len(header)}; '
+                               'the table was left as it is')
+    return pd.read_csv(io.StringIO(text))
+
+def load_table(kind, root=None) -> pd.DataFrame:
+    "The results table `kind` as a DataFrame (empty when nothing was recorded yet); a damaged table raises `DamagedTable`."
+    path = _table_path(kind, root)
+    return _parse_strict(path) if path.exists() else pd.DataFrame()
+
+def _lock(path: Path) -> FileLock:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    return FileLock(str(path.parent/f'.{path.name}.lock'), timeout=120)
+
+def _check_clean_tree(root, allow_dirty):
+    "Refuse recording into the checkout's own data/results from a code tree with uncommitted changes, unless allowed."
+    if allow_dirty or os.environ.get('DIFFQ_LAB_ALLOW_DIRTY') == '1': return
+    if results_dir(root).resolve() != (repo_root()/'data'/'results').resolve(): return  # a scratch folder: anything goes
+    sha = git_sha()
+    if sha and sha.endswith('+dirty'):
+        raise ValueError(f'the code tree has uncommitted changes ({sha}): commit them before recording into data/results, '
+                         'or allow it (allow_dirty=True, DIFFQ_LAB_ALLOW_DIRTY=1, `--allow-dirty`) and the rows will say +dirty')
+
+def check_recordable(kinds, root=None, allow_dirty: bool = False):
+    "Before any work: the tree may record here, the results folder is writable, and every table `kinds` names parses."
+    _check_clean_tree(root, allow_dirty)
+    check_writable(results_dir(root))
+    for k in kinds: load_table(k, root)
+
+def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = False) -> dict[str, pd.DataFrame]:
+    "Append rows to several tables as one recording: one run id, all of them written or none; the whole tables back."
+    tables = {k: [dict(v)] if isinstance(v, dict) else [dict(r) for r in v] for k, v in tables.items()}
+    if not tables or not all(tables.values()): raise ValueError('a recording needs at least one row per table')
+    paths = {k: _table_path(k, root) for k in tables}
+    _check_clean_tree(root, allow_dirty)
+    fp = fingerprint(device)
+    run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}"  # one id per recording: its rows stay together across tables
+    with contextlib.ExitStack() as locks:
+        for k in sorted(paths): locks.enter_context(_lock(paths[k]))  # a fixed order: two recorders never deadlock
+        out = {k: pd.concat([load_table(k, root), pd.DataFrame([{'run': run, **fp, **r} if 'utc' not in r else r
+                                                                for r in rows])], ignore_index=True)
+               for k, rows in tables.items()}  # every table parsed (strictly) before any is touched
+        staged = {}
+        try:
+            for k, df in out.items(): staged[k] = _stage(paths[k], df.to_csv(index=False))
+            for k, tmp in staged.items(): os.replace(tmp, paths[k])
+        finally:
+            for tmp in staged.values(): tmp.unlink(missing_ok=True)
+    return out
+
+def append_rows(kind, rows, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
+    "Append `rows` (dicts) to table `kind`, each stamped with the fingerprint, under a lock; returns the whole table."
     rows = [dict(rows)] if isinstance(rows, dict) else [dict(r) for r in rows]
     if not rows: raise ValueError('append_rows needs at least one row')
-    fp = fingerprint(device)
-    run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}"  # one id per call: a recording's rows stay together
-    stamped = [{'run': run, **fp, **r} if 'utc' not in r else r for r in rows]
-    table = pd.concat([load_table(kind, root), pd.DataFrame(stamped)], ignore_index=True)
-    atomic_write_text(_table_path(kind, root), table.to_csv(index=False))
-    return table
+    return record_tables({kind: rows}, root, device, allow_dirty)[kind]
 
 def latest_run(table: pd.DataFrame, **where) -> pd.DataFrame:
     "The rows of `table` (filtered by `where` column=value pairs) from the last `append_rows` call that wrote any."

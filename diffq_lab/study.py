@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import (as_dtype, resolve_device, device_name, append_rows, markdown_table, atomic_write_text, utc_now,
+                            check_recordable, check_writable, record_tables,
                             fingerprint, provenance)
 from .core import fidelity
 from .capability import capability_report, format_report, real_path
@@ -190,11 +191,15 @@ def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
     wide.columns = [f'{m}_{k}' for m, k in wide.columns]
     return wide.reset_index().sort_values(f'rel_err_{num.tokens.iloc[0]}').reset_index(drop=True)
 
-def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True, **study_kw) -> dict:
+def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
+                  allow_dirty: bool = False, **study_kw) -> dict:
     "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
     device = resolve_device(device)
     _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
                       study_kw.get('size', 32), study_kw.get('seeds', (0,)), STUDY_PROMPTS if study_kw.get('prompts') is None else study_kw['prompts'])
+    # every output is checked before any work: a study never leaves some of its rows or half a report behind
+    if record: check_recordable(('capability', 'study_numerics', 'study'), root, allow_dirty)
+    if out is not None: check_writable(out)
     t0 = time.perf_counter()
     cap = capability_report(device)
     log(f'## Capability\n\n{format_report(cap)}\n')
@@ -204,15 +209,13 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
     study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
     log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
         f'{markdown_table(study, cols=STUDY_COLS)}\n')
-    if record:
-        append_rows('capability', cap.to_dict('records'), root=root, device=device)
-        append_rows('study_numerics', num.to_dict('records'), root=root, device=device)
-        save_plans(num.plan, root)
-        append_rows('study', study.to_dict('records'), root=root, device=device)
-        save_plans(study.plan, root)  # each row's digest opens its applied plan
-    if out is not None:
+    if out is not None:  # the report first: a failure there leaves no rows
         extra = (f'## Capability\n\n{format_report(cap)}\n\n## Scheme numerics on a bf16 MLP block\n\n{markdown_table(summary)}\n\n')
         write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}', extra)
+    if record:
+        save_plans([*num.plan, *study.plan], root)  # each row's digest opens its applied plan
+        record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
+                       'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty)  # all three or none
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
     return dict(capability=cap, numerics=num, summary=summary, study=study)
 

@@ -16,7 +16,7 @@ def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
     out = capsys.readouterr().out
     assert 'Scheme numerics' in out and 'encoder + transformer quantised per scheme' in out
     assert sorted(p.name for p in (tmp_path/'out').iterdir()) == ['grid.png', 'report.html', 'report.md']
-    assert sorted(p.name for p in (tmp_path/'results').iterdir()) == ['capability.csv', 'plans', 'study.csv', 'study_numerics.csv']
+    assert sorted(p.name for p in (tmp_path/'results').iterdir() if not p.name.startswith('.')) == ['capability.csv', 'plans', 'study.csv', 'study_numerics.csv']
 
 @pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--steps', '0'], ['study', '--family', 'sdxl-turbo'],
                                   ['study', '--prompts', '/no/such/prompts.txt'], ['study', '--model', 'not-a-model'],
@@ -44,3 +44,24 @@ def test_study_on_a_saved_pipeline_folder(tmp_path, monkeypatch, capsys):
                  '--out', str(tmp_path/'out'), '--min-features', '0']) == 0
     out = capsys.readouterr().out
     assert str(tmp_path/'zimage') in out and '| int8wo' in out
+
+
+def test_a_damaged_table_stops_the_study_before_any_work(tmp_path, monkeypatch, capsys):
+    "A table cut mid-line: the recording run exits 2 naming it, and the file stays byte for byte as it was."
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    from diffq_lab.core import append_rows
+    append_rows('study', dict(scheme='int8', ssim=0.9983), device='cpu')
+    path = tmp_path/'results'/'study.csv'
+    path.write_text(path.read_text()[:-5])
+    before = path.read_bytes()
+    with pytest.raises(SystemExit) as e: main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')])
+    assert e.value.code == 2 and 'study.csv, line 2' in capsys.readouterr().err
+    assert path.read_bytes() == before and not (tmp_path/'out').exists()
+
+
+@pytest.mark.parametrize('out', ['/proc/diffq-lab-report', ''])
+def test_an_unwritable_out_exits_2_before_any_row(tmp_path, monkeypatch, out, capsys):
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    with pytest.raises(SystemExit) as e: main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', out])
+    assert e.value.code == 2 and ('cannot write' in capsys.readouterr().err or out == '')
+    assert not (tmp_path/'results').exists() or not list((tmp_path/'results').glob('*.csv'))

@@ -21,7 +21,7 @@ def test_failed_write_leaves_old_table(tmp_path, monkeypatch):
     monkeypatch.setattr(core.os, 'replace', boom)
     with pytest.raises(OSError): append_rows('t', dict(a=2), root=tmp_path, device='cpu')
     assert (tmp_path/'t.csv').read_text() == before
-    assert sorted(p.name for p in tmp_path.iterdir()) == ['t.csv']
+    assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith('.lock')) == ['t.csv']
 
 def test_bad_inputs(tmp_path):
     with pytest.raises(ValueError, match='at least one row'): append_rows('t', [], root=tmp_path)
@@ -60,3 +60,58 @@ def test_sync_check_catches_hand_edit(lab_copy):
     core_py.write_text(core_py.read_text() + '\nHAND_EDIT = 1\n')
     r = _sync_check(lab_copy)
     assert r.returncode != 0 and 'DRIFT' in r.stdout, r.stdout + r.stderr
+
+
+_WRITER = """
+import sys
+from diffq_lab.core import append_rows
+for i in range(40): append_rows('shared', dict(writer=sys.argv[2], i=i), root=sys.argv[1], device='cpu')
+"""
+
+def test_two_writers_keep_every_row(tmp_path):
+    "Two processes appending 40 rows each to one table, one row a call: the lock keeps all 80 (without it: 53 of 80)."
+    procs = [subprocess.Popen([sys.executable, '-c', _WRITER, str(tmp_path), w], env={**os.environ, 'OMP_NUM_THREADS': '1'})
+             for w in 'ab']
+    assert all(p.wait(timeout=300) == 0 for p in procs)
+    t = load_table('shared', tmp_path)
+    assert len(t) == 80 and sorted(t.groupby('writer').i.apply(sorted).sum()) == sorted(list(range(40)) * 2)
+
+
+@pytest.mark.parametrize('damage', ['cut', 'extra field'])
+def test_a_damaged_table_is_refused_and_left_byte_identical(tmp_path, damage):
+    append_rows('t', [dict(ssim=0.9983, psnr=41.2), dict(ssim=0.97, psnr=38.0)], root=tmp_path, device='cpu')
+    path = tmp_path/'t.csv'
+    text = path.read_text()
+    path.write_text(text[:-6] if damage == 'cut' else text + 'x,y,z\n')  # cut mid-line, or a record of 3 fields
+    before = path.read_bytes()
+    with pytest.raises(core.DamagedTable, match=r't\.csv, line \d+'): append_rows('t', dict(ssim=0.5), root=tmp_path, device='cpu')
+    with pytest.raises(core.DamagedTable): load_table('t', tmp_path)
+    assert path.read_bytes() == before
+
+
+def test_a_table_that_is_a_folder_is_refused(tmp_path):
+    (tmp_path/'t.csv').mkdir()
+    with pytest.raises(ValueError, match='is a folder'): append_rows('t', dict(a=1), root=tmp_path, device='cpu')
+
+
+def test_recording_into_the_checkout_from_a_dirty_tree_is_refused(monkeypatch):
+    monkeypatch.setattr(core, 'git_sha', lambda path=None: 'abc123+dirty')
+    monkeypatch.delenv('DIFFQ_LAB_ALLOW_DIRTY', raising=False)
+    monkeypatch.delenv('DIFFQ_LAB_RESULTS', raising=False)
+    with pytest.raises(ValueError, match='uncommitted changes'): core._check_clean_tree(None, allow_dirty=False)
+    core._check_clean_tree(None, allow_dirty=True)                      # asked for: allowed, and the rows say +dirty
+    monkeypatch.setenv('DIFFQ_LAB_ALLOW_DIRTY', '1'); core._check_clean_tree(None, allow_dirty=False)
+
+
+def test_a_recording_is_all_or_nothing_across_tables(tmp_path, monkeypatch):
+    append_rows('a', dict(x=1), root=tmp_path, device='cpu')
+    before = (tmp_path/'a.csv').read_bytes()
+    real, calls = os.replace, []
+    def second_rename_fails(src, dst):
+        calls.append(dst)
+        if len(calls) == 1: raise OSError('disk full (forced)')
+        return real(src, dst)
+    monkeypatch.setattr(core.os, 'replace', second_rename_fails)
+    with pytest.raises(OSError): core.record_tables({'a': [dict(x=2)], 'b': [dict(y=1)]}, root=tmp_path, device='cpu')
+    assert (tmp_path/'a.csv').read_bytes() == before and not (tmp_path/'b.csv').exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.endswith('.tmp')]
