@@ -176,8 +176,11 @@ def load_table(kind, root=None) -> pd.DataFrame:
     return _parse_strict(path) if path.exists() else pd.DataFrame()
 
 def _lock(path: Path) -> FileLock:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    return FileLock(str(path.parent/f'.{path.name}.lock'), timeout=120)
+    "The inter-process lock of table `path`, kept in the system's temp folder so the results folder holds only tables."
+    folder = Path(tempfile.gettempdir())/'diffq_lab-locks'
+    folder.mkdir(exist_ok=True)
+    key = re.sub(r'[^A-Za-z0-9]+', '_', str(path.resolve()))[-150:]
+    return FileLock(str(folder/f'{key}.lock'), timeout=120)
 
 def _check_clean_tree(root, allow_dirty):
     "Refuse recording into the checkout's own data/results from a code tree with uncommitted changes, unless allowed."

@@ -175,6 +175,7 @@ class Emulation:
     reference: Callable                 # device -> (kind, build(linear) -> callable), or None where no real path runs
     ulps: float = 0                     # agreement tolerance on a CPU, in bf16 ulps of the largest output
     granularities: tuple[str, ...] = ('row',)
+    needs_2d: bool = True               # the forward takes (tokens, K) only (torch.mm); False: any leading shape (F.linear)
     cast_bias: Callable | None = None   # what storage does to the bias (layerwise casting stores it in fp8)
 
 EMULATIONS: dict[str, Emulation] = {}
@@ -218,6 +219,7 @@ class EmulatedLinear(FakeQuantLinear):
         if weight.ndim != 2 or not weight.is_floating_point():
             raise ValueError(f'expected a 2-D floating-point weight, got {tuple(weight.shape)} {weight.dtype}')
         self.scheme, self.granularity, self.mm_dtype = get_scheme(scheme), granularity, mm_dtype
+        self._forward, self._any_shape = emu.forward, not emu.needs_2d  # plain attributes: the forward looks nothing up
         self.out_features, self.in_features = weight.shape
         with torch.no_grad():
             qweight, scale = emu.quantize_weight(weight.detach(), granularity == 'row')
@@ -248,9 +250,9 @@ class EmulatedLinear(FakeQuantLinear):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._any_shape or x.ndim == 2: return self._forward(self, x)  # no reshapes: as cheap as nn.Linear's call
         shape = x.shape
-        y = EMULATIONS[self.scheme.name].forward(self, x.reshape(-1, shape[-1]))
-        return y.reshape(*shape[:-1], self.out_features)
+        return self._forward(self, x.reshape(-1, shape[-1])).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, '
@@ -366,7 +368,7 @@ def _fwd_fp8(m, x):
 @register_emulation('fp8wo', activation='bf16', weight='fp8 e4m3 per output channel, amax/448',
                     mirrors='Float8WeightOnlyConfig: Float8Tensor.dequantize + matmul',
                     quantize_weight=lambda w, rowwise: ((fp8_rowwise if rowwise else fp8_tensorwise)(w), None),
-                    reference=real_or(), granularities=GRANULARITIES)
+                    reference=real_or(), granularities=GRANULARITIES, needs_2d=False)
 def _fwd_dequant_matmul(m, x):
     # Float8Tensor weight-only branch: matmul(x, w.dequantize()) then + bias
     y = torch.matmul(x, _w(m, x).t())
@@ -374,7 +376,8 @@ def _fwd_dequant_matmul(m, x):
 
 def _fwd_linear(m, x):
     "F.linear with the dequantised weight: NVFP4 weight-only, diffusers layerwise casting."
-    return F.linear(x, _w(m, x), _b(m, x))
+    w, b = m.qweight, m.bias  # read once each: a module attribute lookup costs as much as a small op here
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b if b is None or b.dtype == x.dtype else b.to(x.dtype))
 
 def _layerwise_reference(scheme, device):
     def build(linear):
@@ -387,7 +390,7 @@ def _layerwise_reference(scheme, device):
 
 register_emulation('fp8_layerwise', activation='bf16', weight='fp8 e4m3 storage, no scale (bias too)',
                    mirrors='diffusers apply_layerwise_casting', quantize_weight=lambda w, rowwise: (fp8_cast(w), None),
-                   reference=_layerwise_reference, cast_bias=fp8_cast)(_fwd_linear)
+                   reference=_layerwise_reference, cast_bias=fp8_cast, needs_2d=False)(_fwd_linear)
 
 # %% ../nbs/02_emulate.ipynb #e3a00006
 def _nvfp4_torchao_dequant(t: torch.Tensor) -> torch.Tensor:
@@ -408,14 +411,14 @@ def _nvfp4_2d(scheme, device):
 
 @register_emulation('nvfp4', activation='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                     weight='NVFP4 (same)', mirrors='NVFP4DynamicActivationNVFP4WeightConfig: nvfp4_quantize',
-                    quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_tensor_roundtrip))
+                    quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_tensor_roundtrip), needs_2d=False)
 def _fwd_nvfp4(m, x):
     # nvfp4_linear: activation NVFP4Tensor.to_nvfp4(x, per_tensor_amax_to_scale(amax(x))), then the fp4 GEMM
     return F.linear(nvfp4(x), _w(m, x), _b(m, x))
 
 register_emulation('nvfp4wo', activation='bf16', weight='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                    mirrors='NVFP4WeightOnlyConfig: NVFP4Tensor.dequantize + linear',
-                   quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_2d))(_fwd_linear)
+                   quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_2d), needs_2d=False)(_fwd_linear)
 
 def _mx_emulated_kernel(scheme, device):
     "torchao's own MX path with `KernelPreference.EMULATED`: runs wherever torch does."
@@ -427,7 +430,7 @@ def _mx_emulated_kernel(scheme, device):
 @register_emulation('mxfp8', activation='MXFP8: e4m3, blocks of 32, e8m0 scale (torchao_mx_scaling(): RCEIL)',
                     weight='MXFP8 (same)', mirrors='MXDynamicActivationMXWeightConfig: to_mx + _addmm_mx_dispatch',
                     quantize_weight=lambda w, rowwise: (mxfp8(w, scaling=torchao_mx_scaling()), None),
-                    reference=real_or(_mx_emulated_kernel))
+                    reference=real_or(_mx_emulated_kernel), needs_2d=False)
 def _fwd_mxfp8(m, x):
     # _addmm_mx_dispatch: activation MXTensor.to_mx(x, e4m3, 32, scaling_mode), then the MX GEMM
     return F.linear(mxfp8(x, scaling=torchao_mx_scaling()), _w(m, x), _b(m, x))
@@ -461,7 +464,7 @@ def _int4_tinygemm_primitives(scheme, device):
 register_emulation('int4wo', activation='bf16', weight='uint4 per group of 128 along K, bf16 scale and zero point',
                    mirrors='Int4WeightOnlyConfig: Int4TilePackedTo4dTensor.from_hp + torch._weight_int4pack_mm',
                    quantize_weight=lambda w, rowwise: (int4_groupwise(w), None),
-                   reference=real_or(_int4_tinygemm_primitives))(_fwd_linear)
+                   reference=real_or(_int4_tinygemm_primitives), needs_2d=False)(_fwd_linear)
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

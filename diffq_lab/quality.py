@@ -4,7 +4,8 @@
 
 # %% ../nbs/12_quality.ipynb #53bddc1d
 from __future__ import annotations
-import logging, math, urllib.parse
+import logging, math, urllib.parse, warnings
+import scipy.stats
 from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
@@ -19,7 +20,7 @@ log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['log', 'LPIPS_NETS', 'QUALITY_PROMPTS', 'as_frames', 'psnr', 'ssim_map', 'ssim', 'hidden_cosine', 'MetricUnavailable',
            'lpips_available', 'lpips_distance', 'quality_metrics', 'quality_table', 'Estimate', 'summarise',
-           'paired_bootstrap', 'rank_schemes', 'quality_pairs', 'record_quality']
+           'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'quality_pairs', 'record_quality']
 
 # %% ../nbs/12_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:
@@ -170,15 +171,18 @@ def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
 # %% ../nbs/12_quality.ipynb #66b4f302
 @dataclass
 class Estimate:
-    "A mean with its bootstrap confidence interval."
+    "A point estimate (the mean, or the statistic named) with its bootstrap confidence interval."
     mean: float
     lo: float
     hi: float
     n: int
     level: float = 0.95
+    stat: str = 'mean'
     @property
     def excludes_zero(self) -> bool: return self.lo > 0 or self.hi < 0
-    def __str__(self): return f'{self.mean:.4g} [{self.lo:.4g}, {self.hi:.4g}] ({self.level:.0%} CI, n={self.n})'
+    @property
+    def excludes_one(self) -> bool: return self.lo > 1 or self.hi < 1
+    def __str__(self): return f'{self.stat} {self.mean:.4g} [{self.lo:.4g}, {self.hi:.4g}] ({self.level:.0%} CI, n={self.n})'
 
 def _values(v, name='values') -> np.ndarray:
     a = np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=np.float64).reshape(-1)
@@ -188,15 +192,24 @@ def _values(v, name='values') -> np.ndarray:
                          f'(the PSNR of identical renders is inf; compare SSIM, or drop or report such pairs)')
     return a
 
-def _bootstrap(a: np.ndarray, n: int, seed: int, level: float) -> Estimate:
+def _bootstrap(a: np.ndarray, n: int, seed: int, level: float, statistic=np.mean) -> Estimate:
+    "scipy's BCa bootstrap of `statistic` over `a` (percentile where BCa degenerates; no width when `a` has no spread)."
     if not isinstance(n, int) or n < 100: raise ValueError(f'n (bootstrap resamples) must be an int >= 100, got {n!r}')
     if not 0 < level < 1: raise ValueError(f'level must be in (0, 1), got {level}')
-    idx = np.random.default_rng(seed).integers(0, a.size, size=(n, a.size))
-    lo, hi = np.quantile(a[idx].mean(axis=1), [(1 - level) / 2, (1 + level) / 2])
-    return Estimate(float(a.mean()), float(lo), float(hi), int(a.size), level)
+    point, name = float(statistic(a)), getattr(statistic, '__name__', 'statistic')
+    if a.size < 2 or np.ptp(a) == 0: return Estimate(point, point, point, int(a.size), level, name)
+    lo = hi = float('nan')
+    for method in ('BCa', 'percentile'):  # BCa corrects the percentile bootstrap's narrowness with few pairs
+        with warnings.catch_warnings():
+            warnings.simplefilter('ignore')  # scipy's DegenerateDataWarning: the percentile interval takes over
+            ci = scipy.stats.bootstrap((a,), statistic, n_resamples=n, confidence_level=level, method=method,
+                                       random_state=seed).confidence_interval
+        lo, hi = float(ci.low), float(ci.high)
+        if np.isfinite(lo) and np.isfinite(hi): break
+    return Estimate(point, lo, hi, int(a.size), level, name)
 
 def summarise(values, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
-    "Mean of `values` with a percentile-bootstrap `level` confidence interval from `n` resamples (seeded)."
+    "Mean of `values` with a BCa bootstrap `level` confidence interval from `n` resamples (seeded, scipy)."
     return _bootstrap(_values(values), n, seed, level)
 
 def paired_bootstrap(a, b, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
@@ -204,6 +217,13 @@ def paired_bootstrap(a, b, n: int = 2000, seed: int = 0, level: float = 0.95) ->
     a, b = _values(a, 'a'), _values(b, 'b')
     if a.shape != b.shape: raise ValueError(f'a and b must be paired (same length), got {a.size} and {b.size}')
     return _bootstrap(a - b, n, seed, level)
+
+def paired_ratio(num, den, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
+    "Median of `num / den` over paired samples (e.g. dense and quantised render times, interleaved) with its BCa interval."
+    a, b = _values(num, 'num'), _values(den, 'den')
+    if a.shape != b.shape: raise ValueError(f'num and den must be paired (same length), got {a.size} and {b.size}')
+    if (b <= 0).any() or (a <= 0).any(): raise ValueError('a ratio of times needs positive values')
+    return _bootstrap(a / b, n, seed, level, np.median)
 
 # %% ../nbs/12_quality.ipynb #4bc974c4
 def rank_schemes(values: dict, higher_is_better: bool = True, n: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
-import copy, html, os, statistics, tempfile, time
+import contextlib, copy, html, os, statistics, tempfile, time
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -23,7 +23,7 @@ from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
-from .quality import quality_metrics, summarise
+from .quality import paired_ratio, quality_metrics, summarise
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
@@ -78,18 +78,45 @@ STUDY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, 
 def _peak_bytes(device):
     return torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else None
 
-def _timed_renders(pipe, pairs, steps, size, device, **render_kw):
-    "Warm up once, then render every (seed, prompt) pair: {pair: image} and the seconds each took."
-    render(pipe, pairs[0][1], steps=steps, size=size, seed=pairs[0][0], **render_kw)  # first call pays for lazy init and compile
+def _timed(pipe, pair, steps, size, device, **render_kw):
+    "One render of `pair` (seed, prompt) and its seconds: CUDA events on a GPU, a wall clock elsewhere."
+    seed, prompt = pair
+    if device.type == 'cuda':
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record(); img = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw); b.record()
+        torch.cuda.synchronize(device)
+        return img, a.elapsed_time(b) / 1e3
+    t = time.perf_counter()
+    img = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)
+    return img, time.perf_counter() - t
+
+def _warm_up(pipe, pair, steps, size, device, most: int = 5, **render_kw):
+    "Render until two consecutive timings agree within 25% (at most `most` renders): lazy init and compile are paid here."
+    last = None
+    for _ in range(most):
+        _, s = _timed(pipe, pair, steps, size, device, **render_kw)
+        if last is not None and abs(s - last) <= 0.25 * min(s, last): return
+        last = s
+
+def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
+    "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images and paired seconds."
+    _warm_up(pipe, pairs[0], steps, size, device, **render_kw)
     if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
-    imgs, secs = {}, []
-    for seed, prompt in pairs:
-        if device.type == 'cuda': torch.cuda.synchronize(device)
-        t = time.perf_counter()
-        imgs[seed, prompt] = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)
-        if device.type == 'cuda': torch.cuda.synchronize(device)
-        secs.append(time.perf_counter() - t)
-    return imgs, secs
+    imgs, t_dense, t_quant = {}, [], []
+    for r in range(rounds):
+        for pair in pairs:
+            (_, d1), (img, q1), (_, q2), (_, d2) = (_timed(p, pair, steps, size, device, **render_kw) for p in (dense, pipe, pipe, dense))
+            t_dense.append(d1 + d2); t_quant.append(q1 + q2)
+            if r == 0: imgs[pair] = img
+    return imgs, t_dense, t_quant
+
+def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
+    "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
+    r = paired_ratio(t_dense, t_quant, n=5000, level=level)
+    if backend and 'emulate' in backend: verdict = 'emulated: numerics only, not a speed claim'
+    elif not r.excludes_one: verdict = 'no clear difference (the interval holds 1)'
+    else: verdict = 'faster' if r.lo > 1 else 'slower'
+    return dict(latency_s=float(np.median(t_quant)), vs_dense=r.mean, vs_dense_lo=r.lo, vs_dense_hi=r.hi, ci_level=level, speed=verdict)
 
 def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
     "Refuse bad input before any work, naming what is valid: a study never writes partial results for bad arguments."
@@ -118,7 +145,8 @@ def _plan_columns(plan: QuantPlan, dens) -> dict:
                 transformer_scheme=join(tr, 'scheme'), transformer_backend=join(tr, 'backend'), transformer_quantized=count(tr))
 
 def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
-              size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True) -> pd.DataFrame:
+              size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True,
+              rounds: int = 1, threads: int | None = 1) -> pd.DataFrame:
     "Per scheme: quantise the pipeline's encoder(s) and transformer, render every (seed, prompt), measure latency, memory, quality vs dense."
     if trained and (model is not None or get_family(family).name != 'z-image'):
         raise ValueError('trained=True studies the trained tiny z-image pipeline of data/trained: give no model and family z-image')
@@ -130,35 +158,56 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, t
     build = ((lambda: load_trained_pipeline().to(device)) if trained else (lambda: tiny_pipeline(family).to(device)) if model is None
              else (lambda: load_pipeline(model, family=family, device=device)))
     min_features = (0 if model is None else 512) if min_features is None else min_features  # tiny Linears are 32-64 wide
+    if not isinstance(rounds, int) or rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {rounds!r}')
     pairs = [(seed, p) for seed in seeds for p in prompts]
+    with _cpu_threads(threads if device.type == 'cpu' else None):
+        return _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, steps, size, compile, device,
+                      min_features, progress, rounds, render_kw)
+
+@contextlib.contextmanager
+def _cpu_threads(n):
+    "A fixed torch thread count for the duration (None: leave it): CPU timings with a changing count are not comparable."
+    old = torch.get_num_threads()
+    if n: torch.set_num_threads(n)
+    try: yield
+    finally: torch.set_num_threads(old)
+
+def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, steps, size, compile, device, min_features,
+           progress, rounds, render_kw):
     dense = build()
     fam = family_of(dense)
-    ref, ref_secs = _timed_renders(dense, pairs, steps, size, device, **render_kw)
+    _warm_up(dense, pairs[0], steps, size, device, **render_kw)
+    ref = {pair: _timed(dense, pair, steps, size, device, **render_kw)[0] for pair in pairs}
     label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
-    base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile)
-    renders = {}
+    base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile, rounds=rounds,
+                threads=torch.get_num_threads(), timing='CUDA events' if device.type == 'cuda' else 'wall clock',
+                paired='ABBA per (seed, prompt): dense, scheme, scheme, dense')
+    renders, dense_secs = {}, []
+    level = 1 - 0.05 / max(1, len(schemes))  # Bonferroni: the study's speed intervals hold together at 95%
     def one(s):
         pipe, st = load_pipeline_quantized(build(), family=fam, te_quant=s if te_quant else None,
                                            transformer_quant=s if transformer_quant else None, compile=compile, device=device,
                                            min_features=min_features)
         plan = st['quant_plan']
         cols = _plan_columns(plan, denoisers(pipe))
-        imgs, secs = _timed_renders(pipe, pairs, steps, size, device, **render_kw)
+        imgs, t_dense, t_quant = _interleaved(dense, pipe, pairs, steps, size, device, rounds, **render_kw)
+        dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
         psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
         renders[s] = imgs[pairs[0]]
         return plan, dict(base, scheme='/'.join(dict.fromkeys(x for x in (cols['te_scheme'], cols['transformer_scheme']) if x)),
                           **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
                           mem_load_MiB=_mib(st.get('mem_load_bytes')),
-                          latency_s=float(np.median(secs)), vs_dense=float(np.median(ref_secs) / np.median(secs)),
+                          **_speed(t_dense, t_quant, '+'.join(filter(None, (cols['te_backend'], cols['transformer_backend']))), level),
                           peak_gen_MiB=_mib(_peak_bytes(device)), finite=all(m['finite'] for m in q),
                           psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
                           **(_adherence(imgs, pairs) if trained else {}),
                           **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
                              {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
-    dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(ref_secs)), vs_dense=1.0,
-                     peak_gen_MiB=_mib(_peak_bytes(device)), **(_adherence(ref, pairs) if trained else {}), status='ok')
-    df = pd.DataFrame([dense_row, *({**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study'))])
+    rows = [{**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study')]
+    dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
+                     vs_dense=1.0, peak_gen_MiB=_mib(_peak_bytes(device)), **(_adherence(ref, pairs) if trained else {}), status='ok')
+    df = pd.DataFrame([dense_row, *rows])
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
     return df
 
@@ -166,7 +215,7 @@ def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/15_study.ipynb #d3647d3d
 STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend', 'transformer_quantized', 'latency_s',
-              'vs_dense', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
+              'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
               'fallback_reason', 'plan', 'error']
 
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') -> Path:
@@ -282,7 +331,9 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                               recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
                               peak_gen_MiB=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == 'cuda' else None,
                               finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
-                              threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2))
+                              threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),
+                              timing='configurations one after another: vs_dense and vs_gguf are indicative, not paired '
+                                     '(the study measures speed paired)')
         rows = run_schemes([None], lambda s: one(None, glabel)) if gguf else []   # the GGUF baseline, then dense and each scheme
         rows += run_schemes([None, *schemes], one)
     df = pd.DataFrame([{'config': r['requested'], 'median_s': float('nan'), **r} for r in rows])  # a failed scheme keeps its row
