@@ -12,10 +12,10 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'fidelity', 'repo_root',
-           'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable',
-           'DamagedTable', 'load_table', 'check_recordable', 'record_tables', 'append_rows', 'latest_run',
-           'markdown_table', 'provenance']
+__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'memory_mark',
+           'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint',
+           'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table', 'check_recordable',
+           'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 def resolve_device(device=None) -> torch.device:
@@ -55,6 +55,31 @@ def compute_dtype(device=None) -> torch.dtype:
     device = resolve_device(device)
     if device.type == 'cuda' and not torch.cuda.is_bf16_supported(): return torch.float16
     return torch.bfloat16
+
+# %% ../nbs/00_core.ipynb #639cdd44
+def _vm(field: str) -> int | None:
+    try:
+        for line in Path('/proc/self/status').read_text().splitlines():
+            if line.startswith(field + ':'): return int(line.split()[1]) * 1024
+    except OSError: return None
+    return None
+
+def memory_mark(device=None) -> int | None:
+    "Start measuring peak memory on `device`: reset its high-water mark; the resident bytes now (None: not measurable)."
+    device = resolve_device(device)
+    if device.type == 'cuda':
+        torch.cuda.synchronize(device); torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    try: Path('/proc/self/clear_refs').write_text('5')  # Linux: VmHWM := VmRSS
+    except OSError: return None
+    return _vm('VmRSS')
+
+def peak_extra_bytes(mark: int | None, device=None) -> int | None:
+    "Bytes the peak rose above `mark` (from `memory_mark`) since: CUDA allocated bytes, or the process's resident set on a CPU."
+    device = resolve_device(device)
+    if mark is None: return None
+    peak = torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else _vm('VmHWM')
+    return None if peak is None else max(0, peak - mark)
 
 # %% ../nbs/00_core.ipynb #c0f1d002
 def fidelity(out, ref) -> dict:

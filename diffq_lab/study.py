@@ -13,15 +13,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import (as_dtype, resolve_device, device_name, append_rows, markdown_table, atomic_write_text, utc_now,
-                            check_recordable, check_writable, record_tables,
+                            check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
                             fingerprint, provenance)
 from .core import fidelity
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, quantize, run_schemes, save_plans
-from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of
+from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders
 from .transformer import denoisers, compile_stats
-from .memory import GGUF_TYPES, real_dims_pipeline
+from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
 from .quality import paired_ratio, quality_metrics, summarise
 from .compare import compare_grid_png, compare_html
@@ -75,8 +75,9 @@ def scheme_numerics(schemes=SCHEMES, device=None, backend='auto', kinds=('gaussi
 STUDY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
                  'two cats sleeping on a blue sofa')
 
-def _peak_bytes(device):
-    return torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else None
+def _weights_MiB(modules) -> float:
+    "MiB of the weights of `modules` as stored (torchao tensor subclasses counted by their inner tensors)."
+    return sum(module_bytes(m) for m in modules) / 2**20
 
 def _timed(pipe, pair, steps, size, device, **render_kw):
     "One render of `pair` (seed, prompt) and its seconds: CUDA events on a GPU, a wall clock elsewhere."
@@ -99,16 +100,16 @@ def _warm_up(pipe, pair, steps, size, device, most: int = 5, **render_kw):
         last = s
 
 def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
-    "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images and paired seconds."
+    "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images, paired seconds, peak extra bytes."
     _warm_up(pipe, pairs[0], steps, size, device, **render_kw)
-    if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
+    mark = memory_mark(device)  # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
     imgs, t_dense, t_quant = {}, [], []
     for r in range(rounds):
         for pair in pairs:
             (_, d1), (img, q1), (_, q2), (_, d2) = (_timed(p, pair, steps, size, device, **render_kw) for p in (dense, pipe, pipe, dense))
             t_dense.append(d1 + d2); t_quant.append(q1 + q2)
             if r == 0: imgs[pair] = img
-    return imgs, t_dense, t_quant
+    return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
 
 def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
     "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
@@ -177,10 +178,14 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
     dense = build()
     fam = family_of(dense)
     _warm_up(dense, pairs[0], steps, size, device, **render_kw)
+    mark = memory_mark(device)
     ref = {pair: _timed(dense, pair, steps, size, device, **render_kw)[0] for pair in pairs}
+    dense_extra = peak_extra_bytes(mark, device)
     label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
     base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile, rounds=rounds,
                 threads=torch.get_num_threads(), timing='CUDA events' if device.type == 'cuda' else 'wall clock',
+                memory='CUDA allocated bytes above the resident weights' if device.type == 'cuda' else
+                       'process resident set (VmHWM) above its level before the renders',
                 paired='ABBA per (seed, prompt): dense, scheme, scheme, dense')
     renders, dense_secs = {}, []
     level = 1 - 0.05 / max(1, len(schemes))  # Bonferroni: the study's speed intervals hold together at 95%
@@ -190,7 +195,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
                                            min_features=min_features)
         plan = st['quant_plan']
         cols = _plan_columns(plan, denoisers(pipe))
-        imgs, t_dense, t_quant = _interleaved(dense, pipe, pairs, steps, size, device, rounds, **render_kw)
+        imgs, t_dense, t_quant, extra = _interleaved(dense, pipe, pairs, steps, size, device, rounds, **render_kw)
         dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
         psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
@@ -199,14 +204,16 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
                           **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
                           mem_load_MiB=_mib(st.get('mem_load_bytes')),
                           **_speed(t_dense, t_quant, '+'.join(filter(None, (cols['te_backend'], cols['transformer_backend']))), level),
-                          peak_gen_MiB=_mib(_peak_bytes(device)), finite=all(m['finite'] for m in q),
+                          peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q),
+                          te_MiB=_weights_MiB(text_encoders(pipe).values()), transformer_MiB=_weights_MiB(denoisers(pipe).values()),
                           psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
                           **(_adherence(imgs, pairs) if trained else {}),
                           **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
                              {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
     rows = [{**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study')]
     dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
-                     vs_dense=1.0, peak_gen_MiB=_mib(_peak_bytes(device)), **(_adherence(ref, pairs) if trained else {}), status='ok')
+                     vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), te_MiB=_weights_MiB(text_encoders(dense).values()),
+                     transformer_MiB=_weights_MiB(denoisers(dense).values()), **(_adherence(ref, pairs) if trained else {}), status='ok')
     df = pd.DataFrame([dense_row, *rows])
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
     return df
@@ -215,7 +222,7 @@ def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/15_study.ipynb #d3647d3d
 STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend', 'transformer_quantized', 'latency_s',
-              'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
+              'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'te_MiB', 'transformer_MiB', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
               'fallback_reason', 'plan', 'error']
 
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') -> Path:
