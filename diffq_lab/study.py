@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
-import contextlib, copy, html, os, statistics, tempfile, time
+import contextlib, copy, html, math, os, statistics, tempfile, time
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -23,7 +23,7 @@ from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
-from .quality import paired_ratio, quality_metrics, summarise
+from .quality import Estimate, paired_ratio, quality_metrics, summarise
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
@@ -147,7 +147,7 @@ def _plan_columns(plan: QuantPlan, dens) -> dict:
 
 def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
               size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True,
-              rounds: int = 1, threads: int | None = 1) -> pd.DataFrame:
+              rounds: int = 1, threads: int | None = 1, control: bool = True) -> pd.DataFrame:
     "Per scheme: quantise the pipeline's encoder(s) and transformer, render every (seed, prompt), measure latency, memory, quality vs dense."
     if trained and (model is not None or get_family(family).name != 'z-image'):
         raise ValueError('trained=True studies the trained tiny z-image pipeline of data/trained: give no model and family z-image')
@@ -162,8 +162,8 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, t
     if not isinstance(rounds, int) or rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {rounds!r}')
     pairs = [(seed, p) for seed in seeds for p in prompts]
     with _cpu_threads(threads if device.type == 'cpu' else None):
-        return _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, steps, size, compile, device,
-                      min_features, progress, rounds, render_kw)
+        return _study(build, pairs, [None, *schemes] if control else list(schemes), trained, model, te_quant,
+                      transformer_quant, steps, size, compile, device, min_features, progress, rounds, render_kw)
 
 @contextlib.contextmanager
 def _cpu_threads(n):
@@ -198,8 +198,10 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
         imgs, t_dense, t_quant, extra = _interleaved(dense, pipe, pairs, steps, size, device, rounds, **render_kw)
         dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
-        psnr_, ssim_ = summarise([m['psnr'] for m in q]), summarise([m['ssim'] for m in q])
-        renders[s] = imgs[pairs[0]]
+        same = any(math.isinf(m['psnr']) for m in q)  # renders identical to dense (a fallback, the control): no mean of inf dB
+        psnr_ = Estimate(math.inf, math.inf, math.inf, len(q)) if same else summarise([m['psnr'] for m in q])
+        ssim_ = summarise([m['ssim'] for m in q])
+        if s is not None: renders[s] = imgs[pairs[0]]  # the control renders what dense renders
         return plan, dict(base, scheme='/'.join(dict.fromkeys(x for x in (cols['te_scheme'], cols['transformer_scheme']) if x)),
                           **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
                           mem_load_MiB=_mib(st.get('mem_load_bytes')),
@@ -211,6 +213,8 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
                           **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
                              {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
     rows = [{**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study')]
+    for r in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
+        if r['requested'] == 'dense': r.update(requested='dense (control)', speed='control: two identical dense pipelines')
     dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
                      vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), te_MiB=_weights_MiB(text_encoders(dense).values()),
                      transformer_MiB=_weights_MiB(denoisers(dense).values()), **(_adherence(ref, pairs) if trained else {}), status='ok')
