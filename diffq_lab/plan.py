@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_plan.ipynb #3f1094a9
 from __future__ import annotations
-import hashlib, json, logging, warnings
+import hashlib, json, logging, re, warnings
 from collections import Counter
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
@@ -21,7 +21,8 @@ _log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError',
-           'RestoreError', 'apply_plan', 'quantize', 'save_plans', 'run_schemes']
+           'RestoreError', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config', 'export_snippet',
+           'save_plans', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -264,6 +265,74 @@ def quantize(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', d
     "Plan `scheme` for the Linears of `module` and apply it in place, all or nothing; the applied plan."
     plan = plan_linears(module, scheme, filter_fn, backend, device)
     return apply_plan(module, plan).components[''] if plan.quantized else plan
+
+# %% ../nbs/04_plan.ipynb #6ba443ba
+def _diffusers_skips(fqn: str, keys) -> bool:
+    "diffusers' torchao rule: a Linear stays dense when `key + '.'` occurs in its weight's name, or equals it."
+    name = f'{fqn}.weight'
+    return any((k + '.' in name) or k == name for k in keys)
+
+def _transformers_skips(fqn: str, keys) -> bool:
+    "transformers' rule (`quantizers_utils.should_convert_module`): a key matches from the start at a module boundary, or as a suffix."
+    return any(re.match(rf'(?:{k})(?:(?<=\.)|(?=\.|$))', fqn) or fqn.endswith(k) for k in keys)
+
+def component_config(p: ComponentPlan, library: str = 'diffusers', component: str = ''):
+    "The library config (diffusers' or transformers' `TorchAoConfig`) that quantises what `p` quantises; None when it is all dense."
+    if library not in ('diffusers', 'transformers'): raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
+    schemes = sorted({l.scheme for l in p.linears.values() if l.scheme})
+    where = component or 'the component'
+    if not schemes: return None
+    if len(schemes) > 1:
+        raise ValueError(f'{where}: a mixed plan ({", ".join(schemes)}) has no single library config; export its parts separately')
+    s = get_scheme(schemes[0])
+    if s.config is None:
+        raise ValueError(f"{where}: {s.name} is {s.library}'s layerwise casting, not a torchao config: use export_snippet")
+    dense = sorted(p.skipped)
+    keys = dense if library == 'diffusers' else [re.escape(f) for f in dense]
+    skips = _diffusers_skips if library == 'diffusers' else _transformers_skips
+    wrong = [f for f in p.quantized if skips(f, keys)]
+    if wrong: raise ValueError(f'{where}: {library} would also keep {wrong[:3]} dense (its modules_to_not_convert matching); '
+                               'this plan cannot be expressed as that config')
+    if library == 'diffusers':
+        from diffusers import TorchAoConfig
+        return TorchAoConfig(s.make_config(), modules_to_not_convert=keys)
+    from transformers import TorchAoConfig
+    return TorchAoConfig(s.make_config(), modules_to_not_convert=keys)
+
+def _library(component: str) -> str: return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
+
+def to_pipeline_config(plan: QuantPlan):
+    "diffusers' `PipelineQuantizationConfig` that applies `plan` while loading: one TorchAoConfig per quantised component."
+    from diffusers import PipelineQuantizationConfig
+    mapping = {c: cfg for c, p in plan.components.items() if (cfg := component_config(p, _library(c), c)) is not None}
+    if not mapping: raise ValueError('the plan quantises nothing: there is no config to export')
+    return PipelineQuantizationConfig(quant_mapping=mapping)
+
+# %% ../nbs/04_plan.ipynb #9ae148f0
+def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
+    "Python code that loads `model` with `plan` applied: a PipelineQuantizationConfig, and layerwise-casting hooks where the plan uses them."
+    lines = ['import torch', 'from diffusers import DiffusionPipeline, PipelineQuantizationConfig',
+             'from diffusers import TorchAoConfig as DiffusersTorchAoConfig',
+             'from transformers import TorchAoConfig as TransformersTorchAoConfig',
+             'from diffq_lab.schemes import make_config  # the lab\'s version-tolerant torchao configs', '']
+    mapping, hooks = [], []
+    for c, p in plan.components.items():
+        schemes = {l.scheme for l in p.linears.values() if l.scheme}
+        if schemes and all(get_scheme(s).config is None for s in schemes):
+            hooks.append((c, p.quantized)); continue
+        if component_config(p, _library(c), c) is None: continue  # checks the plan is expressible; dense needs nothing
+        cls = 'TransformersTorchAoConfig' if _library(c) == 'transformers' else 'DiffusersTorchAoConfig'
+        keys = sorted(p.skipped) if _library(c) == 'diffusers' else [re.escape(f) for f in sorted(p.skipped)]
+        mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={keys!r}),')
+    if mapping: lines += ['quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
+    else: lines.append('quant = None  # nothing torchao quantises in this plan')
+    lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, torch_dtype=torch.bfloat16)')
+    if hooks:
+        lines += ['from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer']
+        for c, fqns in hooks:
+            lines += [f'for name in {fqns!r}:', f'    m = pipe.{c}.get_submodule(name)',
+                      '    apply_layerwise_casting_hook(m, torch.float8_e4m3fn, m.weight.dtype, non_blocking=False)']
+    return '\n'.join(lines) + '\n'
 
 # %% ../nbs/04_plan.ipynb #26807ca6
 APPLIED: dict[str, QuantPlan] = {}  # digest -> plan, for every plan a row of this process was made from
