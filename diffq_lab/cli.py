@@ -78,6 +78,15 @@ def parser() -> argparse.ArgumentParser:
     blocks.add_argument('--prompts', type=int, default=None, help='use the first N prompts of data/prompts/encoder_prompts.txt')
     blocks.add_argument('--backend', default='auto', choices=('auto', 'torchao', 'emulate'))
     blocks.add_argument('--device', default=None)
+    export = sub.add_parser('export', help="the lab's plan for a family (its real dimensions, nothing downloaded) as JSON and as "
+                                           'diffusers / transformers quantisation-config code for your own pipeline')
+    export.add_argument('--family', default='z-image', help='a family with real-dims configs (z-image, flux.1-dev, qwen-image, ...)')
+    export.add_argument('--scheme', type=_scheme_list(), default=['int8'], help='the denoisers\' scheme')
+    export.add_argument('--te-scheme', type=_scheme_list(allow_auto=True), default=None,
+                        help="the text encoders' scheme ('auto': the family's rules on this device); default: encoders dense")
+    export.add_argument('--min-features', type=int, default=512, help='skip Linears narrower than this (the real-model default)')
+    export.add_argument('--model', default=None, help='hub id or folder the snippet loads (default: a placeholder)')
+    export.add_argument('--out', default='out/plan.json', help='where the plan goes (the snippet beside it, as .py)')
     cross = sub.add_parser('crossover', help="roofline analysis: which of a model's Linears each format speeds up on a GPU")
     cross.add_argument('--gpu', default='h200', help='a GPU of data/gpu_specs.csv (a100, h100, h200, l40s, rtx4090, rtx5090, b200)')
     cross.add_argument('--model', default='z-image', help='a real-dims transformer: z-image, flux.1, flux.2, qwen-image, sd3.5, wan')
@@ -117,6 +126,19 @@ def _run(args) -> int:
         from diffq_lab.block_select import cli_blocks
         print(cli_blocks(args.encoder, args.scheme, args.bar, args.min_features, read_layer=args.read_layer,
                          n_prompts=args.prompts, backend=args.backend, device=args.device))
+    elif args.command == 'export':
+        from diffq_lab.core import atomic_write_text, check_writable
+        from diffq_lab.gguf import plan_pipeline
+        from diffq_lab.plan import export_snippet
+        if len(args.scheme) != 1: raise ValueError(f'export takes one scheme, got {args.scheme}')
+        out = Path(args.out)
+        check_writable(out.parent)
+        te = args.te_scheme[0] if args.te_scheme else None
+        plan = plan_pipeline(args.family, args.scheme[0], te, min_features=args.min_features)
+        snippet = export_snippet(plan, args.model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express
+        plan.save(out)
+        atomic_write_text(out.with_suffix('.py'), snippet)
+        print(f'{plan.summary()}\n\nplan: {out}\nsnippet: {out.with_suffix(".py")}\n\n{snippet}')
     elif args.command == 'crossover':
         from diffq_lab.crossover import cli_crossover
         print(cli_crossover(args.gpu, args.model, args.size, frames=args.frames, text_tokens=args.text_tokens,

@@ -5,6 +5,7 @@
 # %% ../nbs/10_gguf.ipynb #cafc6559
 from __future__ import annotations
 import logging, tempfile, time
+from types import SimpleNamespace
 from pathlib import Path
 import numpy as np
 import torch
@@ -15,13 +16,13 @@ from .capability import BACKENDS, SchemeUnavailableError, select_scheme
 from .plan import QuantPlan, QuantizationError, RestoreError, apply_plan, dense_plan
 from .pipelines import get_family, family_of, render, load_pipeline
 from .text_encoder import plan_text_encoders
-from .transformer import denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
-from .memory import GGUF_TYPES, _gguf_quantizable, module_bytes, plan_memory
+from .transformer import DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
+from .memory import GGUF_TYPES, _gguf_quantizable, module_bytes, plan_memory, real_dims_components
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'gguf_blocks', 'write_gguf', 'load_gguf_transformer', 'load_pipeline_quantized']
+__all__ = ['log', 'gguf_blocks', 'write_gguf', 'load_gguf_transformer', 'load_pipeline_quantized', 'plan_pipeline']
 
 # %% ../nbs/10_gguf.ipynb #03099261
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -216,3 +217,18 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
     status.setdefault('mem_gen_peak_bytes', None)
     pipe._diffq_family = fam
     return pipe, status
+
+# %% ../nbs/10_gguf.ipynb #ef3888d9
+def plan_pipeline(pipe_or_family, scheme, te_scheme=None, *, min_features: int = 512, backend: str = 'auto', device=None,
+                  keep=None) -> QuantPlan:
+    "The plan for `pipe_or_family` (a pipeline, or a family at real dims on meta): `te_scheme` on its encoders, `scheme` on its denoisers."
+    if isinstance(pipe_or_family, str):
+        fam = get_family(pipe_or_family).name
+        comps = real_dims_components(fam, 'meta')
+        pipe = SimpleNamespace(components=comps, **comps)
+    else: pipe, fam = pipe_or_family, family_of(pipe_or_family)
+    te = plan_text_encoders(pipe, te_scheme, family=fam, backend=backend, device=device, keep=keep) if te_scheme else QuantPlan()
+    dens = {a: m for a, m in pipe.components.items() if a in DENOISER_ATTRS and isinstance(m, nn.Module)}
+    if not dens: raise ValueError(f'{fam} has no denoiser among {list(pipe.components)}')
+    return QuantPlan({**te.components, **{a: plan_transformer(m, scheme, min_features=min_features, backend=backend, device=device)
+                                          for a, m in dens.items()}})

@@ -292,7 +292,8 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     skips = _diffusers_skips if library == 'diffusers' else _transformers_skips
     wrong = [f for f in p.quantized if skips(f, keys)]
     if wrong: raise ValueError(f'{where}: {library} would also keep {wrong[:3]} dense (its modules_to_not_convert matching); '
-                               'this plan cannot be expressed as that config')
+                               'this plan cannot be expressed as that config: load dense and apply it with '
+                               'diffq_lab.plan.apply_plan(pipe, QuantPlan.load(path)) instead')
     if library == 'diffusers':
         from diffusers import TorchAoConfig
         return TorchAoConfig(s.make_config(), modules_to_not_convert=keys)

@@ -65,3 +65,23 @@ def test_an_unwritable_out_exits_2_before_any_row(tmp_path, monkeypatch, out, ca
     with pytest.raises(SystemExit) as e: main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', out])
     assert e.value.code == 2 and ('cannot write' in capsys.readouterr().err or out == '')
     assert not (tmp_path/'results').exists() or not list((tmp_path/'results').glob('*.csv'))
+
+
+def test_export_writes_the_plan_and_a_snippet(tmp_path, capsys):
+    out = tmp_path/'z'/'plan.json'
+    assert main(['export', '--family', 'z-image', '--scheme', 'int8', '--out', str(out)]) == 0
+    from diffq_lab.plan import QuantPlan
+    plan = QuantPlan.load(out)
+    assert plan.components['transformer'].n_quantized == 239 and 'text_encoder' not in plan.components  # encoders dense by default
+    snippet = out.with_suffix('.py').read_text()
+    compile(snippet, 'snippet', 'exec')
+    assert "DiffusersTorchAoConfig(make_config('int8')" in snippet and snippet in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv', [['export', '--family', 'flux.1-dev', '--scheme', 'fp8wo'],  # diffusers cannot express it
+                                  ['export', '--family', 'sdxl-turbo'], ['export', '--scheme', 'int8,fp8'],
+                                  ['export', '--scheme', 'fp7'], ['export', '--out', '/proc/x/plan.json']])
+def test_export_refuses_with_exit_2(argv, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e: main(argv)
+    assert e.value.code == 2
