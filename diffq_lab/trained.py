@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_trained.ipynb #9ffde412
 from __future__ import annotations
-import json, time
+import copy, json, time
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -145,15 +145,11 @@ def trained_dir(root=None) -> Path:
     return Path(root or repo_root())/'data'/'trained'
 
 def save_trained(pipe, log: dict, root=None):
-    "Write the pipeline's weights (DiT in bf16), configs and training log under `trained_dir(root)`."
-    from safetensors.torch import save_file
+    "Write the pipeline as a standard diffusers folder (DiT in bf16, the rest fp32) and its training log under `trained_dir(root)`."
     d = trained_dir(root); d.mkdir(parents=True, exist_ok=True)
-    sd = lambda m, dt: {k: v.detach().to(dt).clone().contiguous() for k, v in m.state_dict().items()}
-    save_file(sd(pipe.transformer, torch.bfloat16), str(d/'transformer.safetensors'))
-    save_file(sd(pipe.vae, torch.float32), str(d/'vae.safetensors'))
-    save_file(sd(pipe.text_encoder, torch.float32), str(d/'text_encoder.safetensors'))
-    cfg = dict(transformer=DIT_CONFIG, vae={**VAE_CONFIG, 'scaling_factor': pipe.vae.config.scaling_factor, 'shift_factor': pipe.vae.config.shift_factor})
-    (d/'config.json').write_text(json.dumps(cfg, indent=1))
+    out = copy.deepcopy(pipe)
+    out.transformer.to(torch.bfloat16); out.vae.float(); out.text_encoder.float()  # the DiT is what is big: bf16 keeps it small
+    out.save_pretrained(d, safe_serialization=True)
     (d/'training.json').write_text(json.dumps(log, indent=1))
 
 def train_all(vae_seconds=150, dit_seconds=540, seed=0, root=None):
@@ -173,22 +169,13 @@ def _train_all(vae_seconds, dit_seconds, seed, root):
 
 # %% ../nbs/14_trained.ipynb #2beb0919
 def load_trained_pipeline(dtype=torch.bfloat16, root=None):
-    "The trained tiny z-image pipeline from data/trained (offline, about a second), cast to `dtype`."
+    "The trained tiny z-image pipeline from data/trained, a standard diffusers folder (offline, about a second), cast to `dtype`."
     import diffusers as D
-    from safetensors.torch import load_file
     d = trained_dir(root)
-    missing = [f for f in ('config.json', 'transformer.safetensors', 'vae.safetensors', 'text_encoder.safetensors') if not (d/f).exists()]
-    if missing: raise FileNotFoundError(f'{d} lacks {missing}: run train_all() to (re)create the trained pipeline')
-    cfg = json.loads((d/'config.json').read_text())
-    base = tiny_pipeline('z-image', dtype=torch.float32, seed=0)  # the tokenizer and the encoder's architecture
-    tr = D.ZImageTransformer2DModel(**cfg['transformer'])
-    vae = D.AutoencoderKL(**cfg['vae'])
-    for m, f in ((tr, 'transformer'), (vae, 'vae'), (base.text_encoder, 'text_encoder')):
-        sd = load_file(str(d/f'{f}.safetensors'))
-        m.load_state_dict({k: v.float() for k, v in sd.items()}, strict=True)
-    pipe = D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=base.text_encoder,
-                            tokenizer=base.tokenizer, transformer=tr)
-    for comp in (tr, vae, base.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
+    if not (d/'model_index.json').exists():
+        raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
+    pipe = D.ZImagePipeline.from_pretrained(d, torch_dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
+    for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
     pipe.set_progress_bar_config(disable=True)
     pipe._diffq_family = 'z-image'
     return pipe

@@ -65,10 +65,24 @@ def test_checker_rejects_bad_images():
 def test_committed_weights_are_small_safetensors():
     d = trained_dir()
     files = sorted(f.name for f in d.iterdir())
-    assert {'config.json', 'training.json', 'transformer.safetensors', 'vae.safetensors', 'text_encoder.safetensors'} <= set(files)
-    assert sum(f.stat().st_size for f in d.iterdir()) < 40e6
+    assert {'model_index.json', 'training.json', 'transformer', 'vae', 'text_encoder', 'tokenizer', 'scheduler'} <= set(files)
+    assert all(p.suffix != '.bin' for p in d.rglob('*'))  # safetensors only: nothing pickled is committed
+    assert sum(f.stat().st_size for f in d.rglob('*') if f.is_file()) < 40e6
     log = json.loads((d/'training.json').read_text())
     assert log['dit_curve'][-1] < log['dit_curve'][0] and log['vae_curve'][-1] < log['vae_curve'][0]
+
+
+def test_data_trained_is_a_standard_diffusers_folder():
+    "DiffusionPipeline.from_pretrained opens it offline, and renders what the lab's loader renders."
+    from diffusers import DiffusionPipeline
+    from diffq_lab.pipelines import cast_as_loaded
+    pipe = DiffusionPipeline.from_pretrained(trained_dir(), local_files_only=True)
+    assert type(pipe).__name__ == 'ZImagePipeline'
+    for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), torch.bfloat16)
+    pipe.set_progress_bar_config(disable=True)
+    lab = load_trained_pipeline()
+    prompt = heldout_prompts()[0]
+    assert torch.equal(render_trained(pipe, prompt), render_trained(lab, prompt))
 
 def test_loads_with_wide_linears_and_renders_deterministically(pipe):
     lin = [m for m in pipe.transformer.modules() if isinstance(m, torch.nn.Linear)]
