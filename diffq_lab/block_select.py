@@ -10,9 +10,9 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, as_dtype, fidelity, markdown_table, repo_root, resolve_device
+from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, repo_root, resolve_device
 from .schemes import normalize_scheme, quantized_linears
-from .capability import BACKENDS, resolve_backend, select_scheme
+from .capability import BACKENDS, resolve_backend
 from .plan import quantize
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
 from .text_encoder import ENCODER_MIN_FEATURES, block_lists, encoder_filter
@@ -142,14 +142,6 @@ def _prefixed(filter_fn, prefix: str):
     fn.skip_reason = reason
     return fn
 
-def _model_device(model) -> torch.device:
-    p = next(model.parameters(), None)
-    return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
-
-def _resolve(scheme: str, backend: str, device) -> tuple[str, str]:
-    "`(backend, why)` that runs `scheme` on `device` (`capability.resolve_backend`); a GPU under 'auto' refuses, never emulates slowly."
-    if device.type == 'cuda' and backend == 'auto': select_scheme(scheme, device)  # SchemeUnavailableError naming probe and gate
-    return resolve_backend(scheme, backend, device)
 
 # %% ../nbs/07_block_select.ipynb #f7c342b0
 class _Bench:
@@ -159,8 +151,8 @@ class _Bench:
         self.pos = [(f'{s}.{i}', s, i, len(b)) for s, b in block_stacks(model).items() for i in range(len(b))]
         self.blocks = [p[0] for p in self.pos]
         self.depth = max(p[3] for p in self.pos)
-        self.device = _model_device(model)
-        self.backend, self.note = _resolve(scheme, backend, self.device)  # 'torchao' / 'diffusers' (the real path) or 'emulate'
+        self.device = module_device(model)
+        self.backend, self.note = resolve_backend(scheme, backend, self.device, gpu_refuses=True)  # 'torchao' / 'diffusers' (the real path) or 'emulate'
         self.filter = block_filter(model, scheme, min_features, exclude_tokens)
         inside = lambda f: any(f.startswith(b + '.') for b in self.blocks)
         self.rest = [f for f, m in model.named_modules()
@@ -531,7 +523,7 @@ def schedule_for_family(family, scheme='int8', bar: float = 0.99, *, encoder=Non
     found, inputs = {}, {}
     for a, (enc, tok) in encoders.items():
         if device is not None: enc.to(device)
-        inputs[a] = encoder_inputs(tok, prompts, max_length, _model_device(enc))
+        inputs[a] = encoder_inputs(tok, prompts, max_length, module_device(enc))
         rl = family_read_layer(fam.name, a, _n_layers(enc))
         found[a] = find_keep_schedule(enc, inputs[a], scheme, bar, rl, min_features, backend=backend)
     if not all(s.ok for s in found.values()):
@@ -588,7 +580,7 @@ def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_featur
     if key.lower() in MINILM_NAMES or Path(key).is_dir():
         model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
         name = MINILM if key.lower() in MINILM_NAMES else key
-        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=_model_device(model)), scheme, bar,
+        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
                                 read_layer if read_layer is not None else 'last', min_features, backend=backend)
         return '\n'.join([f'# diffq-lab blocks: {name} ({type(model).__name__}), {len(prompts)} prompts, read {ks.read_layer!r}, '
                           f'min_features {min_features}', '', _report(name, ks)])

@@ -119,7 +119,7 @@ def _check_scheme(scheme) -> Scheme:
 def hardware_gate(scheme, cap) -> tuple[bool, str]:
     "Whether compute capability `cap` (None: CPU) meets `scheme`'s hardware requirement, and why."
     g, cap = _check_scheme(scheme).gate, as_capability(cap)
-    ok = g.cpu if cap is None else cap >= g.min_cuda
+    ok = g.passes(cap)
     where = 'CPU' if cap is None else f'{sm_name(cap)} ({arch_name(cap)})'
     need = f"needs {sm_name(g.min_cuda)}+{' or CPU' if g.cpu else ''}"
     return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g.why}"
@@ -316,7 +316,7 @@ def select_scheme(requested, device=None) -> str | None:
 # %% ../nbs/03_capability.ipynb #cb0e0002
 BACKENDS = ('auto', 'torchao', 'emulate')
 
-def resolve_backend(scheme, backend: str = 'auto', device=None) -> tuple[str, str]:
+def resolve_backend(scheme, backend: str = 'auto', device=None, gpu_refuses: bool = False) -> tuple[str, str]:
     "(backend that runs `scheme` on `device`, why): the lab's one backend policy; 'torchao' is reported as the real library."
     s = _check_scheme(scheme)
     if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
@@ -324,6 +324,7 @@ def resolve_backend(scheme, backend: str = 'auto', device=None) -> tuple[str, st
     if backend == 'torchao': return s.library, 'asked for'
     probe = smoke_probe(s, device)
     if probe.ok: return s.library, ''
+    if gpu_refuses and resolve_device(device).type == 'cuda': select_scheme(s, device)  # SchemeUnavailableError: probe and gate
     _log.info('%s: its kernel does not run on %s (%s); emulating', s.name, probe.device_name, probe.reason)
     return 'emulate', f'probe: {probe.reason}'
 

@@ -12,10 +12,10 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'device_name', 'as_dtype', 'compute_dtype', 'memory_mark',
-           'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint',
-           'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table', 'check_recordable',
-           'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
+__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'module_device', 'device_name', 'as_dtype', 'compute_dtype',
+           'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version', 'git_sha', 'utc_now',
+           'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table',
+           'check_recordable', 'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 def resolve_device(device=None) -> torch.device:
@@ -25,6 +25,11 @@ def resolve_device(device=None) -> torch.device:
     if device.type == 'cuda' and device.index is None and torch.cuda.is_available():
         device = torch.device('cuda', torch.cuda.current_device())
     return device
+
+def module_device(module) -> torch.device:
+    "The device `module`'s weights are on: its first parameter's, or `resolve_device(None)` when it has none or they are on meta."
+    p = next(module.parameters(), None)
+    return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
 
 # %% ../nbs/00_core.ipynb #a8636fe2
 def device_name(device=None) -> str:

@@ -269,8 +269,7 @@ def emulate_linears(module: nn.Module, scheme, fqns) -> None:
 
 # %% ../nbs/02_emulate.ipynb #01cba8a2
 def _gate_passes(scheme: Scheme, device: torch.device) -> bool:
-    if device.type != 'cuda': return scheme.gate.cpu
-    return tuple(torch.cuda.get_device_capability(device)) >= scheme.gate.min_cuda
+    return scheme.gate.passes(torch.cuda.get_device_capability(device) if device.type == 'cuda' else None)
 
 def _torchao_quantized(config_fn, context=contextlib.nullcontext):
     "build(linear): a deep copy of `linear` quantised by torchao's `quantize_` with `config_fn()`."

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import atomic_write_text, resolve_device, results_dir
+from .core import append_rows, atomic_write_text, module_device, resolve_device, results_dir
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
@@ -22,7 +22,7 @@ _log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError',
            'RestoreError', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config', 'export_snippet',
-           'save_plans', 'run_schemes']
+           'save_plans', 'record_rows', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -124,10 +124,6 @@ class QuantPlan:
         return {**cols, 'plan': self.digest()}
 
 # %% ../nbs/04_plan.ipynb #b8c1fb4e
-def _module_device(module) -> torch.device:
-    p = next(module.parameters(), None)
-    return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
-
 def _linear_shapes(module) -> dict[str, tuple[int, int]]:
     return {f: (m.in_features, m.out_features) for f, m in module.named_modules()
             if isinstance(m, nn.Linear) or is_quantized_linear(m)}
@@ -141,14 +137,12 @@ def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto
     if not isinstance(module, nn.Module): raise ValueError(f'plan_linears needs an nn.Module, got {type(module).__name__}')
     shapes = _linear_shapes(module)
     if not shapes: raise ValueError(f'{type(module).__name__} holds no nn.Linear: nothing to quantise')
-    device = resolve_device(device) if device is not None else _module_device(module)
+    device = resolve_device(device) if device is not None else module_device(module)
     wanted = dict(scheme) if isinstance(scheme, dict) else None
     requested = 'mixed' if wanted is not None else normalize_scheme(scheme)
     if wanted is None:
         s = select_scheme(scheme, device) if requested == 'auto' else requested
-        if s is None:
-            why = f'auto: no scheme runs on {device.type}' if requested == 'auto' else 'no scheme'
-            return ComponentPlan({f: LinearPlan(None, None, why, sh) for f, sh in shapes.items()}, requested)
+        if s is None: return dense_plan(module, f'auto: no scheme runs on {device.type}' if requested == 'auto' else 'no scheme', requested)
         wanted = {f: s for f in shapes}
     unknown = sorted(set(wanted) - set(shapes))
     if unknown: raise ValueError(f'no Linear named {unknown[:5]} in {type(module).__name__}')
@@ -276,6 +270,10 @@ def _transformers_skips(fqn: str, keys) -> bool:
     "transformers' rule (`quantizers_utils.should_convert_module`): a key matches from the start at a module boundary, or as a suffix."
     return any(re.match(rf'(?:{k})(?:(?<=\.)|(?=\.|$))', fqn) or fqn.endswith(k) for k in keys)
 
+def _skip_keys(p: ComponentPlan, library: str) -> list[str]:
+    "`modules_to_not_convert` for `p`'s dense Linears: fqns for diffusers, escaped for transformers, whose keys are regexes."
+    return sorted(p.skipped) if library == 'diffusers' else [re.escape(f) for f in sorted(p.skipped)]
+
 def component_config(p: ComponentPlan, library: str = 'diffusers', component: str = ''):
     "The library config (diffusers' or transformers' `TorchAoConfig`) that quantises what `p` quantises; None when it is all dense."
     if library not in ('diffusers', 'transformers'): raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
@@ -287,8 +285,7 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     s = get_scheme(schemes[0])
     if s.config is None:
         raise ValueError(f"{where}: {s.name} is {s.library}'s layerwise casting, not a torchao config: use export_snippet")
-    dense = sorted(p.skipped)
-    keys = dense if library == 'diffusers' else [re.escape(f) for f in dense]
+    keys = _skip_keys(p, library)
     skips = _diffusers_skips if library == 'diffusers' else _transformers_skips
     wrong = [f for f in p.quantized if skips(f, keys)]
     if wrong: raise ValueError(f'{where}: {library} would also keep {wrong[:3]} dense (its modules_to_not_convert matching); '
@@ -323,8 +320,7 @@ def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
             hooks.append((c, p.quantized)); continue
         if component_config(p, _library(c), c) is None: continue  # checks the plan is expressible; dense needs nothing
         cls = 'TransformersTorchAoConfig' if _library(c) == 'transformers' else 'DiffusersTorchAoConfig'
-        keys = sorted(p.skipped) if _library(c) == 'diffusers' else [re.escape(f) for f in sorted(p.skipped)]
-        mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={keys!r}),')
+        mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={_skip_keys(p, _library(c))!r}),')
     if mapping: lines += ['quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
     else: lines.append('quant = None  # nothing torchao quantises in this plan')
     lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, torch_dtype=torch.bfloat16)')
@@ -346,9 +342,14 @@ def save_plans(digests, root=None) -> list[Path]:
         out.append(APPLIED[d].save(results_dir(root)/'plans'/f'{d}.json'))
     return out
 
+def record_rows(kind: str, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
+    "Record a runner's `table` in results table `kind`, each row's applied plan beside it under `plans/`; the whole table."
+    save_plans(table['plan'] if 'plan' in table else [], root)
+    return append_rows(kind, table.to_dict('records'), root=root, device=device)
+
 def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> list[dict]:
     "For each scheme: `run(scheme) -> (applied QuantPlan or None, measurements)`; one row each, failures included."
-    requested = [normalize_scheme(s) if s is not None else None for s in schemes]  # every name checked before any work
+    requested = [normalize_scheme(s) for s in schemes]  # every name checked before any work
     rows = []
     it = requested
     if progress:
@@ -357,9 +358,9 @@ def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> 
     for s in it:
         try:
             plan, measured = run(s)
-            if plan is not None: APPLIED[plan.digest()] = plan
-            rows.append({'requested': s or 'dense', **(plan.columns() if plan is not None else {}), **measured,
-                         'status': 'ok', 'error': ''})
+            cols = plan.columns() if plan is not None else {}
+            if plan is not None: APPLIED[cols['plan']] = plan
+            rows.append({'requested': s or 'dense', **cols, **measured, 'status': 'ok', 'error': ''})
         except Exception as e:  # noqa: BLE001 -- one scheme failing is a result; the others still run
             _log.warning('%s failed: %s: %s', s, type(e).__name__, e)
             rows.append({'requested': s or 'dense', 'status': 'failed', 'error': f'{type(e).__name__}: {str(e)[:300]}'})

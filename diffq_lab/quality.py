@@ -13,7 +13,7 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
-from .core import append_rows, package_version
+from .core import package_version
 
 log = logging.getLogger(__name__)
 
@@ -280,8 +280,7 @@ def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), pro
 
 def record_quality(root=None, **kwargs) -> pd.DataFrame:
     "Measure `quality_pairs` and append it to the 'quality_pairs' results table."
-    from diffq_lab.plan import save_plans
+    from diffq_lab.plan import record_rows  # an earlier notebook's module, imported here so the metrics alone stay light
     table = quality_pairs(**kwargs)
-    append_rows('quality_pairs', table.to_dict('records'), root=root, device=kwargs.get('device'))
-    save_plans(table.plan, root)  # each row's digest opens its applied plan
+    record_rows('quality_pairs', table, root=root, device=kwargs.get('device'))
     return table

@@ -26,6 +26,9 @@ class Gate:
     min_cuda: tuple[int, int]
     cpu: bool
     why: str
+    def passes(self, cap) -> bool:
+        "Whether compute capability `cap` ((major, minor); None: a CPU) meets this gate."
+        return self.cpu if cap is None else tuple(cap) >= self.min_cuda
 
 @dataclass(frozen=True, eq=False)
 class Scheme:

@@ -12,13 +12,13 @@ from tqdm.auto import tqdm
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import (as_dtype, resolve_device, device_name, append_rows, markdown_table, atomic_write_text, utc_now,
+from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic_write_text, utc_now,
                             check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
                             fingerprint, provenance)
 from .core import fidelity
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
-from .plan import QuantPlan, quantize, run_schemes, save_plans
+from .plan import QuantPlan, quantize, record_rows, run_schemes, save_plans
 from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
@@ -75,9 +75,10 @@ def scheme_numerics(schemes=SCHEMES, device=None, backend='auto', kinds=('gaussi
 STUDY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
                  'two cats sleeping on a blue sofa')
 
-def _weights_MiB(modules) -> float:
-    "MiB of the weights of `modules` as stored (torchao tensor subclasses counted by their inner tensors)."
-    return sum(module_bytes(m) for m in modules) / 2**20
+def _weights_MiB(pipe) -> dict:
+    "MiB of the encoders' and the denoisers' weights as stored (torchao tensor subclasses counted by their inner tensors)."
+    mib = lambda mods: sum(module_bytes(m) for m in mods) / 2**20
+    return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
 def _timed(pipe, pair, steps, size, device, **render_kw):
     "One render of `pair` (seed, prompt) and its seconds: CUDA events on a GPU, a wall clock elsewhere."
@@ -207,7 +208,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
                           mem_load_MiB=_mib(st.get('mem_load_bytes')),
                           **_speed(t_dense, t_quant, '+'.join(filter(None, (cols['te_backend'], cols['transformer_backend']))), level),
                           peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q),
-                          te_MiB=_weights_MiB(text_encoders(pipe).values()), transformer_MiB=_weights_MiB(denoisers(pipe).values()),
+                          **_weights_MiB(pipe),
                           psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
                           **(_adherence(imgs, pairs) if trained else {}),
                           **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
@@ -216,8 +217,8 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
     for r in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
         if r['requested'] == 'dense': r.update(requested='dense (control)', speed='control: two identical dense pipelines')
     dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
-                     vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), te_MiB=_weights_MiB(text_encoders(dense).values()),
-                     transformer_MiB=_weights_MiB(denoisers(dense).values()), **(_adherence(ref, pairs) if trained else {}), status='ok')
+                     vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense), **(_adherence(ref, pairs) if trained else {}),
+                     status='ok')
     df = pd.DataFrame([dense_row, *rows])
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
     return df
@@ -358,8 +359,7 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
 def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
     "Run `transformer_bench(**kwargs)` and append its rows to the 'transformer_bench' results table (run by hand)."
     df = transformer_bench(**kwargs)
-    append_rows('transformer_bench', df.to_dict('records'), root=root, device=kwargs.get('device'))
-    save_plans(df.plan, root)  # each row's digest opens its applied plan
+    record_rows('transformer_bench', df, root=root, device=kwargs.get('device'))
     return df
 
 # %% ../nbs/15_study.ipynb #79a8ae8e

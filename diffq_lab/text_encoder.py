@@ -10,11 +10,11 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, resolve_device, device_name
+from .core import device_name, module_device, resolve_device
 from .schemes import SCHEMES, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
-from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, run_schemes, save_plans
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, record_rows, run_schemes
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
 
 log = logging.getLogger(__name__)
@@ -99,11 +99,6 @@ def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int = EN
     return filter_fn
 
 # %% ../nbs/06_text_encoders.ipynb #88cf737e
-def _encoder_device(model, device=None) -> torch.device:
-    if device is not None: return resolve_device(device)
-    p = next(model.parameters(), None)
-    return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
-
 def plan_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
                  min_features: int = ENCODER_MIN_FEATURES) -> ComponentPlan:
     "The plan of `scheme` for text encoder `model` under the encoder guards and a keep-bf16 schedule `keep`; nothing changes."
@@ -112,7 +107,7 @@ def plan_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto'
     fn = encoder_filter(model, s, keep, min_features) if s else None
     with warnings.catch_warnings():
         warnings.filterwarnings('ignore', message='.*none of the .* Linears qualifies')  # the plan says it instead
-        return plan_linears(model, s, fn, backend, _encoder_device(model, device))
+        return plan_linears(model, s, fn, backend, device)
 
 # %% ../nbs/06_text_encoders.ipynb #7a3a5302
 def quantize_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
@@ -230,8 +225,7 @@ def select_encoder_scheme(requested, family=None, *, device=None, offload=False,
                 f"fp8_layerwise instead")
         log.warning(note)
         s = 'fp8_layerwise'
-    _, why = resolve_backend(s, backend, device)
-    if device.type == 'cuda' and backend == 'auto': capability.select_scheme(s, device)  # a GPU refuses, never emulates slowly
+    _, why = resolve_backend(s, backend, device, gpu_refuses=True)  # a GPU refuses, never emulates slowly
     note = '; '.join(n for n in (note, why) if n)
     if mode is not None and s != 'fp8_layerwise':
         probe = offload_probe(s, mode, device, backend)
@@ -275,7 +269,7 @@ def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str
                          f'component): nothing to cast with {scheme!r}')
     fam = _family_or_none(pipe, family)
     device = resolve_device(device) if device is not None else (
-        resolve_device(None) if offload_mode(offload) else _encoder_device(next(iter(encoders.values()))))
+        resolve_device(None) if offload_mode(offload) else module_device(next(iter(encoders.values()))))
     s, note = select_encoder_scheme(scheme, fam, device=device, offload=offload, backend=backend, keep=keep)
     sched = (_schedule(fam, keep) or (0, 0)) if s == 'int8' else (0, 0)
     comps = {}
@@ -313,7 +307,7 @@ def prompt_embeddings(pipe, prompts=PROMPTS, max_sequence_length: int = 32) -> l
     for name in ('prompt_2', 'prompt_3'):  # SD3 requires them positionally; None means "same as prompt"
         if name in params: kw[name] = None
     if 'device' in params:  # where the pipeline runs: its offload hooks' execution device when it has them
-        kw['device'] = getattr(pipe, '_execution_device', None) or _encoder_device(next(iter(text_encoders(pipe).values())))
+        kw['device'] = getattr(pipe, '_execution_device', None) or module_device(next(iter(text_encoders(pipe).values())))
     if 'do_classifier_free_guidance' in params: kw['do_classifier_free_guidance'] = False
     if 'max_sequence_length' in params: kw['max_sequence_length'] = max_sequence_length
     if 'text_encoder_out_layers' in params: kw.update(_derived_kwargs(pipe))
@@ -378,8 +372,7 @@ def te_cosine_table(families=TINY_FAMILIES, schemes=SCHEMES, *, backend: str = '
 def record_te_cosine(root=None, **kwargs) -> pd.DataFrame:
     "Measure `te_cosine_table` (every tiny family x scheme) and append it to the 'te_cosine' results table."
     table = te_cosine_table(**kwargs)
-    append_rows('te_cosine', table.to_dict('records'), root=root, device='cpu')
-    save_plans(table.plan, root)  # each row's digest opens its applied plan
+    record_rows('te_cosine', table, root=root, device='cpu')
     return table
 
 # %% ../nbs/06_text_encoders.ipynb #7932f61b

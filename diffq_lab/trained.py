@@ -289,9 +289,6 @@ def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'),
 
 def record_adherence_by_scheme(root=None, **kw) -> pd.DataFrame:
     "Run `adherence_by_scheme` and append its rows to the `trained_schemes` table."
-    from diffq_lab.plan import save_plans
-    df = adherence_by_scheme(**kw)
-    table = append_rows('trained_schemes', [dict(r, model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
-                                            for r in df.to_dict('records')], root=root)
-    save_plans(df.plan, root)  # each row's digest opens its applied plan
-    return table
+    from diffq_lab.plan import record_rows
+    df = adherence_by_scheme(**kw).assign(model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
+    return record_rows('trained_schemes', df, root=root)

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pandas as pd
 import torch
 from torch import nn
-from .core import resolve_device, device_name
+from .core import device_name, module_device, resolve_device
 from .schemes import get_scheme, make_filter_fn, normalize_scheme, scheme_choices
 from .capability import select_scheme
 from .plan import ComponentPlan, apply_plan, plan_linears
@@ -99,8 +99,7 @@ def plan_transformer(transformer: nn.Module, scheme, *, min_features: int = 512,
                      device=None) -> ComponentPlan:
     "The plan of `scheme` ('auto': the device ladder) for the FLOP-heavy Linears of denoiser `transformer`; nothing changes."
     _check_denoiser(transformer, family)
-    meta = any(p.device.type == 'meta' for p in transformer.parameters())
-    dev = resolve_device(device) if device is not None else (resolve_device(None) if meta else next(transformer.parameters()).device)
+    dev = resolve_device(device) if device is not None else module_device(transformer)
     s = concrete_scheme(scheme, dev)
     filt = transformer_filter(transformer, s, min_features) if s else None
     with warnings.catch_warnings():

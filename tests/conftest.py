@@ -6,6 +6,20 @@ import torch
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ['DIFFQ_LAB_CACHE'] = tempfile.mkdtemp(prefix='diffq_lab_test_cache_')
 
+@pytest.fixture(scope='session')
+def pipes():
+    "Every tiny family's pipeline, built once for the session: tests that change one work on a copy (or put it back)."
+    from diffq_lab.pipelines import TINY_FAMILIES, tiny_pipeline
+    return {f: tiny_pipeline(f) for f in TINY_FAMILIES}
+
+
+@pytest.fixture(scope='session')
+def dense_images(pipes):
+    "One-step dense renders of `pipes`."
+    from diffq_lab.pipelines import render
+    return {f: render(p, steps=1) for f, p in pipes.items()}
+
+
 @pytest.fixture(autouse=True, scope='session')
 def one_thread():
     "Tiny models run 10-70x slower when torch's threads contend for a busy 2-core machine's cores."

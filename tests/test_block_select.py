@@ -106,8 +106,10 @@ def test_backend_is_the_capability_policy(mini, monkeypatch):
     assert_untouched(model, mods, inp, ref)
     passes = []
     def refuse(scheme, device): raise SchemeUnavailableError(f'{scheme} does not run on {device}')
-    monkeypatch.setattr(bs, '_model_device', lambda m: torch.device('cuda'))
-    monkeypatch.setattr(bs, 'select_scheme', refuse)
+    monkeypatch.setattr(bs, 'module_device', lambda m: torch.device('cuda'))
+    real = bs.resolve_backend  # the policy refuses on a GPU when asked to (gpu_refuses): stand in for the GPU's failing probe
+    monkeypatch.setattr(bs, 'resolve_backend', lambda s, b, d, gpu_refuses=False:
+                        refuse(s, d) if gpu_refuses and d.type == 'cuda' else real(s, b, 'cpu'))
     run = lambda m, x: passes.append(1) or bs.encoder_run('last')(m, x)
     with pytest.raises(SchemeUnavailableError, match='fp8 does not run'): bs.find_keep_schedule(model, inp, 'fp8', run_fn=run)
     assert passes == []  # refused before any forward pass

@@ -17,16 +17,6 @@ from diffq_lab.gguf import load_pipeline_quantized, write_gguf
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
 
-@pytest.fixture(scope='module')
-def pipes():
-    return {f: tiny_pipeline(f) for f in TINY_FAMILIES}
-
-
-@pytest.fixture(scope='module')
-def dense_images(pipes):
-    return {f: render(p, steps=1) for f, p in pipes.items()}
-
-
 def n_planned(pipe, scheme, min_features=0):
     return sum(plan_transformer(m, scheme, min_features=min_features).n_quantized for m in denoisers(pipe).values())
 

@@ -57,9 +57,6 @@ def clip_dead_row(layers=2, row=7, fqn='encoder.layers.0.mlp.fc1'):
     return m
 
 # ---- shared tiny pipelines ----------------------------------------------------------------------------------------
-@pytest.fixture(scope='module')
-def pipes():
-    return {f: tiny_pipeline(f) for f in TINY_FAMILIES}
 
 @pytest.fixture(scope='module')
 def dense_encoders(pipes):

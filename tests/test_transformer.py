@@ -14,16 +14,6 @@ from diffq_lab.transformer import denoisers, plan_transformer, quantize_transfor
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
 
-@pytest.fixture(scope='module')
-def pipes():
-    return {f: tiny_pipeline(f) for f in TINY_FAMILIES}
-
-
-@pytest.fixture(scope='module')
-def dense_images(pipes):
-    return {f: render(p, steps=1) for f, p in pipes.items()}
-
-
 # ---- which Linears ------------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize('family', TINY_FAMILIES)
