@@ -323,7 +323,7 @@ def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
         mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={_skip_keys(p, _library(c))!r}),')
     if mapping: lines += ['quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
     else: lines.append('quant = None  # nothing torchao quantises in this plan')
-    lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, torch_dtype=torch.bfloat16)')
+    lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, dtype=torch.bfloat16)')
     if hooks:
         lines += ['from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer']
         for c, fqns in hooks:

@@ -174,7 +174,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     d = trained_dir(root)
     if not (d/'model_index.json').exists():
         raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
-    pipe = D.ZImagePipeline.from_pretrained(d, torch_dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
+    pipe = D.ZImagePipeline.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
     for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
     pipe.set_progress_bar_config(disable=True)
     pipe._diffq_family = 'z-image'
