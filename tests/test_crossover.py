@@ -1,6 +1,6 @@
 """Integration, property and bad-input tests for diffq_lab.crossover (no timings asserted, no downloads).
 
-The notebook (nbs/11_crossover.ipynb) holds the worked examples and their assertions; these tests add the properties,
+The notebook (nbs/12_crossover.ipynb) holds the worked examples and their assertions; these tests add the properties,
 faults and end-to-end runs it does not make."""
 import math
 import numpy as np
