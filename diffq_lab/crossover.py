@@ -16,16 +16,17 @@ from .capability import gpu_capability, hardware_gate
 from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
+from .quality import interleaved_times, speed_vs, warm_up
 
 # %% auto #0
 __all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS',
            'CALIBRATION_MAX_ERR', 'CUBE_SIZES', 'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES',
-           'EMULATED_LABEL', 'BENCH_COLS', 'MODELS', 'PIXELS_PER_TOKEN', 'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT',
-           'gpu_specs', 'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
-           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'gemm_bench',
-           'record_gemm_bench', 'measured_spec', 'compare_bench', 'get_model', 'meta_transformer', 'latent_grid',
-           'model_linear_shapes', 'layer_policy', 'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table',
-           'cli_crossover', 'plot_crossover']
+           'EMULATED_LABEL', 'COMPILER_SETTINGS', 'BENCH_COLS', 'MODELS', 'PIXELS_PER_TOKEN', 'NVFP4_MARGIN',
+           'MIN_GAIN', 'EIGHT_BIT', 'gpu_specs', 'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff',
+           'predict_time', 'roofline', 'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover',
+           'same_compiler_settings', 'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'get_model',
+           'meta_transformer', 'latent_grid', 'model_linear_shapes', 'layer_policy', 'analyse_layers',
+           'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 SPEC_COLS = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
@@ -281,6 +282,24 @@ def _copy_tbs(device) -> float:
     t = statistics.median(_timer(lambda: y.copy_(x), device, 5, 2))   # no allocation: page faults would dominate a CPU clone
     return 2 * x.numel() * x.element_size() / t / 1e12
 
+COMPILER_SETTINGS = "torchao's recommended inductor settings for every configuration, dense included"
+
+@contextlib.contextmanager
+def same_compiler_settings():
+    "torchao's recommended inductor settings for every configuration compared (dense too), room to compile each; all restored after."
+    # quantize_ applies these globally (set_inductor_config=True) once a scheme is quantised: a dense baseline compiled
+    # before it would compile under other settings. Private: torch's config snapshots and torchao's setter (test_crossover checks)
+    import torch._dynamo.config as dynamo_config
+    import torch._inductor.config as inductor_config
+    from torchao.quantization.utils import recommended_inductor_config_setter
+    saved = inductor_config.get_config_copy(), dynamo_config.get_config_copy()
+    try:
+        recommended_inductor_config_setter()
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)  # each configuration's weight types recompile
+        yield COMPILER_SETTINGS
+    finally:
+        inductor_config.load_config(saved[0]); dynamo_config.load_config(saved[1])
+
 # %% ../nbs/12_crossover.ipynb #bd48ad85
 def _check_bench_args(shapes, schemes, repeats, warmup):
     shapes = list(dict.fromkeys(as_shape(s) for s in shapes))   # each shape once: ratios are per shape
@@ -292,52 +311,76 @@ def _check_bench_args(shapes, schemes, repeats, warmup):
         if isinstance(v, bool) or not isinstance(v, int) or v < low: raise ValueError(f'{name} must be an int >= {low}, got {v!r}')
     return shapes, ['bf16'] + [s for s in schemes if s != 'bf16']   # bf16 first: every ratio needs it
 
-def _time_linear(lin, x, device, repeats, warmup, compile):
+def _bench_call(base, scheme, path, x, device, compile, backend='torchao'):
+    "A zero-argument call of `base` converted by `scheme` on `backend` (compiled if asked), run under inference_mode."
+    lin = nn.Sequential(copy.deepcopy(base)).to(device)
+    if scheme != 'bf16':
+        with (fp8_gate_bypassed() if 'bypassed' in path else contextlib.nullcontext()):
+            rep = quantize(lin, scheme, make_filter_fn(0), backend=backend)
+        if rep.n_quantized != 1: raise RuntimeError(f'quantize converted nothing: {rep.summary()}')
     mod = torch.compile(lin, dynamic=False) if compile else lin
-    with torch.inference_mode(): return _timer(lambda: mod(x), device, repeats, warmup)
+    def call():
+        with torch.inference_mode(): return mod(x)
+    return call
+
+def _warmed(calls: dict, rows: dict, device, most: int) -> dict:
+    "The calls whose warm-up (and compile) succeeds; a failure marks its row failed with the reason instead of losing it."
+    ok = {}
+    for k, call in calls.items():
+        try: warm_up({k: call}, device, most=max(1, most)); ok[k] = call
+        except Exception as e:  # noqa: BLE001 -- a failing scheme is a result, recorded with its reason
+            rows[k].update(status='failed', reason=f'{type(e).__name__}: {str(e)[:200]}')
+            if device.type == 'cuda': torch.cuda.empty_cache()
+    return ok
+
+def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, seed, common, level) -> list[dict]:
+    "One shape: every configuration built, warmed up, then timed interleaved in `repeats` rounds; paired speedups vs bf16."
+    g = torch.Generator().manual_seed(seed)
+    base = nn.Linear(K, N, dtype=torch.bfloat16)
+    with torch.no_grad():
+        base.weight.copy_(torch.randn(N, K, generator=g) * K ** -0.5); base.bias.zero_()
+    x = torch.randn(M, K, generator=g).to(device, torch.bfloat16)
+    rows, calls, raw = {}, {}, {}
+    for scheme in schemes:
+        status, path, reason = _bench_path(scheme, device)
+        row = rows[(scheme, status)] = dict(M=M, K=K, N=N, scheme=scheme, path=path, status=status, reason=reason, **common)
+        if status == 'ok':
+            try:
+                calls[(scheme, 'ok')] = _bench_call(base, scheme, path, x, device, compile)
+                kind = _gemm_kind(scheme)
+                if kind and kind not in raw: raw[kind] = _raw_time(kind, M, K, N, device, repeats, warmup)
+                row['gemm_only_s'] = raw[kind] if kind else float('nan')
+            except Exception as e:  # noqa: BLE001 -- a failing scheme is a result, recorded with its reason
+                row.update(status='failed', reason=f'{type(e).__name__}: {str(e)[:200]}')
+        elif emulated:
+            rows[(scheme, 'emulated')] = dict(row, path=EMULATED_LABEL, status='emulated')
+            calls[(scheme, 'emulated')] = _bench_call(base, scheme, path, x, device, False, backend='emulate')
+    calls = _warmed(calls, rows, device, warmup)
+    times = interleaved_times(calls, repeats, device) if calls else {}
+    bf16 = times.get(('bf16', 'ok'))
+    for k, ts in times.items():
+        rows[k].update(median_s=statistics.median(ts), min_s=min(ts))
+        if bf16 is None: continue
+        if k == ('bf16', 'ok'): rows[k].update(speedup_vs_bf16=1.0, speedup_lo=1.0, speedup_hi=1.0, speed='baseline'); continue
+        sp = speed_vs(bf16, ts, level=level, emulated=k[1] == 'emulated')
+        rows[k].update(speedup_vs_bf16=sp['ratio'], speedup_lo=sp['ratio_lo'], speedup_hi=sp['ratio_hi'], speed=sp['verdict'])
+    return list(rows.values())
 
 def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, warmup=None, emulated=False,
-               compile=False, seed=0) -> pd.DataFrame:
-    "Time Linear-shaped GEMMs (M, K, N) in bf16 and each scheme's real path (torchao / diffusers); median seconds, TFLOPS, speedup vs bf16."
+               compile=False, seed=0, level: float = 0.95) -> pd.DataFrame:
+    "Time Linear-shaped GEMMs (M, K, N): bf16 and each scheme's real path interleaved in `repeats` rounds; median seconds, TFLOPS, paired speedup vs bf16."
     device = resolve_device(device)
     shapes = shapes if shapes is not None else CPU_SHAPES if device.type == 'cpu' else GPU_SHAPES
-    repeats = repeats if repeats is not None else 5 if device.type == 'cpu' else 20
-    warmup = warmup if warmup is not None else 2 if device.type == 'cpu' else 5
+    repeats = repeats if repeats is not None else 8 if device.type == 'cpu' else 20
+    warmup = warmup if warmup is not None else 3 if device.type == 'cpu' else 5
     shapes, schemes = _check_bench_args(shapes, schemes, repeats, warmup)
     common = dict(repeats=repeats, warmup=warmup, timer='cuda events' if device.type == 'cuda' else 'wall clock',
-                  threads=torch.get_num_threads(), compiled=bool(compile), copy_tbs=_copy_tbs(device))
-    rows = []
-    for M, K, N in shapes:
-        g = torch.Generator().manual_seed(seed)
-        base = nn.Linear(K, N, dtype=torch.bfloat16)
-        with torch.no_grad():
-            base.weight.copy_(torch.randn(N, K, generator=g) * K ** -0.5); base.bias.zero_()
-        x = torch.randn(M, K, generator=g).to(device, torch.bfloat16)
-        raw = {}
-        for scheme in schemes:
-            status, path, reason = _bench_path(scheme, device)
-            row = dict(M=M, K=K, N=N, scheme=scheme, path=path, status=status, reason=reason, **common)
-            if status == 'ok':
-                try:
-                    lin = nn.Sequential(copy.deepcopy(base)).to(device)
-                    if scheme != 'bf16':
-                        with (fp8_gate_bypassed() if 'bypassed' in path else contextlib.nullcontext()):
-                            rep = quantize(lin, scheme, make_filter_fn(0), backend='torchao')
-                        if rep.n_quantized != 1: raise RuntimeError(f'quantize converted nothing: {rep.summary()}')
-                    ts = _time_linear(lin, x, device, repeats, warmup, compile)
-                    row.update(median_s=statistics.median(ts), min_s=min(ts))
-                    kind = _gemm_kind(scheme)
-                    if kind and kind not in raw: raw[kind] = _raw_time(kind, M, K, N, device, repeats, warmup)
-                    row['gemm_only_s'] = raw[kind] if kind else float('nan')
-                except Exception as e:  # noqa: BLE001 -- a failing scheme is a result, recorded with its reason
-                    row.update(status='failed', reason=f'{type(e).__name__}: {str(e)[:200]}')
-                    if device.type == 'cuda': torch.cuda.empty_cache()
-            rows.append(row)
-            if status != 'ok' and emulated:
-                lin = nn.Sequential(copy.deepcopy(base)).to(device)
-                quantize(lin, scheme, make_filter_fn(0), backend='emulate')
-                ts = _time_linear(lin, x, device, repeats, warmup, False)
-                rows.append(dict(row, path=EMULATED_LABEL, status='emulated', median_s=statistics.median(ts), min_s=min(ts)))
+                  timing='configurations interleaved in rounds (ABBA); speedup = median paired ratio with its BCa interval',
+                  threads=torch.get_num_threads(), compiled=bool(compile), compiler=COMPILER_SETTINGS if compile else 'eager',
+                  copy_tbs=_copy_tbs(device))
+    with same_compiler_settings() if compile else contextlib.nullcontext():
+        rows = [r for M, K, N in shapes for r in _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, seed,
+                                                              common, level)]
     return _finish_bench(pd.DataFrame(rows))
 
 def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
@@ -349,17 +392,16 @@ def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
         return float('nan')
 
 def _finish_bench(df: pd.DataFrame) -> pd.DataFrame:
-    for c in ('median_s', 'min_s', 'gemm_only_s'):
+    for c in ('median_s', 'min_s', 'gemm_only_s', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi'):
         if c not in df: df[c] = np.nan
+    if 'speed' not in df: df['speed'] = None
     flops = 2.0 * df.M * df.K * df.N
     df['tflops'] = flops / df.median_s / 1e12
     df['gemm_only_tflops'] = flops / df.gemm_only_s / 1e12
-    bf16 = df[df.scheme.eq('bf16') & df.status.eq('ok')].set_index(['M', 'K', 'N']).median_s
-    key = pd.MultiIndex.from_frame(df[['M', 'K', 'N']])
-    df['speedup_vs_bf16'] = bf16.reindex(key).to_numpy() / df.median_s.to_numpy()
     return df
 
-BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'gemm_only_tflops', 'path', 'reason']
+BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi', 'speed',
+              'gemm_only_tflops', 'path', 'reason']
 
 # %% ../nbs/12_crossover.ipynb #4cb61828
 def record_gemm_bench(root=None, device=None, **kwargs) -> pd.DataFrame:

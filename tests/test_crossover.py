@@ -341,3 +341,23 @@ def test_committed_cpu_rows_if_present():
     assert 'nvfp4wo' in set(ok.scheme) | set(cpu[cpu.status == 'not run'].scheme)
     assert (ok.median_s > 0).all() and set(cpu[cpu.status == 'not run'].scheme) >= {'nvfp4', 'mxfp8'}
     assert (cpu[cpu.status == 'emulated'].path == cx.EMULATED_LABEL).all()
+
+
+def test_every_compiled_configuration_shares_the_compiler_settings():
+    "The private APIs same_compiler_settings reaches into are still there, are set inside, and are all put back after."
+    import torch._dynamo.config as dc
+    import torch._inductor.config as ic
+    before = ic.get_config_copy(), dc.recompile_limit
+    with cx.same_compiler_settings() as said:
+        assert ic.coordinate_descent_tuning and ic.force_fuse_int_mm_with_mul and dc.recompile_limit >= 64
+        assert 'dense included' in said
+    assert ic.get_config_copy() == before[0] and dc.recompile_limit == before[1]
+
+
+def test_bench_speedups_are_paired_with_intervals(tiny_bench):
+    ok = tiny_bench[tiny_bench.status.isin(['ok', 'emulated'])]
+    assert (ok.speedup_lo <= ok.speedup_vs_bf16).all() and (ok.speedup_vs_bf16 <= ok.speedup_hi).all()
+    assert (ok[ok.status == 'emulated'].speed == 'emulated: numerics only, not a speed claim').all()
+    real = ok[(ok.status == 'ok') & (ok.scheme != 'bf16')]
+    assert real.speed.str.startswith('noise: 2 rounds').all()  # the fixture's 2 rounds: no claim either way
+    assert (tiny_bench.timing.str.contains('interleaved')).all()
