@@ -23,7 +23,8 @@ from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
-from .quality import Estimate, paired_ratio, quality_metrics, summarise
+from .quality import Estimate, interleaved_times, quality_metrics, speed_vs, summarise, time_once, warm_up
+from .crossover import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
@@ -81,28 +82,16 @@ def _weights_MiB(pipe) -> dict:
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
 def _timed(pipe, pair, steps, size, device, **render_kw):
-    "One render of `pair` (seed, prompt) and its seconds: CUDA events on a GPU, a wall clock elsewhere."
+    "One render of `pair` (seed, prompt) and its seconds (`quality.time_once`: CUDA events on a GPU, a wall clock elsewhere)."
     seed, prompt = pair
-    if device.type == 'cuda':
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); img = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw); b.record()
-        torch.cuda.synchronize(device)
-        return img, a.elapsed_time(b) / 1e3
-    t = time.perf_counter()
-    img = render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)
-    return img, time.perf_counter() - t
-
-def _warm_up(pipe, pair, steps, size, device, most: int = 5, **render_kw):
-    "Render until two consecutive timings agree within 25% (at most `most` renders): lazy init and compile are paid here."
-    last = None
-    for _ in range(most):
-        _, s = _timed(pipe, pair, steps, size, device, **render_kw)
-        if last is not None and abs(s - last) <= 0.25 * min(s, last): return
-        last = s
+    out = []
+    s = time_once(lambda: out.append(render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)), device)
+    return out[0], s
 
 def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
     "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images, paired seconds, peak extra bytes."
-    _warm_up(pipe, pairs[0], steps, size, device, **render_kw)
+    seed, prompt = pairs[0]
+    warm_up({'quantised': lambda: render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)}, device)
     mark = memory_mark(device)  # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
     imgs, t_dense, t_quant = {}, [], []
     for r in range(rounds):
@@ -114,11 +103,9 @@ def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **ren
 
 def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
     "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
-    r = paired_ratio(t_dense, t_quant, n=5000, level=level)
-    if backend and 'emulate' in backend: verdict = 'emulated: numerics only, not a speed claim'
-    elif not r.excludes_one: verdict = 'no clear difference (the interval holds 1)'
-    else: verdict = 'faster' if r.lo > 1 else 'slower'
-    return dict(latency_s=float(np.median(t_quant)), vs_dense=r.mean, vs_dense_lo=r.lo, vs_dense_hi=r.hi, ci_level=level, speed=verdict)
+    sp = speed_vs(t_dense, t_quant, level=level, emulated=bool(backend) and 'emulate' in backend)
+    return dict(latency_s=float(np.median(t_quant)), vs_dense=sp['ratio'], vs_dense_lo=sp['ratio_lo'], vs_dense_hi=sp['ratio_hi'],
+                ci_level=level, speed=sp['verdict'])
 
 def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
     "Refuse bad input before any work, naming what is valid: a study never writes partial results for bad arguments."
@@ -162,7 +149,7 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, t
     min_features = (0 if model is None else 512) if min_features is None else min_features  # tiny Linears are 32-64 wide
     if not isinstance(rounds, int) or rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {rounds!r}')
     pairs = [(seed, p) for seed in seeds for p in prompts]
-    with _cpu_threads(threads if device.type == 'cpu' else None):
+    with _cpu_threads(threads if device.type == 'cpu' else None), same_compiler_settings() if compile else contextlib.nullcontext():
         return _study(build, pairs, [None, *schemes] if control else list(schemes), trained, model, te_quant,
                       transformer_quant, steps, size, compile, device, min_features, progress, rounds, render_kw)
 
@@ -178,13 +165,15 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
            progress, rounds, render_kw):
     dense = build()
     fam = family_of(dense)
-    _warm_up(dense, pairs[0], steps, size, device, **render_kw)
+    seed, prompt = pairs[0]
+    warm_up({'dense': lambda: render(dense, prompt, steps=steps, size=size, seed=seed, **render_kw)}, device)
     mark = memory_mark(device)
     ref = {pair: _timed(dense, pair, steps, size, device, **render_kw)[0] for pair in pairs}
     dense_extra = peak_extra_bytes(mark, device)
     label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
     base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile, rounds=rounds,
                 threads=torch.get_num_threads(), timing='CUDA events' if device.type == 'cuda' else 'wall clock',
+                compiler=COMPILER_SETTINGS if compile else 'eager',
                 memory='CUDA allocated bytes above the resident weights' if device.type == 'cuda' else
                        'process resident set (VmHWM) above its level before the renders',
                 paired='ABBA per (seed, prompt): dense, scheme, scheme, dense')
@@ -288,8 +277,9 @@ def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -
     keep = ('psnr', 'ssim', 'lpips', 'lpips_unavailable')
     return {**{k: q[k] for k in keep if k in q}, 'cosine': cos}
 
-BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_gguf', 'vs_dense',
-              'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine', 'frames_first_call', 'recompiles', 'fallback_reason')
+BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_dense', 'vs_dense_lo', 'vs_dense_hi',
+              'speed', 'vs_gguf', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine', 'frames_first_call', 'recompiles',
+              'fallback_reason')
 
 def _dims_label(pipe_or_family, dims) -> str:
     if hasattr(pipe_or_family, 'components'): return 'given pipeline'
@@ -301,23 +291,28 @@ def _fresh(pipe_or_family, dims, device, dtype, seed):
     if dims == 'real': return lambda: real_dims_pipeline(pipe_or_family, device, dtype, seed=seed)
     raise ValueError(f"dims must be 'tiny' or 'real', got {dims!r}")
 
-def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: int = 2, size: int = 32, runs: int = 3,
+def _swapped(host, dens: dict, **render_kw):
+    "A render of `host` with its denoisers swapped for `dens`: every configuration shares one pipeline's encoders and VAE."
+    def go():
+        for a, m in dens.items(): setattr(host, a, m)
+        return render(host, **render_kw)
+    return go
+
+def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: int = 2, size: int = 32, runs: int = 6,
                       compile: bool = False, device=None, *, gguf: str | None = 'Q8_0', dims: str = 'tiny', min_features: int = 512,
                       backend: str = 'auto', dtype=torch.bfloat16, seed: int = 0, prompt: str = 'a photo of a cat',
-                      with_lpips: bool = True) -> pd.DataFrame:
-    "One row per configuration (GGUF, dense, each scheme): median latency after warm-up, ratios, memory, quality vs dense."
+                      with_lpips: bool = True, threads: int | None = 1, level: float = 0.95) -> pd.DataFrame:
+    "One row per configuration (GGUF, dense, each scheme): built side by side, first call, then `runs` interleaved rounds; paired ratios, memory, quality."
     device, dtype = resolve_device(device), as_dtype(dtype)
-    if runs < 1: raise ValueError(f'runs must be >= 1, got {runs}')
+    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1: raise ValueError(f'runs must be an int >= 1, got {runs!r}')
     if gguf is not None and gguf not in GGUF_TYPES and not Path(gguf).is_file():
         raise ValueError(f'gguf must be one of {list(GGUF_TYPES)} (written from the dense weights), a .gguf file, or None; got {gguf!r}')
     fresh = _fresh(pipe_or_family, dims, device, dtype, seed)
     glabel = None if gguf is None else 'gguf-' + (gguf if gguf in GGUF_TYPES else Path(gguf).stem)
-    outs = {}
-    with tempfile.TemporaryDirectory() as tmp:
+    with (_cpu_threads(threads if device.type == 'cpu' else None), tempfile.TemporaryDirectory() as tmp,
+          same_compiler_settings() if compile else contextlib.nullcontext()):
+        calls, outs, host = {}, {}, []
         def one(scheme, label=None):
-            # every configuration builds new block instances of the same classes: without a reset, Dynamo's recompile
-            # limit (8 per code object) is spent by the third or fourth one and later rows run eager, silently
-            if compile: torch.compiler.reset()
             pipe = fresh()
             gpath = None
             if label == glabel and gguf:  # a GGUF type is written from this pipeline's dense weights; a file is taken as it is
@@ -325,33 +320,40 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                          if gguf in GGUF_TYPES else gguf)
             pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, compile=compile, device=device, dtype=dtype,
                                                min_features=min_features, backend=backend, validate=scheme is not None)
-            go = lambda: render(pipe, prompt=prompt, steps=steps, size=size, seed=seed)
-            times = []
-            def timed():
-                t = time.perf_counter(); x = go(); times.append(time.perf_counter() - t); return x
-            if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
-            cs = compile_stats(timed, runs=runs)  # the pipeline's own no_grad, as a user runs it
+            if not host: host.append(pipe)  # the first pipeline renders every configuration; the others keep only their denoisers
             config = label or scheme or 'dense'
+            go = calls[config] = _swapped(host[0], denoisers(pipe), prompt=prompt, steps=steps, size=size, seed=seed)
+            if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
+            mark = memory_mark(device)
+            cs = compile_stats(go, runs=1)  # the first call (compilation happens there), then one: frames and recompiles
             outs[config] = cs['output']
             plan = st['quant_plan']
             parts = [plan.components[a] for a in denoisers(pipe)]
             return plan, dict(family=st['family'], config=config, scheme='+'.join(sorted({p.scheme or 'dense' for p in parts})),
-                              path=st['path'], backend=st['backend'] or '', compile=compile,
+                              path=st['path'], backend=st['backend'] or '', compile=compile, compiler=COMPILER_SETTINGS if compile else 'eager',
                               quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=steps, size=size,
-                              runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=times[0],
-                              median_s=statistics.median(times[1:]), frames_first_call=cs['frames_first_call'],
-                              recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
-                              peak_gen_MiB=torch.cuda.max_memory_allocated(device) / 2**20 if device.type == 'cuda' else None,
-                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
-                              threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),
-                              timing='configurations one after another: vs_dense and vs_gguf are indicative, not paired '
-                                     '(the study measures speed paired)')
+                              runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=cs['first_call_s'],
+                              frames_first_call=cs['frames_first_call'], recompiles=cs['recompiles'],
+                              mem_load_MiB=st['mem_load_bytes'] / 2**20, peak_gen_MiB=_mib(peak_extra_bytes(mark, device)),
+                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'])
         rows = run_schemes([None], lambda s: one(None, glabel)) if gguf else []   # the GGUF baseline, then dense and each scheme
         rows += run_schemes([None, *schemes], one)
-    df = pd.DataFrame([{'config': r['requested'], 'median_s': float('nan'), **r} for r in rows])  # a failed scheme keeps its row
-    med = df.set_index('config')['median_s']
-    df['vs_dense'] = med.get('dense', float('nan')) / df['median_s']  # > 1: faster than dense
-    df['vs_gguf'] = med.get(glabel, float('nan')) / df['median_s'] if gguf else None
+        rows = [{'config': r['requested'], **r} for r in rows]  # a failed scheme keeps its row
+        warm_up(calls, device)
+        times = interleaved_times(calls, runs, device)
+        threads_used = torch.get_num_threads()
+    for r in rows:
+        ts = times.get(r['config'])
+        r.update(threads=threads_used, load_avg_1m=round(os.getloadavg()[0], 2), timing=f'{runs} interleaved rounds (ABBA); '
+                 f'vs_dense / vs_gguf: median paired ratio with its BCa interval ({level:.0%})')
+        if ts is None: continue
+        r['median_s'] = statistics.median(ts)
+        for base, col in (('dense', 'vs_dense'), (glabel, 'vs_gguf')):
+            if base is None or base not in times: continue
+            sp = speed_vs(times[base], ts, level=level, emulated='emulate' in r.get('backend', ''))
+            r.update({col: sp['ratio'], f'{col}_lo': sp['ratio_lo'], f'{col}_hi': sp['ratio_hi']})
+            if col == 'vs_dense': r['speed'] = 'baseline' if r['config'] == 'dense' else sp['verdict']
+    df = pd.DataFrame(rows)
     q = pd.DataFrame([image_quality(outs[c], outs['dense'], with_lpips) if c in outs and 'dense' in outs else {}
                       for c in df['config']], index=df.index)
     return pd.concat([df, q], axis=1)
