@@ -301,7 +301,7 @@ def _swapped(host, dens: dict, **render_kw):
 def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: int = 2, size: int = 32, runs: int = 6,
                       compile: bool = False, device=None, *, gguf: str | None = 'Q8_0', dims: str = 'tiny', min_features: int = 512,
                       backend: str = 'auto', dtype=torch.bfloat16, seed: int = 0, prompt: str = 'a photo of a cat',
-                      with_lpips: bool = True, threads: int | None = 1, level: float = 0.95) -> pd.DataFrame:
+                      with_lpips: bool = True, threads: int | None = 1, level: float = 0.95, progress: bool = False) -> pd.DataFrame:
     "One row per configuration (GGUF, dense, each scheme): built side by side, first call, then `runs` interleaved rounds; paired ratios, memory, quality."
     device, dtype = resolve_device(device), as_dtype(dtype)
     if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1: raise ValueError(f'runs must be an int >= 1, got {runs!r}')
@@ -336,10 +336,11 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                               frames_first_call=cs['frames_first_call'], recompiles=cs['recompiles'],
                               mem_load_MiB=st['mem_load_bytes'] / 2**20, peak_gen_MiB=_mib(peak_extra_bytes(mark, device)),
                               finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'])
-        rows = run_schemes([None], lambda s: one(None, glabel)) if gguf else []   # the GGUF baseline, then dense and each scheme
-        rows += run_schemes([None, *schemes], one)
+        rows = run_schemes([None], lambda s: one(None, glabel), progress, 'bench: GGUF') if gguf else []  # GGUF, dense, each scheme
+        rows += run_schemes([None, *schemes], one, progress, 'bench: build + first call')
         rows = [{'config': r['requested'], **r} for r in rows]  # a failed scheme keeps its row
         warm_up(calls, device)
+        if progress: print(f'bench: {len(calls)} configurations x {runs} interleaved rounds', flush=True)
         times = interleaved_times(calls, runs, device)
         threads_used = torch.get_num_threads()
     for r in rows:
@@ -359,8 +360,8 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
     return pd.concat([df, q], axis=1)
 
 def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
-    "Run `transformer_bench(**kwargs)` and append its rows to the 'transformer_bench' results table (run by hand)."
-    df = transformer_bench(**kwargs)
+    "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table (run by hand)."
+    df = transformer_bench(**{'progress': True, **kwargs})
     record_rows('transformer_bench', df, root=root, device=kwargs.get('device'))
     return df
 

@@ -12,9 +12,9 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 def _transformer_bench():
     from diffq_lab.study import record_transformer_bench
     from diffq_lab.schemes import SCHEMES
-    record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=SCHEMES, runs=5)
+    record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=SCHEMES, runs=8)
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=('int8', 'fp8wo', 'nvfp4wo', 'mxfp8'),
-                             runs=5, compile=True)
+                             runs=8, compile=True)
 
 def _module(mod, fn, **kw):
     return lambda: getattr(__import__(f'diffq_lab.{mod}', fromlist=[fn]), fn)(**kw)
