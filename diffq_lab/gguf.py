@@ -15,15 +15,15 @@ from .schemes import FakeQuantLinear, get_scheme, normalize_scheme, quantized_li
 from .capability import BACKENDS, SchemeUnavailableError, select_scheme
 from .plan import QuantPlan, QuantizationError, RestoreError, apply_plan, dense_plan
 from .pipelines import get_family, family_of, render, load_pipeline
-from .text_encoder import plan_text_encoders
+from .text_encoder import offload_probe, plan_text_encoders, text_encoders
 from .transformer import DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
-from .memory import GGUF_TYPES, _gguf_quantizable, module_bytes, plan_memory, real_dims_components
+from .memory import GGUF_TYPES, _gguf_quantizable, free_memory, module_bytes, plan_memory, real_dims_components
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'SAVED_FORMAT', 'SAVED_WEIGHTS', 'gguf_blocks', 'write_gguf', 'load_gguf_transformer',
-           'load_pipeline_quantized', 'plan_pipeline', 'save_quantized', 'load_quantized']
+__all__ = ['log', 'ON_UNAVAILABLE', 'SAVED_FORMAT', 'SAVED_WEIGHTS', 'gguf_blocks', 'write_gguf', 'load_gguf_transformer',
+           'engaged', 'load_pipeline_quantized', 'plan_pipeline', 'save_quantized', 'load_quantized']
 
 # %% ../nbs/10_gguf.ipynb #03099261
 def _roundf(x: torch.Tensor) -> torch.Tensor:
@@ -100,6 +100,26 @@ def _gguf_paths(gguf, dens: dict) -> dict:
     if missing: raise ValueError(f'no GGUF file at {missing}')
     return {a: Path(p) for a, p in paths.items()}
 
+ON_UNAVAILABLE = ('dense', 'raise')
+
+def _placement(pipe, device, free_bytes, reserve) -> tuple[str, str]:
+    "Where `pipe` can run on `device`: 'device' (all of it fits), 'offload' (one component at a time), 'cpu' (not even that)."
+    if free_bytes is None and device.type != 'cuda': return 'device', ''  # a CPU holds what it loaded
+    free = free_memory(device) if free_bytes is None else int(free_bytes)
+    budget = int(free * (1 - reserve))
+    sizes = {a: module_bytes(m) for a, m in pipe.components.items() if isinstance(m, nn.Module)}
+    total, (big, largest) = sum(sizes.values()), max(sizes.items(), key=lambda kv: kv[1], default=('', 0))
+    have = f'{budget / 2**30:.2f} GiB budget ({free / 2**30:.2f} GiB free, {reserve:.0%} reserved)'
+    if total <= budget: return 'device', f'all components ({total / 2**30:.2f} GiB) fit the {have}'
+    if largest <= budget: return 'offload', f'all components ({total / 2**30:.2f} GiB) exceed the {have}; the largest, {big}, fits alone'
+    return 'cpu', f'{big} ({largest / 2**30:.2f} GiB) does not fit even alone in the {have}'
+
+def engaged(pipe) -> dict[str, dict]:
+    "Per denoiser and text encoder of `pipe`: the path the loader engaged (quant / gguf / dense), the scheme, the backend and why."
+    marks = getattr(pipe, '_diffq_engaged', None) or {}  # the runtime marker the loader leaves on the pipeline
+    unmarked = dict(path='dense', scheme=None, backend=None, reason='not loaded by the lab')
+    return {a: dict(marks.get(a, unmarked)) for a in {**text_encoders(pipe), **denoisers(pipe)}}
+
 # %% ../nbs/10_gguf.ipynb #0ead8c35
 def _validate(pipe, status, device):
     "Render one step at 32 px: a quantised kernel that fails in the real forward fails here, not in the user's render."
@@ -135,13 +155,14 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
 def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, gguf=None, compile: bool = True, device=None,
                             dtype=torch.bfloat16, *, te_quant=None, min_features: int = 512, backend: str = 'auto',
                             free_bytes: int | None = None, reserve: float = 0.1, validate: bool = True,
-                            compile_kwargs: dict | None = None, **load_kwargs):
+                            compile_kwargs: dict | None = None, on_unavailable: str = 'dense', **load_kwargs):
     "Load (or take) a pipeline, quantise its text encoders (`te_quant`) and transformer (`transformer_quant`), compile; fall back to GGUF or dense with a reason. Returns (pipe, status)."
     t0 = time.perf_counter()
     device, dtype = resolve_device(device), as_dtype(dtype)
     requested = normalize_scheme(transformer_quant)  # an unknown name fails before anything loads
     normalize_scheme(te_quant)
     if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
+    if on_unavailable not in ON_UNAVAILABLE: raise ValueError(f'on_unavailable must be one of {ON_UNAVAILABLE}, got {on_unavailable!r}')
     built = hasattr(model_or_pipe, 'components')
     if built: pipe = model_or_pipe
     else:  # the dense load goes to the CPU first: the transformer reaches the device alone, and is quantised there
@@ -149,14 +170,23 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
     fam = get_family(family).name if family is not None else family_of(pipe)
     dens = denoisers(pipe)
     ggufs = _gguf_paths(gguf, dens)
-    # the encoders' plan comes first: a scheme their family denies is refused before anything changes
-    encoders = plan_text_encoders(pipe, te_quant, family=fam, backend=backend, device=device) if te_quant is not None else None
+    # the encoders' plan comes first: a scheme their family denies is refused before anything changes, or (the seed's
+    # default) leaves the encoders dense with the reason: the default path can never regress
+    encoders, te_why = None, ''
+    if te_quant is not None:
+        try: encoders = plan_text_encoders(pipe, te_quant, family=fam, backend=backend, device=device)
+        except (ValueError, SchemeUnavailableError) as e:
+            if on_unavailable == 'raise': raise
+            te_why = f'{te_quant}: {_describe(e)}'
+            log.warning('%s text encoders stay dense: %s', fam, te_why)
     status = dict(family=fam, requested=transformer_quant, scheme=None, path='dense', backend=None, fallback_reason='',
                   linears_quantized=0, linears_total=sum(isinstance(m, nn.Linear) for d in dens.values() for m in d.modules()),
                   backend_note='', quant_summary='', quant_plan=None, gguf=', '.join(map(str, ggufs.values())), memory='',
-                  compile='', placement='', device=str(device), device_name=device_name(device),
+                  compile='', placement='', te_fallback_reason=te_why, device=str(device), device_name=device_name(device),
                   dtype=str(dtype).removeprefix('torch.'))
     def fall_back(reason):
+        if on_unavailable == 'raise' and not ggufs:  # asked for this scheme or nothing: say why instead of running dense
+            raise SchemeUnavailableError(f'{fam} transformer: {reason}')
         status['fallback_reason'] = reason
         log.warning('%s transformer: %s; falling back to %s', fam, reason, 'GGUF' if ggufs else 'dense')
     s = None
@@ -167,11 +197,15 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
             if s is not None and device.type == 'cuda' and backend == 'auto': select_scheme(s, device)
         except SchemeUnavailableError as e: fall_back(_describe(e)); s = None
         if s is None and not status['fallback_reason']: fall_back(f'auto: no quantised scheme runs on {device_name(device)}')
-    mem = None
+    mem, offload_note = None, ''
     if s is not None:
         mem = plan_memory(pipe, s, device, free_bytes=free_bytes, min_features=min_features, gguf=bool(ggufs), reserve=reserve)
         status['memory'] = mem.summary()
         if mem.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {mem.reason}'); s = None
+        elif mem.decision == 'offload' and get_scheme(s).library == 'torchao':
+            probe = offload_probe(s, 'model', device, backend)  # the seed skips torchao under offload; here, unless it survives
+            if not probe.ok: fall_back(f'{s} under model CPU offload: its offload probe failed here ({probe.reason})'); s = None
+            else: offload_note = f'model-offload probe passed ({probe.device_name})'
     if s is not None:
         # on a CPU a torchao kernel that fails in the real forward is swapped for the emulation: the CPU studies numerics
         tries = [backend] + (['emulate'] if backend == 'auto' and device.type == 'cpu' else [])
@@ -190,7 +224,7 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
                 break
             parts = [applied.components[a] for a in dens]
             status.update(scheme=s, path='quant', backend='+'.join(sorted({p.backend for p in parts if p.backend})) or None,
-                          backend_note='; '.join(n for n in (note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n),
+                          backend_note='; '.join(n for n in (note, offload_note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n),
                           linears_quantized=sum(p.n_quantized for p in parts), quant_plan=applied,
                           quant_summary=' | '.join(f'{a}: {applied.components[a].summary()}' for a in dens))
             break
@@ -202,20 +236,35 @@ def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, 
         for a, p in ggufs.items():
             setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))
         status.update(path='gguf', linears_quantized=sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules()))
-    offloaded = mem is not None and mem.decision == 'offload' and status['path'] == 'quant' and device.type == 'cuda'
-    if not offloaded: pipe.to(device)
+    # placement from what was loaded: never move a transformer onto a device it does not fit (a dense fallback included)
+    where, why = _placement(pipe, device, free_bytes, reserve)
+    if where == 'device':
+        pipe.to(device)
+        if why: status['placement'] = f'on {device}: {why}'
+    elif where == 'cpu':
+        status['placement'] = f'left on the CPU: {why}'
+        log.warning('%s: %s', fam, status['placement'])
     if compile:
         try:
             reps = {a: compile_transformer(m, **(compile_kwargs or {})) for a, m in denoisers(pipe).items()}
             status['compile'] = ' | '.join(f'{a}: {r.summary()}' for a, r in reps.items())
         except Exception as e:  # noqa: BLE001 -- an uncompiled transformer still renders the same images
             status['compile'] = f'failed: {_describe(e)}'; log.warning('%s: compile failed: %s', fam, status['compile'])
-    if mem is not None and mem.decision == 'offload' and status['path'] == 'quant':
-        if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); status['placement'] = 'model CPU offload'
-        else: status['placement'] = 'offload planned; not applied on a CPU'
+    if where == 'offload':
+        if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); status['placement'] = f'model CPU offload: {why}'
+        else: status['placement'] = f'model CPU offload planned, not applied on a CPU: {why}'
     status.update(mem_load_bytes=sum(module_bytes(m) for m in denoisers(pipe).values()), device_mem_bytes=_device_bytes(device),
                   load_s=round(time.perf_counter() - t0, 3))
     status.setdefault('mem_gen_peak_bytes', None)
+    plan, marks = status['quant_plan'], {}
+    for a in denoisers(pipe):
+        marks[a] = dict(path=status['path'], scheme=status['scheme'], backend=status['backend'],
+                        reason=status['fallback_reason'] or (status['gguf'] if status['path'] == 'gguf' else status['backend_note']))
+    for a in text_encoders(pipe):
+        p = plan.components.get(a)
+        marks[a] = dict(path='quant' if p is not None and p.quantized else 'dense', scheme=p.scheme if p is not None else None,
+                        backend=p.backend if p is not None else None, reason=te_why or (p.note if p is not None else 'dense requested'))
+    pipe._diffq_engaged = marks
     pipe._diffq_family = fam
     return pipe, status
 
