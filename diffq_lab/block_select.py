@@ -247,11 +247,13 @@ def prompts_path(root=None) -> Path:
 
 def load_prompts(path=None, n: int | None = None) -> list[str]:
     "The fixed prompt set (one a line; blank lines and '#' comments skipped), the first `n` when given."
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+        raise ValueError(f'n must be an int >= 1 (the first n prompts) or None (all of them), got {n!r}')
     path = Path(path) if path is not None else prompts_path()
     if not path.exists(): raise FileNotFoundError(f'no prompt set at {path} (the checkout keeps it under data/prompts/)')
     prompts = [l.strip() for l in path.read_text(encoding='utf-8').splitlines() if l.strip() and not l.lstrip().startswith('#')]
     if not prompts: raise ValueError(f'{path} holds no prompt')
-    return prompts[:n] if n else prompts
+    return prompts[:n] if n is not None else prompts
 
 def encoder_inputs(tokenizer, prompts, max_length: int = 64, device=None) -> dict:
     "`prompts` tokenised as one padded batch (input ids and attention mask, truncated to `max_length`), on `device`."
@@ -508,9 +510,10 @@ class FamilySchedule:
 
 def schedule_for_family(family, scheme='int8', bar: float = 0.99, *, encoder=None, tokenizer=None, attr: str = 'text_encoder',
                         prompts=None, min_features: int = ENCODER_MIN_FEATURES, backend: str = 'auto', text_layers: int = 6,
-                        max_length: int = 64, device=None, model_name: str | None = None) -> FamilySchedule:
+                        max_length: int = 64, device=None, model_name: str | None = None, read_layer=None) -> FamilySchedule:
     "Recompute `family`'s keep-bf16 schedule: on `encoder` (with `tokenizer`) when given, else on each encoder of its tiny pipeline."
     fam = get_family(family)
+    if read_layer is not None: read_layer = check_read_layer(read_layer)  # every encoder read there instead of the family's
     prompts = list(prompts) if prompts is not None else load_prompts()
     if encoder is not None:
         if tokenizer is None: raise ValueError('schedule_for_family(encoder=...) needs the tokenizer that goes with it')
@@ -524,7 +527,7 @@ def schedule_for_family(family, scheme='int8', bar: float = 0.99, *, encoder=Non
     for a, (enc, tok) in encoders.items():
         if device is not None: enc.to(device)
         inputs[a] = encoder_inputs(tok, prompts, max_length, module_device(enc))
-        rl = family_read_layer(fam.name, a, _n_layers(enc))
+        rl = family_read_layer(fam.name, a, _n_layers(enc)) if read_layer is None else read_layer
         found[a] = find_keep_schedule(enc, inputs[a], scheme, bar, rl, min_features, backend=backend)
     if not all(s.ok for s in found.values()):
         return FamilySchedule(fam.name, found[next(iter(found))].scheme, float(bar), None,
@@ -588,7 +591,8 @@ def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_featur
     except ValueError:
         raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a known family; "
                          f"pass a transformers model folder, 'minilm', or a family name") from None
-    fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, min_features=min_features, backend=backend, device=device)
+    fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, min_features=min_features, backend=backend, device=device,
+                             read_layer=read_layer)
     reg = 'none' if fam.keep_bf16 is None else f'first {fam.keep_bf16[0]} + last {fam.keep_bf16[1]}'
     lines = [f'# diffq-lab blocks: {fam.name} ({fs.model}), {len(prompts)} prompts, min_features {min_features}', '', fs.summary(),
              f'registry int8 schedule (FAMILIES[{fam.name!r}].keep_bf16): {reg}; random weights do not predict a trained '

@@ -10,9 +10,10 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import (resolve_device, device_name, package_version, atomic_write_text, append_rows,
+from .core import (resolve_device, check_device, device_name, package_version, atomic_write_text, append_rows,
                             markdown_table)
-from .schemes import REGISTRY, SCHEMES, Scheme, apply_kernel, get_scheme, normalize_scheme, quantized_linears, scheme_choices
+from .schemes import (REGISTRY, SCHEMES, Scheme, apply_kernel, gate_bypassed, get_scheme, normalize_scheme,
+                               quantized_linears, scheme_choices)
 from .emulate import EMULATIONS
 
 _log = logging.getLogger(__name__)
@@ -125,7 +126,7 @@ def hardware_gate(scheme, cap) -> tuple[bool, str]:
     return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g.why}"
 
 # %% ../nbs/03_capability.ipynb #fd817e2e
-PROBE_VERSION = 2   # bump when the probe's procedure changes: old cache entries stop matching
+PROBE_VERSION = 3   # bump when the probe's procedure changes: old cache entries stop matching
 PROBE_TOL = 0.25    # relative error vs bf16 above which a kernel is called wrong
 PROBE_SHAPE = dict(features=512, tokens=32, zero_rows=(0, 13, 31))
 
@@ -143,6 +144,7 @@ class ProbeResult:
     transient: bool = False           # OOM or a CUDA context left unusable: says nothing about the kernel, never cached
     torch: str = ''
     torchao: str | None = None
+    stage: str = ''                   # where a failed probe failed: 'convert', 'forward' (2-D) or 'forward 3-D'; '' passed
     cached: bool = False
 
 # %% ../nbs/03_capability.ipynb #002aa10a
@@ -173,12 +175,33 @@ def _write_cache(path: Path, key: str, result: ProbeResult):
     data[key] = {k: v for k, v in asdict(result).items() if k != 'cached'}
     atomic_write_text(path, json.dumps(data, indent=1, sort_keys=True))
 
+_NUM, _STR, _BOOL = (int, float, type(None)), (str,), (bool,)
+_ENTRY_TYPES = dict(scheme=_STR, device_name=_STR, ok=_BOOL, reason=_STR, rel_err=_NUM, max_rel_err=_NUM, seconds=_NUM,
+                    oom=_BOOL, transient=_BOOL, torch=_STR, torchao=(str, type(None)), stage=_STR)
+
+def _entry_problem(hit, key: str) -> str | None:
+    "Why cache entry `hit` under `key` cannot be trusted (a wrong type, a missing field, another scheme), or None."
+    if not isinstance(hit, dict): return f'a {type(hit).__name__}, not an object'
+    missing = sorted({'scheme', 'device_name', 'ok', 'reason'} - set(hit))
+    if missing: return f'missing {missing}'
+    for k, types in _ENTRY_TYPES.items():
+        # strict: "ok": "false" is a string, and a string is truthy; bool is an int subclass, so numbers refuse it
+        if k in hit and (not isinstance(hit[k], types) or (types is _NUM and isinstance(hit[k], bool))):
+            return f'{k}={hit[k]!r} is not {"/".join(t.__name__ for t in types)}'
+    if hit['scheme'] != key.split('|', 1)[0]: return f"it is the entry of {hit['scheme']!r}"
+    if hit.get('transient'): return 'a transient result, which is never cached'
+    return None
+
 def _cached(path: Path, key: str) -> ProbeResult | None:
-    hit = _MEMORY.get((str(path), key)) or _read_cache(path).get(key)
-    if not isinstance(hit, dict): return None
+    hit = _MEMORY.get((str(path), key))
+    if hit is None:
+        hit = _read_cache(path).get(key)
+        if hit is None: return None
+        if why := _entry_problem(hit, key):  # a damaged cache is absent: probe again (and overwrite the entry)
+            warnings.warn(f'ignoring a damaged probe cache entry {key!r} in {path}: {why}; probing again')
+            return None
     names = {f.name for f in fields(ProbeResult)}
-    try: return ProbeResult(**{**{k: v for k, v in hit.items() if k in names}, 'cached': True})
-    except TypeError: return None  # an entry from an incompatible probe: measure again
+    return ProbeResult(**{**{k: v for k, v in hit.items() if k in names}, 'cached': True})
 
 def clear_probe_cache(disk: bool = False):
     "Forget the probes cached in memory (and, with `disk=True`, the cache file too)."
@@ -202,12 +225,7 @@ def _describe(e: BaseException, limit: int = 240) -> str:
     msg = ' '.join(str(e).split()) or repr(e)
     return f'{type(e).__name__}: {msg[:limit]}{"..." if len(msg) > limit else ""}'
 
-def _check_device(device) -> torch.device:
-    device = resolve_device(device)
-    if device.type not in ('cpu', 'cuda'): raise ValueError(f"unsupported device {device}: use 'cpu' or 'cuda'")
-    if device.type == 'cuda' and not torch.cuda.is_available():
-        raise ValueError("device 'cuda' was asked for but torch.cuda.is_available() is False: use 'cpu'")
-    return device
+def _check_device(device) -> torch.device: return check_device(device)  # core's: CPU or a CUDA GPU that is there
 
 # %% ../nbs/03_capability.ipynb #b411ac35
 def _probe_case(device):
@@ -244,28 +262,32 @@ def _judge(out, ref, tol=PROBE_TOL) -> tuple[bool, str, float | None, float | No
 def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
     "Quantise the probe Linear with `scheme`'s real kernel and judge one forward; exceptions become a failed result."
     base = dict(scheme=scheme.name, device_name=name, torch=torch.__version__, torchao=package_version('torchao'))
-    t0, stage = time.perf_counter(), ''
+    t0, stage, where = time.perf_counter(), '', 'convert'
     try:
         model, x, ref = _probe_case(device)
         apply_kernel(model, scheme, ['0'])
         if not quantized_linears(model):
-            return ProbeResult(**base, ok=False, reason='the kernel path converted no Linear', seconds=time.perf_counter() - t0)
+            return ProbeResult(**base, ok=False, reason='the kernel path converted no Linear', seconds=time.perf_counter() - t0,
+                               stage='convert')
         with torch.no_grad():
+            where = 'forward'  # converted: a failure from here on is a kernel that converts but cannot compute
             out = model(x)
             # pipelines feed Linears 3-D, often non-contiguous views; NVFP4 weight-only fails there on torchao 0.18
             x3, ref3 = (t.view(2, -1, t.shape[-1]).transpose(0, 1) for t in (x, ref))
-            stage = '3-D non-contiguous input: '
+            stage, where = '3-D non-contiguous input: ', 'forward 3-D'
             out3 = model(x3)
         if device.type == 'cuda': torch.cuda.synchronize(device)  # surface asynchronous kernel errors here
         ok, reason, rel, worst = _judge(out, ref)
-        if ok and not (ok3 := _judge(out3, ref3))[0]: ok, reason = False, f'3-D non-contiguous input: {ok3[1]}'
-        return ProbeResult(**base, ok=ok, reason=reason, rel_err=rel, max_rel_err=worst, seconds=time.perf_counter() - t0)
+        where = '' if ok else 'forward'
+        if ok and not (ok3 := _judge(out3, ref3))[0]: ok, reason, where = False, f'3-D non-contiguous input: {ok3[1]}', 'forward 3-D'
+        return ProbeResult(**base, ok=ok, reason=reason, rel_err=rel, max_rel_err=worst, seconds=time.perf_counter() - t0,
+                           stage=where)
     except Exception as e:  # noqa: BLE001 -- any failure means "does not run here"
         oom = _is_oom(e)
         if oom and device.type == 'cuda': torch.cuda.empty_cache()
         broken = not oom and not _device_healthy(device)
         why = 'out of memory: ' if oom else 'device unusable after: ' if broken else ''
-        return ProbeResult(**base, ok=False, reason=why + stage + _describe(e), oom=oom, transient=oom or broken,
+        return ProbeResult(**base, ok=False, reason=why + stage + _describe(e), oom=oom, transient=oom or broken, stage=where,
                            seconds=time.perf_counter() - t0)
 
 def smoke_probe(scheme, device=None, refresh: bool = False) -> ProbeResult:
@@ -275,7 +297,7 @@ def smoke_probe(scheme, device=None, refresh: bool = False) -> ProbeResult:
     path, key = probe_cache_path(), probe_key(scheme.name, name)
     if not refresh and (hit := _cached(path, key)) is not None: return hit
     result = _run_probe(scheme, device, name)
-    if result.transient: return result  # a full or broken GPU says nothing about the kernel: never cache it
+    if result.transient or gate_bypassed(): return result  # a full or broken GPU, or a lifted gate: never cache it
     _MEMORY[(str(path), key)] = {k: v for k, v in asdict(result).items() if k != 'cached'}
     try: _write_cache(path, key, result)
     except OSError as e: warnings.warn(f'could not write the probe cache {path}: {e}')
@@ -321,7 +343,13 @@ def resolve_backend(scheme, backend: str = 'auto', device=None, gpu_refuses: boo
     s = _check_scheme(scheme)
     if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
     if backend == 'emulate': return 'emulate', 'asked for'
-    if backend == 'torchao': return s.library, 'asked for'
+    if backend == 'torchao':
+        probe = smoke_probe(s, device)
+        # a kernel that converts but cannot compute here would be reported "quantised N/N" and fail at the first forward
+        if probe.stage == 'forward':
+            raise SchemeUnavailableError(f"{s.name}: torchao converts its Linears on {probe.device_name} but its 2-D forward "
+                                         f"fails there ({probe.reason}); use backend='emulate' or 'auto'")
+        return s.library, 'asked for'
     probe = smoke_probe(s, device)
     if probe.ok: return s.library, ''
     if gpu_refuses and resolve_device(device).type == 'cuda': select_scheme(s, device)  # SchemeUnavailableError: probe and gate

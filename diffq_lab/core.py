@@ -12,16 +12,27 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'module_device', 'device_name', 'as_dtype', 'compute_dtype',
-           'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version', 'git_sha', 'utc_now',
-           'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table',
-           'check_recordable', 'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
+__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'module_device', 'check_device', 'device_name',
+           'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version',
+           'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable',
+           'load_table', 'check_recordable', 'record_tables', 'append_rows', 'latest_run', 'markdown_table',
+           'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
+DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
+
+def _as_torch_device(device) -> torch.device:
+    "`device` parsed by torch; a name torch does not know (or an empty one) raises ValueError naming the choices."
+    if isinstance(device, torch.device): return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)) or (isinstance(device, str) and not device.strip()):
+        raise ValueError(f'bad device {device!r}; choose {DEVICE_CHOICES}')
+    try: return torch.device(device.strip() if isinstance(device, str) else device)
+    except (RuntimeError, ValueError, TypeError): raise ValueError(f'unknown device {device!r}; choose {DEVICE_CHOICES}') from None
+
 def resolve_device(device=None) -> torch.device:
-    "`device` as a `torch.device`; `None` picks CUDA when present, else CPU."
+    "`device` as a `torch.device`; `None` picks CUDA when present, else CPU; a name torch does not know raises ValueError."
     if device is None: return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
-    device = torch.device(device)
+    device = _as_torch_device(device)
     if device.type == 'cuda' and device.index is None and torch.cuda.is_available():
         device = torch.device('cuda', torch.cuda.current_device())
     return device
@@ -30,6 +41,16 @@ def module_device(module) -> torch.device:
     "The device `module`'s weights are on: its first parameter's, or `resolve_device(None)` when it has none or they are on meta."
     p = next(module.parameters(), None)
     return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
+
+def check_device(device=None) -> torch.device:
+    "`device` resolved, and refused with ValueError unless it is a CPU or a CUDA GPU this machine has."
+    d = resolve_device(device)
+    if d.type not in ('cpu', 'cuda'): raise ValueError(f'unsupported device {str(device)!r}; choose {DEVICE_CHOICES}')
+    if d.type == 'cuda':
+        n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if n == 0: raise ValueError(f"device {str(device)!r} was asked for but this machine has no CUDA GPU: use 'cpu'")
+        if d.index is not None and d.index >= n: raise ValueError(f'no GPU {d.index}: this machine has {n} (cuda:0 to cuda:{n - 1})')
+    return d
 
 # %% ../nbs/00_core.ipynb #a8636fe2
 def device_name(device=None) -> str:
@@ -175,6 +196,7 @@ def check_writable(folder) -> Path:
     "`folder`, created if needed, after proving a file can be written there: ValueError naming it otherwise."
     if isinstance(folder, str) and not folder.strip(): raise ValueError('an output folder must be named, got an empty path')
     folder = Path(folder)
+    if folder.exists() and not folder.is_dir(): raise ValueError(f'cannot write into {folder}: it is a file, not a folder')
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix='.write-probe-'); os.close(fd); os.unlink(probe)

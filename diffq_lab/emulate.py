@@ -16,12 +16,13 @@ from .schemes import REGISTRY, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_s
 
 # %% auto #0
 __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'EMULATIONS', 'INT4_GROUP', 'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS',
-           'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast',
-           'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation',
-           'recipes_table', 'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind',
-           'int4_groupwise', 'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement',
-           'make_activations', 'numerics_table', 'record_numerics']
+           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE',
+           'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise',
+           'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation',
+           'register_emulation', 'get_emulation', 'recipes_table', 'EmulatedLinear', 'emulate_linears', 'real_or',
+           'reference_for', 'reference_kind', 'NVFP4ScaleWarning', 'nvfp4_scale_hazard', 'int4_groupwise',
+           'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement', 'make_activations',
+           'numerics_table', 'record_numerics']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -391,6 +392,41 @@ register_emulation('fp8_layerwise', activation='bf16', weight='fp8 e4m3 storage,
                    mirrors='diffusers apply_layerwise_casting', quantize_weight=lambda w, rowwise: (fp8_cast(w), None),
                    reference=_layerwise_reference, cast_bias=fp8_cast, needs_2d=False)(_fwd_linear)
 
+# %% ../nbs/02_emulate.ipynb #a7f40c01
+import warnings
+
+class NVFP4ScaleWarning(RuntimeWarning):
+    "NVFP4's per-tensor scale let one token's magnitude (or a NaN/inf) spoil the other tokens."
+
+NVFP4_STARVED = E4M3_TINY / E4M3_MAX  # a row this much below the tensor's amax gets block scales at e4m3's floor
+
+def nvfp4_scale_hazard(x: torch.Tensor) -> dict:
+    "What NVFP4's one per-tensor scale does to the rows (tokens) of `x`: a NaN/inf spreads to all; rows `NVFP4_STARVED` below the largest lose their precision."
+    a = x.detach().abs().reshape(-1, x.shape[-1]).amax(-1).float()
+    live, finite = a > 0, bool(torch.isfinite(a).all())
+    n_live = int(live.sum())
+    if not finite: return dict(rows=a.numel(), nonfinite=True, starved=n_live, ratio=float('inf'))
+    starved = int((live & (a < a.max() * NVFP4_STARVED)).sum())
+    ratio = (a.max() / a[live].median()).item() if n_live else 1.0
+    return dict(rows=a.numel(), nonfinite=False, starved=starved, ratio=ratio)
+
+def _nvfp4_guard(x: torch.Tensor, what: str = 'activation'):
+    "Warn (`NVFP4ScaleWarning`) when NVFP4's per-tensor scale spoils other rows of `x`: the kernel does the same, silently."
+    if torch.compiler.is_compiling(): return  # no host syncs inside a compiled region
+    h = nvfp4_scale_hazard(x)
+    if h['nonfinite']:
+        warnings.warn(f"NVFP4 {what}: a NaN/inf element makes the per-tensor scale non-finite, so all {h['rows']} rows "
+                      'come out NaN (bf16 would spoil one row)', NVFP4ScaleWarning, stacklevel=3)
+    elif h['starved']:
+        warnings.warn(f"NVFP4 {what}: {h['starved']} of {h['rows']} rows lie over {1 / NVFP4_STARVED:.3g}x below the largest "
+                      f"(max/median amax {h['ratio']:.3g}): the per-tensor scale floors their block scales and they lose "
+                      'their precision', NVFP4ScaleWarning, stacklevel=3)
+
+def _nvfp4_weight(w: torch.Tensor, rowwise: bool = True):
+    "The NVFP4 fake-quantised weight (no separate scale), after the same guard as the activations."
+    _nvfp4_guard(w, 'weight')
+    return nvfp4(w), None
+
 # %% ../nbs/02_emulate.ipynb #e3a00006
 def _nvfp4_torchao_dequant(t: torch.Tensor) -> torch.Tensor:
     from torchao.prototype.mx_formats.nvfp4_tensor import NVFP4Tensor, per_tensor_amax_to_scale
@@ -410,14 +446,15 @@ def _nvfp4_2d(scheme, device):
 
 @register_emulation('nvfp4', activation='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                     weight='NVFP4 (same)', mirrors='NVFP4DynamicActivationNVFP4WeightConfig: nvfp4_quantize',
-                    quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_tensor_roundtrip), needs_2d=False)
+                    quantize_weight=_nvfp4_weight, reference=real_or(_nvfp4_tensor_roundtrip), needs_2d=False)
 def _fwd_nvfp4(m, x):
     # nvfp4_linear: activation NVFP4Tensor.to_nvfp4(x, per_tensor_amax_to_scale(amax(x))), then the fp4 GEMM
+    _nvfp4_guard(x)  # the per-tensor scale couples the tokens: said out loud, the numerics stay the kernel's
     return F.linear(nvfp4(x), _w(m, x), _b(m, x))
 
 register_emulation('nvfp4wo', activation='bf16', weight='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                    mirrors='NVFP4WeightOnlyConfig: NVFP4Tensor.dequantize + linear',
-                   quantize_weight=lambda w, rowwise: (nvfp4(w), None), reference=real_or(_nvfp4_2d), needs_2d=False)(_fwd_linear)
+                   quantize_weight=_nvfp4_weight, reference=real_or(_nvfp4_2d), needs_2d=False)(_fwd_linear)
 
 def _mx_emulated_kernel(scheme, device):
     "torchao's own MX path with `KernelPreference.EMULATED`: runs wherever torch does."

@@ -16,8 +16,8 @@ from .core import package_version
 # %% auto #0
 __all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'Gate', 'Scheme', 'register_scheme', 'scheme_choices', 'normalize_scheme', 'get_scheme',
            'make_config', 'schemes_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear',
-           'quantized_linears', 'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'rule_reason', 'skip_reasons',
-           'apply_kernel', 'fp8_gate_bypassed']
+           'quantized_linears', 'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight',
+           'rule_reason', 'skip_reasons', 'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -45,6 +45,7 @@ class Scheme:
     multiple_of: tuple[int, int] = (1, 1)     # (in_features, out_features) multiples the kernel needs
     dtypes: tuple[torch.dtype, ...] | None = None  # weight dtypes the kernel takes; None: any
     zero_row_hazard: bool = False             # an all-zero weight row gives a NaN output column
+    zero_weight_hazard: bool = False          # an all-zero weight gives NaN everywhere (a per-tensor scale of 0: 0/0)
     casts_in_place: bool = False              # casts the Parameter itself: a tied weight would drag its other user along
     bias_bytes: int | None = None             # bytes per bias element; None: the compute dtype's
     gemm: str = 'bf16'                        # the bare GEMM the bench times beside it: 'bf16', 'int8' or 'fp8'
@@ -209,7 +210,7 @@ register_scheme(Scheme(
     'nvfp4', 'NVFP4 W4A4: fp4 e2m1 blocks of 16 with fp8 block scales, dynamic activations',
     weights='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
     activations='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale', config=_nvfp4_dynamic,
-    multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32),  # blocks of 16
+    multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32), zero_weight_hazard=True,  # blocks of 16
     aliases=('nvfp4dq', 'nvfp4_dynamic', 'nvfp4_w4a4', 'w4a4', 'fp4'),
     gate=Gate((10, 0), False, 'fp4 tensor cores; torchao asserts sm_100+ for NVFP4 dynamic'),
     weight_bytes=_NVFP4_BYTES, gemm=''))
@@ -217,7 +218,7 @@ register_scheme(Scheme(
 register_scheme(Scheme(
     'nvfp4wo', 'NVFP4 weights, bf16 activations',
     weights='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale', activations=None, config=_nvfp4_weight_only,
-    multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32),
+    multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32), zero_weight_hazard=True,
     aliases=('nvfp4_weight_only', 'fp4wo', 'fp4_weight_only', 'w4a16_nvfp4'),
     gate=Gate((8, 0), False, 'packed fp4 weights dequantised to bf16: no fp4 tensor cores used; '
                              'torchao 0.18 cannot expand its NVFP4Tensor for 3-D non-contiguous inputs'),
@@ -258,7 +259,7 @@ def schemes_table() -> pd.DataFrame:
                          torchao_config=type(s.make_config()).__name__ if s.config else f'({s.library})',
                          multiple_of='x'.join(map(str, s.multiple_of)),
                          dtypes='any' if s.dtypes is None else '/'.join(str(d).removeprefix('torch.') for d in s.dtypes),
-                         zero_row_hazard=s.zero_row_hazard, min_cuda=f'sm_{g.min_cuda[0]}{g.min_cuda[1]}', cpu_kernel=g.cpu,
+                         zero_row_hazard=s.zero_row_hazard, zero_weight_hazard=s.zero_weight_hazard, min_cuda=f'sm_{g.min_cuda[0]}{g.min_cuda[1]}', cpu_kernel=g.cpu,
                          bits_per_weight=round(8 * s.weight_bytes(4096, 4096) / 4096 ** 2, 3),
                          aliases=', '.join(s.aliases)))
     return pd.DataFrame(rows)
@@ -332,6 +333,13 @@ def has_zero_output_row(linear: nn.Module) -> bool:
     if w.device.type == 'meta': return False  # meta tensors hold no values
     return bool((w.detach() == 0).all(dim=-1).any())
 
+def is_all_zero_weight(linear: nn.Module) -> bool:
+    "Whether every weight of `linear` is zero (a zero-initialised gate, a pruned layer); False on the meta device."
+    w = linear.weight
+    if _torchao_tensor(w): w = w.dequantize()
+    if w.device.type == 'meta': return False
+    return not bool(w.detach().any())
+
 # %% ../nbs/01_schemes.ipynb #b6ba3bc3
 def _dtype_reason(dtypes) -> str:
     return 'not ' + '/'.join(str(d).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float32', 'fp32') for d in dtypes)
@@ -357,6 +365,7 @@ def rule_reason(scheme: Scheme, linear: nn.Module, tied=frozenset()) -> str | No
     if scheme.dtypes and linear.weight.dtype not in scheme.dtypes: return _dtype_reason(scheme.dtypes)
     if r := _shape_reason(linear.in_features, linear.out_features, scheme.multiple_of): return r
     if scheme.zero_row_hazard and has_zero_output_row(linear): return 'zero output row'
+    if scheme.zero_weight_hazard and is_all_zero_weight(linear): return 'all-zero weight'
     # a cast in place of a tied Parameter would drag its other user to the storage dtype too
     if scheme.casts_in_place and id(linear.weight) in tied: return 'tied weight'
     return None
@@ -397,6 +406,14 @@ def fp8_gate_bypassed():
     old = {n: getattr(qa, n) for n in names}
     qa._check_hardware_support = lambda *a, **k: None
     if 'is_sm_at_least_89' in old: qa.is_sm_at_least_89 = lambda: True
+    _BYPASSED[0] += 1
     try: yield
     finally:
+        _BYPASSED[0] -= 1
         for n, f in old.items(): setattr(qa, n, f)
+
+_BYPASSED = [0]  # how many fp8_gate_bypassed contexts are open
+
+def gate_bypassed() -> bool:
+    "Whether an `fp8_gate_bypassed` context is open: what runs now says nothing about the device as it is (never cache it)."
+    return _BYPASSED[0] > 0
