@@ -4,8 +4,36 @@
 
 # %% ../nbs/16_cli.ipynb #1c1a09c6
 from __future__ import annotations
-import argparse
+import argparse, contextlib, os, shutil, sys, tempfile
 from pathlib import Path
+
+# sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
+LIMITS = dict(steps=500, size=4096, seeds=32, prompts=64, prompt_bytes=200, runs=100, min_features=1 << 20,
+              crossover_size=16384, frames=1025, text_tokens=8192, prompt_file_bytes=1 << 20)
+
+def _say(msg: str):
+    "One line on stderr (a note, or the error of a failed command)."
+    print(' '.join(str(msg).split()), file=sys.stderr)
+
+def _int_in(lo: int, hi: int, multiple: int = 1):
+    "An argparse type: an integer in [lo, hi] (a multiple of `multiple`)."
+    def parse(value: str) -> int:
+        v = value.strip()
+        if not v.lstrip('+-').isdigit() or not lo <= int(v) <= hi or int(v) % multiple:
+            m = f', a multiple of {multiple}' if multiple > 1 else ''
+            raise argparse.ArgumentTypeError(f'expected an integer in [{lo}, {hi}]{m}, got {value!r}')
+        return int(v)
+    parse.__name__ = 'integer'  # argparse names the type in its own messages
+    return parse
+
+_positive = _int_in(1, 1 << 31)
+
+def _device(value: str) -> str:
+    "An argparse type: a device this machine has ('cpu', 'cuda', 'cuda:N')."
+    from diffq_lab.core import check_device
+    try: check_device(value)
+    except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
+    return value.strip()
 
 def _scheme_list(allow_auto=False):
     "An argparse type: a comma list of schemes (or 'all'; 'auto' too when `allow_auto`), normalised."
@@ -20,40 +48,57 @@ def _scheme_list(allow_auto=False):
     return parse
 
 def _int_list(value: str) -> list[int]:
-    "An argparse type: a comma list of integers."
-    try: return [int(v) for v in value.split(',') if v.strip()]
+    "An argparse type: a comma list of seeds (integers in [0, 2**63))."
+    try: out = [int(v) for v in value.split(',') if v.strip()]
     except ValueError: raise argparse.ArgumentTypeError(f'expected a comma list of integers, got {value!r}') from None
+    if not out or any(not 0 <= v < 2 ** 63 for v in out):
+        raise argparse.ArgumentTypeError(f'expected a comma list of seeds in [0, 2**63), got {value!r}')
+    if len(out) > LIMITS['seeds']: raise argparse.ArgumentTypeError(f"at most {LIMITS['seeds']} seeds, got {len(out)}")
+    return out
 
 def _prompt_file(value: str) -> list[str]:
-    "An argparse type: the prompts of a text file, one a line, '#' lines skipped."
+    "An argparse type: the prompts of a text file, one a line, '#' lines skipped; bounded in size, count and length."
     p = Path(value)
     if not p.is_file(): raise argparse.ArgumentTypeError(f'no prompt file at {value!r}')
-    prompts = [l.strip() for l in p.read_text().splitlines() if l.strip() and not l.lstrip().startswith('#')]
+    if p.stat().st_size > LIMITS['prompt_file_bytes']:
+        raise argparse.ArgumentTypeError(f"{value!r} is {p.stat().st_size} bytes: a prompt file holds at most {LIMITS['prompt_file_bytes']}")
+    try: text = p.read_text(encoding='utf-8')
+    except (OSError, UnicodeDecodeError) as e: raise argparse.ArgumentTypeError(f'cannot read {value!r}: {e}') from None
+    prompts = [l.strip() for l in text.splitlines() if l.strip() and not l.lstrip().startswith('#')]
     if not prompts: raise argparse.ArgumentTypeError(f'{value!r} holds no prompt')
+    if len(prompts) > LIMITS['prompts']:
+        raise argparse.ArgumentTypeError(f"{value!r} holds {len(prompts)} prompts: a study takes at most {LIMITS['prompts']}")
+    long = [i for i, q in enumerate(prompts, 1) if len(q.encode()) > LIMITS['prompt_bytes']]
+    if long: raise argparse.ArgumentTypeError(f"{value!r}: prompt {long[0]} is {len(prompts[long[0] - 1].encode())} bytes; at most "
+                                              f"{LIMITS['prompt_bytes']} (the tiny pipelines' 256-position text rope)")
     return prompts
 
-def _positive(value: str) -> int:
-    "An argparse type: an integer >= 1."
-    if not value.lstrip('-').isdigit() or int(value) < 1: raise argparse.ArgumentTypeError(f'expected an integer >= 1, got {value!r}')
-    return int(value)
+class _Parser(argparse.ArgumentParser):
+    "argparse with one-line errors: `prog: error: message (see --help)`, exit 2."
+    def error(self, message):
+        _say(f'{self.prog}: error: {message} (see {self.prog} --help)')
+        self.exit(2)
 
 def parser() -> argparse.ArgumentParser:
     "The `diffq-lab` argument parser."
-    p = argparse.ArgumentParser(prog='diffq-lab', description='Quantisation studies of diffusion pipelines on low-precision tensor cores.')
+    p = _Parser(prog='diffq-lab', description='Quantisation studies of diffusion pipelines on low-precision tensor cores.')
     sub = p.add_subparsers(dest='command', required=True)
+    dev_help = "cpu, cuda or cuda:N (default: cuda if present)"
+    nonneg = _int_in(0, LIMITS['min_features'])
     probe = sub.add_parser('probe', help='capability report: hardware gates and real-kernel smoke probes per scheme')
-    probe.add_argument('--device', default=None, help='cpu, cuda, cuda:1 ... (default: cuda if present)')
+    probe.add_argument('--device', type=_device, default=None, help=dev_help)
     probe.add_argument('--refresh', action='store_true', help='re-run cached probes')
     probe.add_argument('--record', action='store_true', help="append the report to data/results/capability.csv")
     study = sub.add_parser('study', help='the study (default: the tiny z-image pipeline); with --transformer-quant, the transformer benchmark')
-    study.add_argument('--device', default=None)
+    study.add_argument('--device', type=_device, default=None, help=dev_help)
     study.add_argument('--schemes', type=_scheme_list(), default='all', help="comma list of schemes, or 'all'")
     study.add_argument('--out', default='out/study', help='report folder (default: out/study)')
     study.add_argument('--no-record', action='store_true', help='do not append rows to data/results')
     study.add_argument('--allow-dirty', action='store_true',
                        help='record into data/results from a code tree with uncommitted changes (the rows say +dirty)')
-    study.add_argument('--seeds', type=_int_list, default=[0, 1], help='comma list of seeds (default 0,1)')
-    study.add_argument('--prompts', type=_prompt_file, default=None, help='a text file, one prompt a line (# comments)')
+    study.add_argument('--seeds', type=_int_list, default=[0, 1], help=f"comma list of seeds (default 0,1; at most {LIMITS['seeds']})")
+    study.add_argument('--prompts', type=_prompt_file, default=None,
+                       help=f"a text file, one prompt a line (# comments; at most {LIMITS['prompts']} prompts of {LIMITS['prompt_bytes']} bytes)")
     study.add_argument('--random-weights', action='store_true', help='study the random-weight tiny pipeline, not the trained one')
     study.add_argument('--parts', default='te,transformer', choices=('te,transformer', 'te', 'transformer'),
                        help='what each scheme quantises: the text encoder(s), the transformer, or both (default)')
@@ -65,43 +110,115 @@ def parser() -> argparse.ArgumentParser:
     tq.add_argument('--dims', default='tiny', choices=('tiny', 'real'), help='tiny offline pipeline, or real dims with random weights')
     tq.add_argument('--gguf', default='Q8_0', help="GGUF baseline: Q8_0 or Q4_0 (written from the dense weights), a .gguf file, or none")
     tq.add_argument('--compile', action=argparse.BooleanOptionalAction, default=False, help='regional torch.compile after quantisation')
-    tq.add_argument('--steps', type=_positive, default=None, help='denoising steps (default: 8 on the trained pipeline, else 2)')
-    tq.add_argument('--size', type=_positive, default=32, help='image side in pixels')
-    tq.add_argument('--runs', type=_positive, default=3, help='timed runs after warm-up (the median is reported)')
-    tq.add_argument('--min-features', type=int, default=None, help='skip Linears narrower than this (default: 0 tiny, 512 real)')
+    tq.add_argument('--steps', type=_int_in(1, LIMITS['steps']), default=None,
+                    help=f"denoising steps, at most {LIMITS['steps']} (default: 8 on the trained pipeline, else 2)")
+    tq.add_argument('--size', type=_int_in(16, LIMITS['size'], 16), default=32, help='image side in pixels (a multiple of 16)')
+    tq.add_argument('--runs', type=_int_in(1, LIMITS['runs']), default=3, help='timed runs after warm-up (the median is reported)')
+    tq.add_argument('--min-features', type=nonneg, default=None, help='skip Linears narrower than this (default: 0 tiny, 512 real)')
     blocks = sub.add_parser('blocks', help='which encoder blocks must stay bf16: per-block sensitivity and the smallest keep schedule')
     blocks.add_argument('--encoder', required=True, help="a family (its tiny encoder), 'minilm', or a folder with a transformers encoder")
     blocks.add_argument('--scheme', default='int8')
     blocks.add_argument('--bar', type=float, default=0.99, help='mean per-token cosine the schedule must clear, in (0, 1]')
-    blocks.add_argument('--min-features', type=int, default=0, help='skip Linears narrower than this')
+    blocks.add_argument('--min-features', type=nonneg, default=0, help='skip Linears narrower than this')
     blocks.add_argument('--read-layer', default=None, help="'last', a hidden_states index, or a comma list (default: the family's)")
-    blocks.add_argument('--prompts', type=int, default=None, help='use the first N prompts of data/prompts/encoder_prompts.txt')
+    blocks.add_argument('--prompts', type=_int_in(1, 10_000), default=None, help='use the first N prompts of data/prompts/encoder_prompts.txt')
     blocks.add_argument('--backend', default='auto', choices=('auto', 'torchao', 'emulate'))
-    blocks.add_argument('--device', default=None)
+    blocks.add_argument('--device', type=_device, default=None, help=dev_help)
     export = sub.add_parser('export', help="the lab's plan for a family (its real dimensions, nothing downloaded) as JSON and as "
                                            'diffusers / transformers quantisation-config code for your own pipeline')
     export.add_argument('--family', default='z-image', help='a family with real-dims configs (z-image, flux.1-dev, qwen-image, ...)')
     export.add_argument('--scheme', type=_scheme_list(), default=['int8'], help='the denoisers\' scheme')
     export.add_argument('--te-scheme', type=_scheme_list(allow_auto=True), default=None,
                         help="the text encoders' scheme ('auto': the family's rules on this device); default: encoders dense")
-    export.add_argument('--min-features', type=int, default=512, help='skip Linears narrower than this (the real-model default)')
+    export.add_argument('--min-features', type=nonneg, default=512, help='skip Linears narrower than this (the real-model default)')
     export.add_argument('--model', default=None, help='hub id or folder the snippet loads (default: a placeholder)')
     export.add_argument('--out', default='out/plan.json', help='where the plan goes (the snippet beside it, as .py)')
     cross = sub.add_parser('crossover', help="roofline analysis: which of a model's Linears each format speeds up on a GPU")
     cross.add_argument('--gpu', default='h200', help='a GPU of data/gpu_specs.csv (a100, h100, h200, l40s, rtx4090, rtx5090, b200)')
     cross.add_argument('--model', default='z-image', help='a real-dims transformer: z-image, flux.1, flux.2, qwen-image, sd3.5, wan')
-    cross.add_argument('--size', type=int, default=1024, help='image side in pixels')
-    cross.add_argument('--frames', type=int, default=None, help='video frames (video models)')
-    cross.add_argument('--text-tokens', type=int, default=None, help='prompt tokens (default: the model default)')
+    cross.add_argument('--size', type=_int_in(16, LIMITS['crossover_size'], 16), default=1024, help='image side in pixels (a multiple of 16)')
+    cross.add_argument('--frames', type=_int_in(1, LIMITS['frames']), default=None, help='video frames (video models only)')
+    cross.add_argument('--text-tokens', type=_int_in(1, LIMITS['text_tokens']), default=None, help='prompt tokens (default: the model default)')
     cross.add_argument('--all-layers', action='store_true', help='one row per Linear instead of per layer kind')
     return p
 
+REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into --out
+
+def _expected(e: BaseException) -> bool:
+    "Whether `e` is a failure a user can cause and fix (bad input, a path, a library that cannot load a file): one line, exit 2."
+    if isinstance(e, (ValueError, OSError, ImportError, argparse.ArgumentTypeError)): return True
+    cap = sys.modules.get('diffq_lab.capability')  # not imported: it cannot have raised its error
+    if cap is not None and isinstance(e, cap.SchemeUnavailableError): return True
+    return type(e).__name__ == 'SafetensorError'  # safetensors' error on a damaged weights file (an Exception, nothing more)
+
+def _dedupe(args):
+    "Repeated schemes or seeds run once, said on stderr: a repeat would duplicate rows and narrow the intervals."
+    for name in ('schemes', 'transformer_quant', 'seeds', 'scheme', 'te_scheme'):
+        v = getattr(args, name, None)
+        if isinstance(v, list) and len(set(v)) < len(v):
+            uniq = list(dict.fromkeys(v))
+            rep = ', '.join(sorted({str(x) for x in v if v.count(x) > 1}))
+            _say(f"diffq-lab: note: --{name.replace('_', '-')} repeats {rep}: each runs once ({','.join(map(str, uniq))})")
+            setattr(args, name, uniq)
+
+def _check_inputs(args):
+    "Every path and combination checked before any work, each refusal naming the file or the choices."
+    if args.command == 'study':
+        if args.model is not None:
+            m = Path(args.model)
+            if m.exists() and not (m/'model_index.json').is_file():
+                raise ValueError(f'--model {args.model}: not a diffusers pipeline folder (no model_index.json)')
+            if not m.exists() and args.model.count('/') != 1:
+                raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')
+        if args.transformer_quant is not None: _check_gguf(args.gguf)
+    elif args.command == 'crossover':
+        from diffq_lab.crossover import get_model
+        fam = get_model(args.model)
+        if args.frames is not None and not fam.video:
+            raise ValueError(f'--frames is for video models; {fam.name} makes images (drop --frames, or pick a video model such as wan)')
+
+def _check_gguf(value: str):
+    "`--gguf`: a GGUF type, 'none', or a file that parses as GGUF."
+    from diffq_lab.gguf import GGUF_TYPES
+    if value.lower() == 'none' or value in GGUF_TYPES: return
+    p = Path(value)
+    if not p.is_file(): raise ValueError(f'--gguf {value!r}: choose one of {list(GGUF_TYPES)}, none, or an existing .gguf file')
+    from gguf import GGUFReader
+    try: GGUFReader(str(p))
+    except Exception as e: raise ValueError(f'--gguf {value}: not a readable GGUF file ({type(e).__name__}: {e})') from None  # noqa: BLE001
+
+@contextlib.contextmanager
+def _staged_report(out):
+    "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) only when the run finished."
+    from diffq_lab.core import check_writable
+    if not str(out).strip(): raise ValueError('--out must name a folder, got an empty path')
+    out = Path(out)
+    if out.exists() and not out.is_dir(): raise ValueError(f'--out {out}: it is a file, not a folder')
+    if out.exists(): check_writable(out)
+    stage = Path(tempfile.mkdtemp(dir=check_writable(out.parent), prefix=f'.{out.name}.staging-'))
+    try:
+        yield stage
+        out.mkdir(exist_ok=True)
+        for name in REPORT_FILES:  # a report from an earlier run never sits beside this one
+            if (out/name).exists() and not (stage/name).exists(): (out/name).unlink()
+        for f in stage.iterdir(): os.replace(f, out/f.name)
+    finally: shutil.rmtree(stage, ignore_errors=True)
+
 def main(argv=None) -> int:
-    "Entry point of the `diffq-lab` command: bad input exits 2 with the error, never a traceback."
+    "Entry point of the `diffq-lab` command: 0 when done; bad input exits 2 (SystemExit) with one line naming the choices or the file, Ctrl-C 130."
     p = parser()
-    args = p.parse_args(argv)
-    try: return _run(args)
-    except ValueError as e: p.error(str(e))
+    try:
+        args = p.parse_args(argv)
+        _dedupe(args)
+        _check_inputs(args)
+        return _run(args)
+    except KeyboardInterrupt:
+        _say('diffq-lab: interrupted; tables and reports are written whole or not at all, so nothing is half-written')
+        raise SystemExit(130) from None
+    except Exception as e:  # noqa: BLE001 -- only the expected kinds are caught; the others keep their traceback
+        if not _expected(e): raise
+        _say(f"{p.prog}{' ' + args.command if 'args' in locals() else ''}: error: {e}")
+        raise SystemExit(2) from None
 
 def _run(args) -> int:
     if args.command == 'probe':
@@ -113,13 +230,13 @@ def _run(args) -> int:
         if args.transformer_quant is None:
             from diffq_lab.pipelines import get_family
             trained = args.model is None and get_family(args.family).name == 'z-image' and not args.random_weights
-            default_study(args.device, schemes=args.schemes, out=args.out, record=not args.no_record, family=args.family,
-                          model=args.model, trained=trained, steps=args.steps, size=args.size, seeds=args.seeds, prompts=args.prompts,
-                          compile=args.compile, te_quant='te' in args.parts, transformer_quant='transformer' in args.parts,
-                          min_features=args.min_features, allow_dirty=args.allow_dirty)
+            with _staged_report(args.out) as stage:
+                default_study(args.device, schemes=args.schemes, out=stage, record=not args.no_record, family=args.family,
+                              model=args.model, trained=trained, steps=args.steps, size=args.size, seeds=args.seeds, prompts=args.prompts,
+                              compile=args.compile, te_quant='te' in args.parts, transformer_quant='transformer' in args.parts,
+                              min_features=args.min_features, allow_dirty=args.allow_dirty,
+                              log=lambda m: print(str(m).replace(str(stage), str(args.out))))
         else:
-            if args.model is not None and not Path(args.model).exists() and '/' not in args.model:
-                raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')
             args.steps = args.steps or 2
             cli_transformer_bench(args)
     elif args.command == 'blocks':
@@ -132,6 +249,7 @@ def _run(args) -> int:
         from diffq_lab.plan import export_snippet
         if len(args.scheme) != 1: raise ValueError(f'export takes one scheme, got {args.scheme}')
         out = Path(args.out)
+        if not str(args.out).strip() or out.is_dir(): raise ValueError(f'--out must name a file, got {args.out!r}')
         check_writable(out.parent)
         te = args.te_scheme[0] if args.te_scheme else None
         plan = plan_pipeline(args.family, args.scheme[0], te, min_features=args.min_features)
@@ -146,4 +264,7 @@ def _run(args) -> int:
     return 0
 
 # %% auto #0
-__all__ = ['parser', 'main']
+__all__ = ['LIMITS', 'REPORT_FILES', 'parser', 'main']
+
+# %% ../nbs/16_cli.ipynb #c11f0a05
+if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())  # `python -m diffq_lab.cli`

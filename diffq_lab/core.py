@@ -249,6 +249,16 @@ def check_recordable(kinds, root=None, allow_dirty: bool = False):
     check_writable(results_dir(root))
     for k in kinds: load_table(k, root)
 
+@contextlib.contextmanager
+def _signals_deferred():
+    "SIGINT and SIGTERM held until the block ends (main thread, POSIX), then delivered: a short commit is never cut half-way."
+    import signal, threading
+    main = threading.current_thread() is threading.main_thread() and hasattr(signal, 'pthread_sigmask')
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if main else None
+    try: yield
+    finally:
+        if main: signal.pthread_sigmask(signal.SIG_SETMASK, old)
+
 def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = False) -> dict[str, pd.DataFrame]:
     "Append rows to several tables as one recording: one run id, all of them written or none; the whole tables back."
     tables = {k: [dict(v)] if isinstance(v, dict) else [dict(r) for r in v] for k, v in tables.items()}
@@ -265,7 +275,8 @@ def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = Fals
         staged = {}
         try:
             for k, df in out.items(): staged[k] = _stage(paths[k], df.to_csv(index=False))
-            for k, tmp in staged.items(): os.replace(tmp, paths[k])
+            with _signals_deferred():  # Ctrl-C between two renames would leave one table recorded and not the other
+                for k, tmp in staged.items(): os.replace(tmp, paths[k])
         finally:
             for tmp in staged.values(): tmp.unlink(missing_ok=True)
     return out
