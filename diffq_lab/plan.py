@@ -274,28 +274,35 @@ def _skip_keys(p: ComponentPlan, library: str) -> list[str]:
     "`modules_to_not_convert` for `p`'s dense Linears: fqns for diffusers, escaped for transformers, whose keys are regexes."
     return sorted(p.skipped) if library == 'diffusers' else [re.escape(f) for f in sorted(p.skipped)]
 
+def _per_linear(p: ComponentPlan) -> dict[str, str]:
+    "Weight name -> scheme of every quantised Linear of `p`, as torchao's FqnToConfig takes them (exact names, nothing else matched)."
+    # the weight, not the module: transformers 5.24 given a module name quantises its bias too (then aten.add_ fails)
+    return {f'{f}.weight': p.linears[f].scheme for f in p.quantized}
+
+def _expressible(p: ComponentPlan, library: str) -> bool:
+    "Whether `modules_to_not_convert` with the library's own matching rule keeps dense exactly what `p` keeps dense."
+    keys, skips = _skip_keys(p, library), (_diffusers_skips if library == 'diffusers' else _transformers_skips)
+    return not any(skips(f, keys) for f in p.quantized)
+
 def component_config(p: ComponentPlan, library: str = 'diffusers', component: str = ''):
     "The library config (diffusers' or transformers' `TorchAoConfig`) that quantises what `p` quantises; None when it is all dense."
     if library not in ('diffusers', 'transformers'): raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
     schemes = sorted({l.scheme for l in p.linears.values() if l.scheme})
     where = component or 'the component'
     if not schemes: return None
-    if len(schemes) > 1:
-        raise ValueError(f'{where}: a mixed plan ({", ".join(schemes)}) has no single library config; export its parts separately')
-    s = get_scheme(schemes[0])
-    if s.config is None:
-        raise ValueError(f"{where}: {s.name} is {s.library}'s layerwise casting, not a torchao config: use export_snippet")
-    keys = _skip_keys(p, library)
-    skips = _diffusers_skips if library == 'diffusers' else _transformers_skips
-    wrong = [f for f in p.quantized if skips(f, keys)]
-    if wrong: raise ValueError(f'{where}: {library} would also keep {wrong[:3]} dense (its modules_to_not_convert matching); '
-                               'this plan cannot be expressed as that config: load dense and apply it with '
-                               'diffq_lab.plan.apply_plan(pipe, QuantPlan.load(path)) instead')
-    if library == 'diffusers':
-        from diffusers import TorchAoConfig
-        return TorchAoConfig(s.make_config(), modules_to_not_convert=keys)
-    from transformers import TorchAoConfig
-    return TorchAoConfig(s.make_config(), modules_to_not_convert=keys)
+    hooks = [x for x in schemes if get_scheme(x).config is None]
+    if hooks:
+        raise ValueError(f"{where}: {', '.join(hooks)} is {get_scheme(hooks[0]).library}'s layerwise casting, not a torchao config"
+                         + (': use export_snippet' if len(schemes) == 1 else f' and cannot share a config with {schemes}; '
+                            'load dense and apply the plan with diffq_lab.plan.apply_plan'))
+    if library == 'diffusers': from diffusers import TorchAoConfig
+    else: from transformers import TorchAoConfig
+    if len(schemes) == 1 and _expressible(p, library):  # the plain form: one config, the dense Linears named
+        return TorchAoConfig(get_scheme(schemes[0]).make_config(), modules_to_not_convert=_skip_keys(p, library))
+    # a mixed plan, or dense names the library would match elsewhere: torchao's per-Linear config, exact names only
+    from torchao.quantization import FqnToConfig
+    # modules_to_not_convert=[]: transformers would otherwise add its own guess (the last Linear) to what FqnToConfig names
+    return TorchAoConfig(FqnToConfig({f: get_scheme(x).make_config() for f, x in _per_linear(p).items()}), modules_to_not_convert=[])
 
 def _library(component: str) -> str: return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
 
@@ -312,6 +319,7 @@ def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
     lines = ['import torch', 'from diffusers import DiffusionPipeline, PipelineQuantizationConfig',
              'from diffusers import TorchAoConfig as DiffusersTorchAoConfig',
              'from transformers import TorchAoConfig as TransformersTorchAoConfig',
+             'from torchao.quantization import FqnToConfig  # per-Linear configs, for plans that mix schemes',
              'from diffq_lab.schemes import make_config  # the lab\'s version-tolerant torchao configs', '']
     mapping, hooks = [], []
     for c, p in plan.components.items():
@@ -320,7 +328,11 @@ def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
             hooks.append((c, p.quantized)); continue
         if component_config(p, _library(c), c) is None: continue  # checks the plan is expressible; dense needs nothing
         cls = 'TransformersTorchAoConfig' if _library(c) == 'transformers' else 'DiffusersTorchAoConfig'
-        mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={_skip_keys(p, _library(c))!r}),')
+        if len(schemes) == 1 and _expressible(p, _library(c)):
+            mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={_skip_keys(p, _library(c))!r}),')
+        else:  # per Linear: exact names, each with its scheme's config
+            per = ''.join(f'\n        {f!r}: make_config({x!r}),' for f, x in _per_linear(p).items())
+            mapping.append(f'    {c!r}: {cls}(FqnToConfig({{{per}\n    }}), modules_to_not_convert=[]),')
     if mapping: lines += ['quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
     else: lines.append('quant = None  # nothing torchao quantises in this plan')
     lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, dtype=torch.bfloat16)')

@@ -8,7 +8,8 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as dlog
 import transformers
 from diffq_lab.pipelines import tiny_pipeline, render
-from diffq_lab.plan import QuantPlan, apply_plan, export_snippet, to_pipeline_config
+from diffq_lab.plan import QuantPlan, apply_plan, export_snippet, plan_linears, to_pipeline_config
+from diffq_lab.schemes import make_filter_fn
 from diffq_lab.schemes import quantized_linears
 from diffq_lab.text_encoder import plan_text_encoders, prompt_embeddings
 from diffq_lab.transformer import denoisers, plan_transformer
@@ -50,11 +51,35 @@ def test_the_snippet_runs_as_written(tmp_path):
     same(scope['pipe'], lab, applied)
 
 
-def test_what_diffusers_cannot_express_is_refused():
-    "flux.1's top-level proj_out stays dense under fp8wo (not divisible by 16), but diffusers matches 'proj_out.' anywhere: refused."
-    _, _, applied = lab_quantised('flux.1-dev', 'fp8wo')
-    with pytest.raises(ValueError, match=re.escape("would also keep ['single_transformer_blocks.0.proj_out'] dense")):
-        to_pipeline_config(applied)
+def test_what_modules_to_not_convert_cannot_express_goes_per_linear(tmp_path):
+    "flux.1's top-level proj_out stays dense under fp8wo, but diffusers matches 'proj_out.' anywhere: exported per Linear instead."
+    pipe, lab, applied = lab_quantised('flux.1-dev', 'fp8wo')
+    cfg = to_pipeline_config(applied).quant_mapping['transformer']
+    assert type(cfg.quant_type).__name__ == 'FqnToConfig' and 'proj_out.weight' not in cfg.quant_type.fqn_to_config
+    pipe.save_pretrained(tmp_path)
+    same(DiffusionPipeline.from_pretrained(tmp_path, quantization_config=to_pipeline_config(applied), dtype=torch.bfloat16), lab, applied)
+
+
+@pytest.mark.parametrize('family', ['z-image', 'sd3'])
+def test_a_mixed_plan_round_trips_per_linear(family, tmp_path):
+    "A plan that mixes schemes per Linear (as recommend_plan makes), in the denoiser and the encoders, loads bit-identical."
+    pipe = tiny_pipeline(family)
+    lab = copy.deepcopy(pipe)
+    te = plan_text_encoders(lab, 'int8wo', family=family, keep=(0, 0))
+    comps = {}
+    for a, p in {**te.components, **{a: plan_transformer(m, 'int8', min_features=0) for a, m in denoisers(lab).items()}}.items():
+        mixed = {f: ('int8wo' if i % 3 else 'fp8wo') if a.startswith('text') else ('int8' if i % 2 else 'fp8wo')
+                 for i, f in enumerate(p.quantized)}
+        mixed = {f: s for f, s in mixed.items() if s != 'fp8wo' or all(d % 16 == 0 for d in p.linears[f].shape)}
+        comps[a] = plan_linears(getattr(lab, a), mixed, make_filter_fn(0), device='cpu')
+    applied = apply_plan(lab, QuantPlan(comps))
+    assert any(len({l.scheme for l in c.linears.values() if l.scheme}) > 1 for c in applied.components.values())
+    pipe.save_pretrained(tmp_path)
+    rt = DiffusionPipeline.from_pretrained(tmp_path, quantization_config=to_pipeline_config(applied), dtype=torch.bfloat16)
+    same(rt, lab, applied)
+    scope = {}
+    exec(export_snippet(applied, str(tmp_path)), scope)   # the snippet says the same in code
+    same(scope['pipe'], lab, applied)
 
 
 # ---------------------------------------------------------------- save_quantized / load_quantized
