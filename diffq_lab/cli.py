@@ -28,6 +28,13 @@ def _int_in(lo: int, hi: int, multiple: int = 1):
 
 _positive = _int_in(1, 1 << 31)
 
+def _fraction(value: str) -> float:
+    "An argparse type: a number in (0, 1] (a fidelity bar)."
+    try: v = float(value)
+    except ValueError: v = float('nan')
+    if not 0 < v <= 1: raise argparse.ArgumentTypeError(f'expected a number in (0, 1], got {value!r}')
+    return v
+
 def _device(value: str) -> str:
     "An argparse type: a device this machine has ('cpu', 'cuda', 'cuda:N')."
     from diffq_lab.core import check_device
@@ -118,7 +125,7 @@ def parser() -> argparse.ArgumentParser:
     blocks = sub.add_parser('blocks', help='which encoder blocks must stay bf16: per-block sensitivity and the smallest keep schedule')
     blocks.add_argument('--encoder', required=True, help="a family (its tiny encoder), 'minilm', or a folder with a transformers encoder")
     blocks.add_argument('--scheme', default='int8')
-    blocks.add_argument('--bar', type=float, default=0.99, help='mean per-token cosine the schedule must clear, in (0, 1]')
+    blocks.add_argument('--bar', type=_fraction, default=0.99, help='mean per-token cosine the schedule must clear, in (0, 1]')
     blocks.add_argument('--min-features', type=nonneg, default=0, help='skip Linears narrower than this')
     blocks.add_argument('--read-layer', default=None, help="'last', a hidden_states index, or a comma list (default: the family's)")
     blocks.add_argument('--prompts', type=_int_in(1, 10_000), default=None, help='use the first N prompts of data/prompts/encoder_prompts.txt')
@@ -170,12 +177,21 @@ def _check_inputs(args):
                 raise ValueError(f'--model {args.model}: not a diffusers pipeline folder (no model_index.json)')
             if not m.exists() and args.model.count('/') != 1:
                 raise ValueError(f'--model {args.model!r} is neither a local folder nor a hub id (owner/name)')
+            if not m.exists(): _check_hub_id(args.model)
         if args.transformer_quant is not None: _check_gguf(args.gguf)
     elif args.command == 'crossover':
         from diffq_lab.crossover import get_model
         fam = get_model(args.model)
         if args.frames is not None and not fam.video:
             raise ValueError(f'--frames is for video models; {fam.name} makes images (drop --frames, or pick a video model such as wan)')
+
+def _check_hub_id(repo: str):
+    "A hub id must be in the local cache when the hub is offline: refused here rather than by a loader's warnings and traceback."
+    from huggingface_hub import constants, try_to_load_from_cache
+    if (constants.HF_HUB_OFFLINE or os.environ.get('HF_HUB_OFFLINE') == '1') and \
+            not isinstance(try_to_load_from_cache(repo, 'model_index.json'), str):
+        raise ValueError(f'--model {repo}: not in the local hub cache, and the hub is offline (HF_HUB_OFFLINE=1): '
+                         'download it first or pass a local folder')
 
 def _check_gguf(value: str):
     "`--gguf`: a GGUF type, 'none', or a file that parses as GGUF."
