@@ -1,0 +1,89 @@
+"""recommend_plan: the plan clears its bar re-measured in a fresh process; never predicted slower than a uniform plan that clears
+it; planted sensitivity stays dense or 8-bit; the plan exports to diffusers; bad input refused."""
+import json, os, subprocess, sys, textwrap
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+from diffq_lab.crossover import gpu_spec
+from diffq_lab.pipelines import tiny_pipeline
+from diffq_lab.plan import to_pipeline_config
+from diffq_lab.recommend import gpu_formats, plan_chain, recommend_plan
+
+PAIRS = [(0, 'a photo of a cat'), (1, 'a red circle')]
+PLANT = '''
+def plant(pipe, block, channels=(3, 17), gain=200.0):
+    b = pipe.transformer.get_submodule(block)
+    with torch.no_grad():
+        for c in channels:
+            b.ffn_norm1.weight[c] *= gain
+            for f in ('w1', 'w3'): getattr(b.feed_forward, f).weight[:, c] /= gain
+    return [f'{block}.feed_forward.w1', f'{block}.feed_forward.w3']
+'''
+exec(PLANT)
+
+
+@pytest.fixture(scope='module')
+def planted_rec():
+    pipe = tiny_pipeline('z-image')
+    hot = plant(pipe, 'noise_refiner.0') + plant(pipe, 'layers.0')
+    spec = {**gpu_spec('b200'), 'gpu': 'fp4-heavy what-if', 'fp4_tflops': 8 * 9000.0}
+    return pipe, hot, recommend_plan(pipe, spec, bar=28.0, pairs=PAIRS, device='cpu', real_size=2048)
+
+
+def test_planted_sensitivity_stays_dense_or_8_bit(planted_rec):
+    _, hot, rec = planted_rec
+    assert all(rec.choice[f] in ('bf16', 'int8', 'fp8', 'mxfp8') for f in hot), {f: rec.choice[f] for f in hot}
+    assert 'nvfp4' in rec.choice.values()
+
+
+def test_never_predicted_slower_than_a_uniform_plan_that_clears(planted_rec):
+    _, _, rec = planted_rec
+    uni = rec.table[rec.table.source.str.startswith('uniform') & rec.table.clears]
+    assert rec.clears and (uni.empty or rec.predicted_s <= uni.time_s.min())
+
+
+def test_the_plan_clears_its_bar_in_a_fresh_process(planted_rec, tmp_path):
+    _, _, rec = planted_rec
+    rec.plan.save(tmp_path/'plan.json')
+    code = PLANT + textwrap.dedent(f'''
+        import math, torch
+        from diffq_lab.pipelines import tiny_pipeline, render
+        from diffq_lab.plan import QuantPlan, apply_plan
+        from diffq_lab.quality import psnr
+        torch.set_num_threads(1)
+        dense = tiny_pipeline('z-image'); plant(dense, 'noise_refiner.0'); plant(dense, 'layers.0')
+        q = tiny_pipeline('z-image'); plant(q, 'noise_refiner.0'); plant(q, 'layers.0')
+        apply_plan(q, QuantPlan.load({str(tmp_path/'plan.json')!r}))
+        vals = [psnr(render(q, p, steps=2, size=32, seed=s), render(dense, p, steps=2, size=32, seed=s)) for s, p in {PAIRS!r}]
+        print(sum(vals) / len(vals))
+    ''')
+    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
+    assert out.returncode == 0, out.stderr[-2000:]
+    again = float(out.stdout.strip().splitlines()[-1])
+    assert again >= rec.bar and abs(again - rec.psnr) < 1e-6, (again, rec.psnr)
+
+
+def test_the_plan_exports_to_diffusers(planted_rec):
+    _, _, rec = planted_rec
+    cfg = to_pipeline_config(rec.plan).quant_mapping['transformer']
+    assert type(cfg.quant_type).__name__ == 'FqnToConfig' and len(cfg.quant_type.fqn_to_config) == rec.plan.components['transformer'].n_quantized
+
+
+def test_the_chain_runs_from_fastest_to_dense():
+    opts = {'a': {'bf16': (3.0, 0.0), 'fp8': (1.0, 0.2)}, 'b': {'bf16': (3.0, 0.0), 'fp8': (2.0, 0.001)}}
+    chain = plan_chain(opts)
+    assert chain[0] == {'a': 'fp8', 'b': 'fp8'} and chain[-1] == {'a': 'bf16', 'b': 'bf16'} and chain[1] == {'a': 'bf16', 'b': 'fp8'}
+
+
+@pytest.mark.parametrize('kw,match', [(dict(bar=0), 'PSNR'), (dict(bar=float('nan')), 'PSNR'), (dict(bar=30, steps=0), 'steps'),
+                                      (dict(bar=30, pairs=[]), 'pair'), (dict(bar=30, gpu='tpu-v5'), 'unknown gpu')])
+def test_bad_input_is_refused(kw, match):
+    kw = {'gpu': 'b200', **kw}
+    with pytest.raises(ValueError, match=match): recommend_plan(tiny_pipeline('z-image'), kw.pop('gpu'), **kw)
+
+
+def test_a_gpu_without_low_precision_cores_is_refused():
+    v100ish = {'gpu': 'v100-ish', 'bf16_tflops': 120.0, 'mem_bw_tbs': 0.9}
+    assert gpu_formats(v100ish) == ()
+    with pytest.raises(ValueError, match='no low-precision format'): recommend_plan(tiny_pipeline('z-image'), v100ish, bar=30)
