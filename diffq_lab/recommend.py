@@ -22,7 +22,8 @@ from .crossover import analyse_layers, gpu_spec, gpu_schemes, latent_grid, layer
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'capture_denoiser_inputs', 'linear_sensitivity', 'pattern_times', 'linear_times',
-           'plan_chain', 'predicted', 'measure_plan', 'Recommendation', 'recommend_plan']
+           'plan_chain', 'predicted', 'measure_plan', 'Recommendation', 'recommend_plan', 'recommend_on_trained',
+           'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -45,14 +46,16 @@ def _detached(x):
     if isinstance(x, dict): return {k: _detached(v) for k, v in x.items()}
     return x
 
-def capture_denoiser_inputs(pipe, pairs, steps: int = 2, size: int = 32, **render_kw) -> list[tuple]:
-    "The denoiser's (args, kwargs) at every step of renders of `pairs` ((seed, prompt) tuples): what sensitivity is measured on."
+def capture_denoiser_inputs(pipe, pairs, steps: int = 2, size: int = 32, max_calls: int | None = None, **render_kw) -> list[tuple]:
+    "The denoiser's (args, kwargs) at the steps of renders of `pairs` ((seed, prompt) tuples), at most `max_calls` evenly spaced."
     tr, calls = pipe.transformer, []
     h = tr.register_forward_pre_hook(lambda m, a, k: calls.append((_detached(a), _detached(k))), with_kwargs=True)
     try:
         for seed, prompt in pairs: render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)
     finally: h.remove()
     if not calls: raise ValueError('the renders never called the denoiser')
+    if max_calls is not None and len(calls) > max_calls:  # early, middle and late steps alike: sensitivity varies along the path
+        calls = [calls[round(i * (len(calls) - 1) / (max_calls - 1))] for i in range(max_calls)] if max_calls > 1 else calls[:1]
     return calls
 
 def _outputs(tr, inputs) -> list[torch.Tensor]:
@@ -175,8 +178,8 @@ def _check_recommend_args(bar, pairs, steps, size):
 
 def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), steps: int = 2, size: int = 32, family=None,
                    real_size: int = 1024, te_scheme=None, min_features: int = 0, backend: str = 'auto', device=None,
-                   **render_kw) -> Recommendation:
-    "The fastest per-Linear denoiser plan for `gpu` (roofline at the real model's shapes) whose measured PSNR vs dense is >= `bar` dB."
+                   max_calls: int = 8, score=None, **render_kw) -> Recommendation:
+    "The fastest per-Linear denoiser plan for `gpu` (roofline at the real model's shapes) whose measured PSNR vs dense is >= `bar` dB; `score(images)` adds task metrics."
     pairs = [tuple(p) for p in pairs]
     _check_recommend_args(bar, pairs, steps, size)
     spec, formats = gpu_spec(gpu), gpu_formats(gpu)
@@ -184,7 +187,7 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
     fam, device = family or family_of(pipe), resolve_device(device)
     if list(denoisers(pipe)) != ['transformer']: raise ValueError(f'recommend_plan plans one denoiser (transformer); {fam} has {list(denoisers(pipe))}')
     tr = pipe.transformer
-    inputs = capture_denoiser_inputs(pipe, pairs, steps, size, **render_kw)
+    inputs = capture_denoiser_inputs(pipe, pairs, steps, size, max_calls, **render_kw)
     sens = linear_sensitivity(tr, inputs, formats, min_features, backend, device)
     opts = _options(sens, linear_times(tr, pattern_times(fam, spec, real_size)))
     te = plan_text_encoders(pipe, te_scheme, family=fam, backend=backend, device=device) if te_scheme else QuantPlan()
@@ -196,7 +199,8 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
         if key not in seen:
             m = measure_plan(pipe, full(choice), pairs, refs, steps, size, **render_kw)
             seen[key] = dict(source=source, **predicted(choice, opts), psnr=m['psnr'], psnr_min=m['psnr_min'], clears=m['psnr'] >= bar,
-                             formats=', '.join(f'{k} {v}' for k, v in Counter(choice.values()).most_common()))
+                             formats=', '.join(f'{k} {v}' for k, v in Counter(choice.values()).most_common()),
+                             **(score(m['images']) if score else {}))
             rows.append(seen[key])
         return seen[key]
     chain = plan_chain(opts)
@@ -214,4 +218,46 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
     final = measure(best, best_src)
     plan = full(best)
     table = pd.DataFrame(rows).sort_values('time_s').reset_index(drop=True)
+    table['recommended'] = table.source.eq(best_src) & table.time_s.eq(final['time_s'])
     return Recommendation(spec['gpu'], float(bar), plan, best, final['time_s'], final['psnr'], final['clears'], best_src, table, sens)
+
+# %% ../nbs/16_recommend.ipynb #r0000027
+def recommend_on_trained(gpus=('b200', 'h200'), bar: float = 30.0, seeds=(0, 1), prompts=None, **kw) -> tuple[pd.DataFrame, dict]:
+    "`recommend_plan` on the trained tiny z-image pipeline for each GPU: every measured plan (with adherence), and the recommendations."
+    from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, adherence, heldout_prompts, load_trained_pipeline
+    prompts = list(heldout_prompts()[:4] if prompts is None else prompts)
+    pairs = [(s, p) for s in seeds for p in prompts]
+    score = lambda imgs: dict(adherence=float(np.mean([adherence(imgs[k][0], k[1]) for k in pairs])))
+    pipe, tables, recs = load_trained_pipeline(), [], {}
+    for gpu in gpus:
+        rec = recommend_plan(pipe, gpu, bar, pairs=pairs, steps=TRAINED_STEPS, size=32, guidance_scale=TRAINED_GUIDANCE,
+                             score=score, **kw)
+        dense_s = float(rec.table.loc[rec.table.source.eq('chain: dense end'), 'time_s'].iloc[0])
+        plan = rec.plan.digest()
+        tables.append(rec.table.assign(gpu=rec.gpu, bar=bar, speedup_vs_bf16=dense_s / rec.table.time_s, pairs=len(pairs),
+                                       plan=[plan if r else None for r in rec.table.recommended],
+                                       shapes='real Z-Image at 1024 px (roofline)', sensitivity='trained tiny z-image (measured)'))
+        recs[rec.gpu] = rec
+    return pd.concat(tables, ignore_index=True), recs
+
+def record_recommendations(root=None, **kw) -> pd.DataFrame:
+    "Run `recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
+    from diffq_lab.plan import APPLIED, record_rows
+    table, recs = recommend_on_trained(**kw)
+    for r in recs.values(): APPLIED[r.plan.digest()] = r.plan
+    return record_rows('recommend', table, root=root)
+
+def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):
+    "Predicted Linear time (real shapes) against measured `quality` for every plan in `table`: uniform, chain, recommended, per GPU."
+    import matplotlib.pyplot as plt
+    ax = ax or plt.subplots(figsize=(7, 4))[1]
+    for (gpu, g), c in zip(table.groupby('gpu', sort=False), ('tab:blue', 'tab:orange', 'tab:green')):
+        chain, uni, best = g[g.source.str.startswith('chain')], g[g.source.str.startswith('uniform')], g[g.recommended.astype(bool)]
+        y = lambda d: d[quality].clip(upper=60) if quality == 'psnr' else d[quality]  # dense is inf dB: drawn at the top
+        ax.plot(chain.time_s * 1e3, y(chain), '.', color=c, alpha=0.5, label=f'{gpu}: plans measured on the chain')
+        ax.scatter(uni.time_s * 1e3, y(uni), marker='s', facecolors='none', edgecolors=c, label=f'{gpu}: uniform')
+        for r in uni.itertuples(): ax.annotate(r.source.removeprefix('uniform '), (r.time_s * 1e3, y(uni).loc[r.Index]), fontsize=7)
+        ax.scatter(best.time_s * 1e3, y(best), marker='*', s=160, color=c, label=f'{gpu}: recommended')
+    if quality == 'psnr': ax.axhline(table.bar.iloc[0], ls='--', color='grey', lw=0.8, label=f'bar {table.bar.iloc[0]} dB')
+    ax.set_xlabel('predicted Linear time per forward, ms (real Z-Image shapes, roofline)'); ax.set_ylabel(f'measured {quality} vs dense')
+    ax.legend(fontsize=7); return ax
