@@ -68,12 +68,19 @@ export: venv
 clean-nbs: venv
 	$(BIN)/nbdev_clean
 
+# README.md from nbs/index.ipynb, executed (use this, not nbdev_readme: that needs Quarto, and without it
+# prints "quarto: not found" and exits 0 having written nothing).
 readme: venv
 	$(PY) tools/build_docs.py readme
 
-# nbdev's Quarto site where Quarto is installed; otherwise the offline HTML build into _docs/.
+# The docs site, offline, into _docs/ (open _docs/index.html): every notebook executed (cached in
+# _proc/executed/ until it, the package or data/ change), rendered with mkdocs-material. Use this, not
+# nbdev_docs: that needs Quarto, would render the notebooks without their outputs, tries to install
+# Quarto and pip-installs the package when it is missing, and leaves nbs/_quarto.yml etc. behind.
+# DOCS_ARGS passes options, e.g. DOCS_ARGS="--execute none" or "--fresh"; SHOTS=1 also screenshots it.
 docs: venv
-	if command -v quarto >/dev/null 2>&1; then $(BIN)/nbdev_docs; else $(PY) tools/build_docs.py html; fi
+	OMP_NUM_THREADS=1 $(PY) tools/build_docs.py html $(DOCS_ARGS)
+	@if [ -n "$(SHOTS)" ]; then $(PY) tools/screenshots.py; fi
 
 lab: venv
 	$(BIN)/pip install -q jupyterlab

@@ -1,80 +1,459 @@
-"""Offline docs: execute the notebooks (skipping flagged cells), run nbdev's doc processors, render with nbconvert.
+"""The lab's docs, built offline: `make docs` (a static site in _docs/) and `make readme` (README.md).
 
-Quarto cannot be installed on these machines, so this stands in for `nbdev_readme` / `nbdev_docs`:
-  python tools/build_docs.py readme   -> README.md from nbs/index.ipynb
-  python tools/build_docs.py html     -> _docs/*.html, one page per notebook
+    python tools/build_docs.py html [--execute all|none|NAME,...] [--out DIR] [--jobs N] [--fresh]
+    python tools/build_docs.py readme
+
+Why mkdocs-material + mkdocs-jupyter, not hand-built nbconvert pages, Sphinx + myst-nb or nbdev_docs:
+  * nbdev_docs needs Quarto, which cannot be installed on these machines (PyPI's quarto-cli downloads a
+    binary at build time), and it leaves nbs/_quarto.yml, nbdev.yml and sidebar.yml behind.
+  * Hand-built nbconvert pages had no navigation, no search and no page contents; writing those by hand
+    is writing a site generator. mkdocs-material gives all three, a responsive layout and a dark mode,
+    from one PyPI wheel whose assets (JS, CSS, icons, the lunr search) ship inside it: with
+    `font: false` (no Google Fonts) and its `offline` plugin (the search index inlined, so search works
+    from file://) the site needs no network at all.
+  * mkdocs-jupyter renders each notebook with nbconvert, i.e. its markdown as Jupyter renders it
+    (CommonMark: lists straight after a paragraph, tables, raw HTML); feeding the notebooks' markdown
+    to Python-Markdown instead would re-render it differently. Sphinx + myst-nb would also render
+    them faithfully, but for a 19-page site it is a heavier toolchain (sphinx, myst-parser, myst-nb,
+    jupyter-cache, a theme), a slower build, and it too loads MathJax and the widget manager from a CDN.
+  Both tools are small pure-Python dev requirements in settings.ini (`pip install -e .[dev]`).
+
+What this builder adds around mkdocs, because the notebooks are nbdev notebooks saved without outputs:
+  1. execute: each notebook runs in its own process from nbs/ as nbdev_test runs it (cells flagged with
+     a tst_flag such as `#| gpu`, and `#| eval: false`, are skipped), one torch thread, --jobs at once.
+     An executed notebook is cached in _proc/executed/ under a hash of the notebook, the package and
+     data/, so a rebuild only re-runs what changed (`--fresh` ignores the cache; `--execute none` or a
+     comma-separated list of notebooks renders the others unexecuted, with their show_doc output only).
+     A widget output is replaced by a static HTML snapshot of the widget (its images, captions and
+     controls as they were), taken in the executing process: a docs page has no kernel to drive it.
+  2. process: nbdev's own doc processors (hidden cells dropped, directives stripped, show_doc rendered,
+     symbols linked); the Quarto front matter they make from the title cell becomes a heading and a
+     lead paragraph again; `#| echo: false` hides the input; $math$ becomes MathML (latex2mathml: the
+     browser renders it, no MathJax); nbdev's absolute doc links and the index's links to nbs/*.ipynb
+     become links to the site's pages, named as nbdev names them (04_plan.ipynb -> plan.html), so
+     the symbol links nbdev writes (`plan.html#plan_linears`) resolve here as on an nbdev site.
+  3. render: mkdocs builds the site from a mkdocs.yml generated in a temporary folder (no generated
+     config lands in the repository), the nav listing the notebooks in order.
+  4. check: every page's scripts and styles are local (any CDN tag left by a template is dropped),
+     symbol anchors are matched to the headings' ids, and every internal link must resolve: the build
+     fails and names the link otherwise.
 """
-import os, re, sys, json
+from __future__ import annotations
+import argparse, base64, hashlib, html, json, os, re, shutil, subprocess, sys, time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from execnb.nbio import read_nb, nb2str
-from execnb.shell import CaptureShell
-from nbdev.config import get_config
-from nbdev.processors import FilterDefaults
-from nbdev.process import first_code_ln
-import nbformat
-from nbconvert import MarkdownExporter, HTMLExporter
+from urllib.parse import urlsplit, unquote
 
 ROOT = Path(__file__).resolve().parent.parent
-SKIP = re.compile(r'^#\|\s*(eval:\s*false|' + '|'.join(get_config().tst_flags.split()) + r')\b', re.M)
+NBS, CACHE = ROOT/'nbs', ROOT/'_proc'/'executed'
+BUILDER_VERSION = '2'  # bump when execution changes what a cached notebook holds
+WIDGET_MIME = 'application/vnd.jupyter.widget-view+json'
 
-def _skip(cell):
-    "Cells nbdev_test would not run: `#| eval: false` and those carrying a test flag (gpu, slow, notest)."
-    return cell.cell_type == 'code' and bool(SKIP.search(cell.source))
+def _config():
+    from nbdev.config import get_config
+    return get_config(path=ROOT)
 
-def execute(path: Path):
-    "Run the notebook like nbdev_test does (from its folder, flagged cells skipped); return it with outputs."
-    nb = read_nb(path)
-    cwd = os.getcwd(); os.chdir(path.parent)
-    try:
-        shell = CaptureShell(path)
-        shell.run_all(nb, exc_stop=True, preproc=_skip)
+def page_name(nb: Path | str) -> str:
+    "The page a notebook becomes, as nbdev names it: 04_plan.ipynb -> plan (index stays index)."
+    return re.sub(r'^\d+[a-zA-Z0-9]*_', '', Path(nb).stem)
+
+def notebooks() -> list[Path]:
+    "The notebooks of the site, in nav order: index first, then the numbered ones."
+    nbs = sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith('_'))
+    return sorted(nbs, key=lambda p: (p.stem != 'index', p.name))
+
+# ------------------------------------------------------------------------------------------ 1. execute
+def _skip_re():
+    flags = '|'.join(map(re.escape, _config().tst_flags.split()))
+    return re.compile(r'^#\|\s*(eval:\s*false|' + flags + r')\b', re.M)
+
+def widget_html(w) -> str:
+    "A static HTML snapshot of an ipywidget as it is now: images inline, HTML and labels as text, controls as their value."
+    import ipywidgets as W
+    esc = lambda s: html.escape(str(s))
+    desc = lambda w: f'<span class="ws-desc">{esc(w.description)}</span> ' if getattr(w, 'description', '') else ''
+    lay = getattr(w, 'layout', None)  # the sizes the widget's Layout sets, as inline style
+    style = ';'.join(f'{k.replace("_", "-")}:{v}' for k in ('width', 'height', 'max_width', 'max_height')
+                     if (v := getattr(lay, k, None))) if lay is not None else ''
+    style = f' style="{esc(style)}"' if style else ''
+    if isinstance(w, W.Box):
+        kids = ''.join(widget_html(c) for c in w.children)
+        return f'<div class="ws-box {"ws-row" if isinstance(w, W.HBox) else "ws-col"}"{style}>{kids}</div>'
+    if isinstance(w, W.Image):
+        fmt = w.format if w.format != 'url' else 'png'
+        b64 = base64.b64encode(bytes(w.value)).decode()
+        width = f' width="{esc(w.width)}"' if w.width else ''
+        return f'<img class="ws-image" src="data:image/{esc(fmt)};base64,{b64}"{width}{style} alt="widget image">'
+    if isinstance(w, (W.HTML, W.HTMLMath)): return f'<div class="ws-html">{desc(w)}{w.value}</div>'
+    if isinstance(w, W.Label): return f'<span class="ws-label">{esc(w.value)}</span>'
+    if isinstance(w, (W.ToggleButtons, W.RadioButtons, W.Dropdown, W.Select, W.SelectionSlider)):
+        opts = ''.join(f'<span class="ws-option{" ws-selected" if l == w.label else ""}">{esc(l)}</span>' for l in w._options_labels)
+        return f'<div class="ws-control">{desc(w)}{opts}</div>'
+    if isinstance(w, W.ValueWidget):
+        return f'<div class="ws-control">{desc(w)}<span class="ws-value">{esc(w.value)}</span></div>'
+    return f'<span class="ws-other">[{esc(type(w).__name__)}]</span>'
+
+def _snapshot_widgets(cell):
+    "Replace each widget output of an executed cell by its static snapshot (the live widget is in this process)."
+    from ipywidgets.widgets.widget import _instances
+    for o in cell.get('outputs', []):
+        data = o.get('data', {})
+        if WIDGET_MIME not in data: continue
+        w = _instances.get(data[WIDGET_MIME].get('model_id'))
+        snap = widget_html(w) if w is not None else '<p>(widget)</p>'
+        o['data'] = {'text/html': '<div class="widget-snapshot">' + snap + '<p class="widget-note">A static snapshot '
+                     'of an interactive widget: open the notebook in JupyterLab to use it.</p></div>'}
+
+def _execute_here(src: Path, dst: Path):
+    "Run `src` in this process like nbdev_test (from nbs/, flagged cells skipped) and write it, with outputs, to `dst`."
+    from execnb.nbio import read_nb, write_nb
+    from execnb.shell import CaptureShell
+    import torch
+    torch.set_num_threads(1)
+    skip = _skip_re()
+    from nbdev.process import NBProcessor
+    from nbdev.processors import populate_language, add_show_docs
+    nb = read_nb(src)
+    NBProcessor(nb=nb, procs=[populate_language, add_show_docs], rm_directives=False).process()  # nbdev's implicit show_doc cells, run in place
+    os.chdir(src.parent)
+    shell = CaptureShell(src)
+    shell.run_cell('from nbdev.showdoc import show_doc')
+    shell.run_all(nb, exc_stop=True, preproc=lambda c: c.cell_type == 'code' and bool(skip.search(c.source)),
+                  postproc=_snapshot_widgets)
+    for c in nb.cells: c.get('metadata', {}).pop('execution', None)
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    write_nb(nb, dst)
+
+def _state_hash() -> str:
+    "What every notebook's outputs depend on besides itself: the package, the data it reads, this builder."
+    h = hashlib.sha256(BUILDER_VERSION.encode())
+    files = sorted((ROOT/'diffq_lab').rglob('*.py')) + sorted(p for p in (ROOT/'data').rglob('*')
+                                                              if p.is_file() and 'cache' not in p.relative_to(ROOT/'data').parts)
+    for p in files: h.update(str(p.relative_to(ROOT)).encode()); h.update(p.read_bytes())
+    return h.hexdigest()
+
+def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: bool = False) -> dict[Path, Path]:
+    "Executed copies of `nbs` (cached by content), each run in a fresh process; raise naming every notebook that failed."
+    state = _state_hash()
+    out, todo = {}, []
+    for nb in nbs:
+        key = hashlib.sha256((state + nb.read_text(encoding='utf-8')).encode()).hexdigest()[:16]
+        dst = CACHE/f'{nb.stem}.{key}.ipynb'
+        out[nb] = dst
+        if not dst.exists() and stale_ok and (runs := sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime)):
+            out[nb] = runs[-1]; print(f'  reusing {runs[-1].name} (an older run: the notebook, package or data changed since)')
+        elif fresh or not dst.exists(): todo.append((nb, dst))
+    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '1'),
+           'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg'}
+    def run(job):
+        nb, dst = job
+        t = time.time()
+        r = subprocess.run([sys.executable, __file__, '_exec', str(nb), str(dst)], capture_output=True, text=True, env=env)
+        print(f'  executed {nb.name} in {time.time() - t:.1f} s' + ('' if r.returncode == 0 else ' FAILED'), flush=True)
+        return nb, r
+    if todo: print(f'executing {len(todo)} notebook(s), {jobs} at a time ({len(nbs) - len(todo)} reused from {CACHE.relative_to(ROOT)})')
+    with ThreadPoolExecutor(max(1, jobs)) as ex: results = list(ex.map(run, todo))
+    failed = [(nb, r) for nb, r in results if r.returncode != 0]
+    if failed:
+        raise SystemExit('\n\n'.join(f'{nb.name} failed:\n{r.stderr[-3000:]}' for nb, r in failed))
+    for nb, _ in todo:  # keep the 3 newest runs of each notebook (another build may be using an older one)
+        for old in sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime, reverse=True)[3:]:
+            old.unlink(missing_ok=True)
+    return out
+
+# ------------------------------------------------------------------------------------------ 2. process
+def _fm2md(src: str, site: bool = True) -> str:
+    "nbdev's Quarto front matter (title, description) as the title cell it was made from (a lead paragraph on the site)."
+    import yaml
+    m = re.match(r'\s*---\s*\n(.*?)\n---\s*$', src, re.S)
+    fm = (yaml.safe_load(m.group(1)) if m else None) or {}
+    title, desc = fm.get('title', ''), fm.get('description', '')
+    lead = (f'<div class="nb-lead">\n\n{desc}\n\n</div>' if site else f'> {desc}') if desc else ''  # markdown inside
+    return (f'# {title}\n\n' if title else '') + lead + '\n'
+
+_MATH = re.compile(r'(?<![\\$\w])\$(?!\s)([^$\n]+?)(?<!\s)\$(?![\w$])')
+_CODE = re.compile(r'(```.*?```|`[^`\n]*`)', re.S)
+
+def math_to_mathml(md: str) -> str:
+    "Inline $...$ (outside code) as MathML, which browsers render natively: no MathJax to load."
+    from latex2mathml.converter import convert
+    def conv(m):
+        try: return convert(m.group(1))
+        except Exception: return m.group(0)
+    return ''.join(p if i % 2 else _MATH.sub(conv, p) for i, p in enumerate(_CODE.split(md)))
+
+def _link_rewriter(pages: set[str]):
+    cfg = _config()
+    site = (cfg.doc_host.rstrip('/') + '/' + cfg.doc_baseurl.strip('/')).rstrip('/') + '/'
+    absolute = re.compile(re.escape(site) + r'([\w.-]+)\.html')
+    local_nb = re.compile(r'(?<=\]\()(?:\.?/?nbs/)?(\d+[a-zA-Z0-9]*_[\w-]+|index)\.ipynb|'
+                          r'(?<=href=")(?:\.?/?nbs/)?(\d+[a-zA-Z0-9]*_[\w-]+|index)\.ipynb')
+    def rw(s: str) -> str:
+        s = re.sub(r'\{target="_blank"[^}]*\}', '', s)  # Quarto link attributes mean nothing here
+        s = absolute.sub(lambda m: f'{m.group(1)}.html', s)
+        def nb(m):
+            name = page_name(m.group(1) or m.group(2))
+            return f'{name}.html' if name in pages else m.group(0)
+        return local_nb.sub(nb, s)
+    return rw
+
+def _doc_procs(executed: bool) -> list:
+    "nbdev's doc processors (FilterDefaults), less what an executed notebook already did, with a lenient show_doc run otherwise."
+    import nbdev.processors as P
+    class exec_show_docs_lenient(P.exec_show_docs):
+        "nbdev's exec_show_docs runs export, import and show_doc cells out of context: a cell that needs an unrun one fails; drop its output."
+        def __call__(self, cell):
+            try: super().__call__(cell)
+            except Exception:
+                self.k.exc = None
+                cell.outputs = [o for o in cell.get('outputs', []) if o.get('output_type') != 'error']
+    procs = []
+    for proc in P.FilterDefaults().procs():
+        if executed and proc in (P.add_show_docs, P.exec_show_docs): continue  # ran with the notebook, in context
+        procs.append(exec_show_docs_lenient if proc is P.exec_show_docs else proc)
+    return procs
+
+def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool = True) -> dict:
+    "The notebook as its docs page (or, `site=False`, the README) shows it: nbdev's doc processors, then the fixes above."
+    from execnb.nbio import read_nb, nb2str
+    from nbdev.process import NBProcessor
+    nb = read_nb(executed or nb_path)
+    nb.path_ = str(nb_path)  # nbdev's processors name the page from it
+    if executed: nb.has_docs_ = True
+    cwd = os.getcwd(); os.chdir(nb_path.parent)
+    try: NBProcessor(nb=nb, procs=_doc_procs(executed is not None)).process()
     finally: os.chdir(cwd)
-    return nb
-
-def processed(path: Path):
-    "The executed notebook after nbdev's doc processors (hidden cells dropped, directives stripped, show_doc rendered)."
-    nb = execute(path)
-    FilterDefaults()(nb)
     d = json.loads(nb2str(nb))
+    d['metadata'].pop('widgets', None)  # saved widget state would pull the widget manager from a CDN
+    rw, cells = _link_rewriter(pages), []
     for c in d['cells']:
-        c.get('metadata', {}).pop('execution', None)  # execnb's float timings fail nbformat's validator
-        c.pop('idx_', None)
-        src = ''.join(c['source']) if isinstance(c['source'], list) else c['source']
-        if c['cell_type'] == 'code' and re.search(r'^#\|\s*echo:\s*false', src, re.M):
-            c['metadata']['tags'] = ['remove_input']  # what Quarto would do with `#| echo: false`
-        c['source'] = '\n'.join(l for l in src.splitlines() if not l.startswith('#|')).strip()
-        for o in c.get('outputs', []):  # Quarto link attributes mean nothing to markdown/HTML
+        src = ''.join(c['source']) if isinstance(c['source'], list) else (c['source'] or '')
+        c.pop('idx_', None); c.get('metadata', {}).pop('execution', None)
+        if c['cell_type'] == 'raw' and src.lstrip().startswith('---'):
+            c = {'cell_type': 'markdown', 'metadata': {}, 'source': _fm2md(src, site)}; cells.append(c); continue
+        if c['cell_type'] == 'code':
+            if re.search(r'^#\|\s*echo:\s*false', src, re.M): c.setdefault('metadata', {})['tags'] = ['remove_input']
+            src = '\n'.join(l for l in src.splitlines() if not l.startswith('#|')).strip()
+            if not src and not c.get('outputs'): continue
+        if c['cell_type'] == 'markdown':
+            if not src.strip(): continue
+            src = math_to_mathml(rw(src)) if site else src
+        c['source'] = src
+        for o in c.get('outputs', []):
             for k, v in o.get('data', {}).items():
-                if isinstance(v, str): o['data'][k] = re.sub(r'\{target="_blank"[^}]*\}', '', v)
-                elif isinstance(v, list): o['data'][k] = [re.sub(r'\{target="_blank"[^}]*\}', '', x) for x in v]
+                if k in ('text/markdown', 'text/html'):
+                    o['data'][k] = rw(''.join(v) if isinstance(v, list) else v)
+        cells.append(c)
+    d['cells'] = cells
     d.setdefault('nbformat', 4); d.setdefault('nbformat_minor', 5)
-    return nbformat.reads(json.dumps(d), as_version=4)
+    return d
 
-def _exporter(cls):
-    "An nbconvert exporter that honours the `remove_input` tag set above."
-    from traitlets.config import Config
-    c = Config(); c.TagRemovePreprocessor.remove_input_tags = {'remove_input'}; c.TagRemovePreprocessor.enabled = True
-    return cls(config=c)
+# ------------------------------------------------------------------------------------------ 3. render
+EXTRA_CSS = """
+.md-grid { max-width: 90rem; }
+.md-typeset .jupyter-wrapper h1 { margin-bottom: 0.3em; }
+.nb-lead p { font-size: 1.1em; color: var(--md-default-fg-color--light); margin-top: -0.4em; }
+.md-typeset .jupyter-wrapper table:not([class]) { font-size: 0.62rem; }
+.md-typeset .jupyter-wrapper table:not([class]) td, .md-typeset .jupyter-wrapper table:not([class]) th { padding: 0.35em 0.7em; }
+/* show_doc: the source link beside the symbol's heading, as on an nbdev site */
+.jp-RenderedMarkdown > hr + p:has(> a:only-child) { float: right; margin: 1.1em 0 0; font-size: 0.8em; }
+.jupyter-wrapper .jp-OutputArea-output { overflow-x: auto; }
+.widget-snapshot { border: 1px dashed var(--md-default-fg-color--lighter); padding: 0.6em; border-radius: 4px; }
+.widget-snapshot .ws-row { display: flex; gap: 0.8em; flex-wrap: wrap; align-items: flex-start; }
+.widget-snapshot .ws-col { display: flex; flex-direction: column; gap: 0.4em; align-items: flex-start; }
+.widget-snapshot .ws-image { image-rendering: pixelated; }
+.widget-snapshot .ws-option { display: inline-block; padding: 0.1em 0.6em; margin: 0 0.2em; border: 1px solid #bbb; border-radius: 3px; }
+.widget-snapshot .ws-selected { background: var(--md-primary-fg-color); color: var(--md-primary-bg-color); }
+.widget-snapshot .widget-note { font-size: 0.8em; color: var(--md-default-fg-color--light); margin: 0.4em 0 0; }
+math { font-size: 1.05em; }
+"""
+
+def _title(d: dict, fallback: str) -> str:
+    for c in d['cells']:
+        if c['cell_type'] == 'markdown' and (m := re.match(r'#\s+(.+)', c['source'])): return m.group(1).strip()
+    return fallback
+
+def _nb_toc_tokens(fpath, toc_depth):
+    """A page's contents (mkdocs toc tokens) from its markdown cells' headings, each with the id its rendered
+    heading has. mkdocs-jupyter re-parses the notebook with Python-Markdown for this, which drops `code` from
+    a heading's slug (`## The `auto` ladder` -> #the-ladder, while the page says id="the-auto-ladder")."""
+    from nbconvert.filters.markdown_mistune import markdown2html_mistune
+    flat = []
+    for c in json.loads(Path(fpath).read_text(encoding='utf-8'))['cells']:
+        if c['cell_type'] != 'markdown': continue
+        src = re.sub(r'^```.*?^```', '', ''.join(c['source']), flags=re.S | re.M)
+        for m in re.finditer(r'^(#{1,6})\s+\S.*$', src, re.M):
+            level = len(m.group(1))
+            if level > toc_depth: continue
+            h = markdown2html_mistune(m.group(0))  # the same renderer, so the same id, as the page
+            if not (i := re.search(r'\sid="([^"]+)"', h)): continue
+            name = html.unescape(re.sub(r'<a class="anchor-link".*?</a>|<[^>]+>', '', h)).strip()
+            flat.append({'level': level, 'id': i.group(1), 'name': name, 'html': name, 'data-toc-label': '', 'children': []})
+    root, stack = [], []
+    for t in flat:
+        while stack and stack[-1]['level'] >= t['level']: stack.pop()
+        (stack[-1]['children'] if stack else root).append(t); stack.append(t)
+    return root, next((t['name'] for t in flat if t['level'] == 1), None)
+
+def render(docs: dict[str, dict], navs: list[tuple[str, str]], out: Path):
+    "Write the processed notebooks and a generated mkdocs.yml to a temporary folder, and build the site into `out`."
+    import tempfile
+    with tempfile.TemporaryDirectory(prefix='diffq_docs_') as stage: _render(docs, navs, out, Path(stage))
+
+def _render(docs, navs, out: Path, stage: Path):
+    import yaml
+    from mkdocs.config import load_config
+    from mkdocs.commands.build import build
+    import mkdocs_jupyter.plugin as mkj
+    if hasattr(mkj, '_get_nb_toc_tokens'): mkj._get_nb_toc_tokens = _nb_toc_tokens  # else the anchor check says what broke
+    cfg = _config()
+    (stage/'docs'/'assets').mkdir(parents=True)
+    for name, d in docs.items(): (stage/'docs'/f'{name}.ipynb').write_text(json.dumps(d), encoding='utf-8')
+    (stage/'docs'/'assets'/'extra.css').write_text(EXTRA_CSS)
+    conf = {
+        'site_name': cfg.title, 'site_description': cfg.description,
+        'docs_dir': str(stage/'docs'), 'site_dir': str(out), 'use_directory_urls': False,
+        'repo_url': cfg.git_url, 'edit_uri': '',
+        'theme': {'name': 'material', 'font': False, 'features': ['navigation.top', 'navigation.tracking', 'toc.follow',
+                  'search.highlight', 'content.code.copy'],
+                  'palette': [{'scheme': 'default', 'primary': 'indigo', 'toggle': {'icon': 'material/brightness-7', 'name': 'Dark mode'}},
+                              {'scheme': 'slate', 'primary': 'indigo', 'toggle': {'icon': 'material/brightness-4', 'name': 'Light mode'}}]},
+        'plugins': ['search', 'offline', {'mkdocs-jupyter': {
+            'include': ['*.ipynb'], 'execute': False, 'ignore_h1_titles': True, 'include_source': False, 'no_prompt': True, 'toc_depth': 3,
+            'remove_tag_config': {'remove_input_tags': ['remove_input']}, 'cache': False, 'include_requirejs': False}}],
+        'extra_css': ['assets/extra.css'],
+        'nav': [{title: f'{name}.ipynb'} for name, title in navs],
+        'validation': {'nav': {'omitted_files': 'warn'}, 'links': {'not_found': 'warn'}},
+    }
+    yml = stage/'mkdocs.yml'
+    yml.write_text(yaml.safe_dump(conf, sort_keys=False))
+    import logging
+    logging.getLogger('mkdocs').setLevel(logging.WARNING)
+    build(load_config(str(yml)))
+
+# ------------------------------------------------------------------------------------------ 4. check
+_ID = re.compile(r'\sid="([^"]+)"')
+_HREF = re.compile(r'<(a|link|script|img|iframe|source)\b[^>]*?\s(href|src)="([^"]*)"', re.I)
+_EXTERNAL_ASSET = re.compile(r'<script\b[^>]*\ssrc="(?:https?:)?//[^"]*"[^>]*>\s*</script>|'
+                             r'<link\b[^>]*\shref="(?:https?:)?//[^"]*"[^>]*>', re.I)
+
+def _is_internal(url: str) -> bool:
+    return bool(url) and not re.match(r'^(?:[a-z][a-z0-9+.-]*:|//)', url, re.I)
+
+def _symbol_anchors() -> set[str]:
+    "The `page.html#anchor` targets nbdev links symbols to (from _modidx)."
+    import importlib
+    modidx = importlib.import_module(f'{_config().lib_name}._modidx')
+    return {t[0] for m in modidx.d['syms'].values() for t in m.values()}
+
+def postprocess(out: Path) -> tuple[list[str], list[str]]:
+    """Drop CDN tags and point links at the ids the pages have. Returns (dead, stray): internal links whose page
+    does not exist, and links whose #anchor names no id on an existing page (a heading renamed in a notebook).
+    A symbol link whose object has no show_doc heading points at its module's page instead."""
+    pages = {p: p.read_text(encoding='utf-8') for p in out.rglob('*.html')}
+    for p, text in pages.items():  # MathJax / mermaid / require.js from a CDN: dead offline, and nothing here needs them
+        text = _EXTERNAL_ASSET.sub('', text)
+        text = re.sub(r'<script type="module">\s*(?:(?!</script>).)*?https?://(?:(?!</script>).)*</script>', '', text, flags=re.S)
+        text = re.sub(r'<script type="text/x-mathjax-config">.*?</script>', '', text, flags=re.S)
+        text = re.sub(r'<!-- Load mathjax -->\s*(<script src="">\s*</script>)?|<!-- MathJax configuration -->.*?<!-- End of mathjax configuration -->',
+                      '', text, flags=re.S)  # what the template leaves of MathJax: math is MathML here
+        pages[p] = text
+    ids = {p: set(_ID.findall(t)) for p, t in pages.items()}
+    lower = {p: {i.lower(): i for i in s} for p, s in ids.items()}
+    symbols = _symbol_anchors()
+    dead, stray = [], []
+    for p, text in pages.items():
+        def fix(m):
+            url = m.group(3)
+            if not _is_internal(url): return m.group(0)
+            parts = urlsplit(url)
+            path, frag = unquote(parts.path), unquote(parts.fragment)
+            target = ((out/path.lstrip('/')) if path.startswith('/') else (p.parent/path)).resolve() if path else p
+            if not target.exists():
+                dead.append(f'{p.relative_to(out)}: {url}'); return m.group(0)
+            if not frag or target.suffix != '.html' or frag in ids.get(target, ()): return m.group(0)
+            real = lower.get(target, {}).get(frag.lower())  # nbdev writes Quarto's lower-case ids
+            if real: return m.group(0).replace(url, (parts.path + '#' if parts.path else '#') + real)
+            if f'{target.name}#{frag}' in symbols:  # documented in its module, without a heading of its own
+                return m.group(0).replace(url, parts.path or target.name)
+            stray.append(f'{p.relative_to(out)}: {url}'); return m.group(0)
+        pages[p] = _HREF.sub(fix, text)
+    for p, text in pages.items(): p.write_text(text, encoding='utf-8')
+    return dead, stray
+
+def external_assets(out: Path) -> list[str]:
+    "Scripts, styles, images or frames the site would load from another host."
+    bad = []
+    for p in out.rglob('*.html'):
+        for m in _HREF.finditer(p.read_text(encoding='utf-8')):
+            tag, attr, url = m.groups()
+            if tag.lower() != 'a' and re.match(r'^(?:https?:)?//', url) and not (tag.lower() == 'link' and 'rel="canonical"' in m.group(0)):
+                bad.append(f'{p.name}: <{tag} {attr}="{url}">')
+    return bad
+
+# ------------------------------------------------------------------------------------------ commands
+def html_site(execute: str = 'all', out: Path = ROOT/'_docs', jobs: int = 2, fresh: bool = False,
+              only: list[str] | None = None, strict_anchors: bool = False, stale_ok: bool = False) -> Path:
+    "Build the site: execute what `execute` names ('all', 'none' or notebook names), process, render, check."
+    t0 = time.time()
+    nbs = notebooks()
+    if only: nbs = [p for p in nbs if p.stem in only or page_name(p) in only]
+    want = {p.stem for p in nbs} if execute == 'all' else set() if execute == 'none' else set(execute.split(','))
+    unknown = want - {p.stem for p in nbs} - {page_name(p) for p in nbs}
+    if unknown: raise SystemExit(f'no notebook named {sorted(unknown)}')
+    to_run = [p for p in nbs if p.stem in want or page_name(p) in want]
+    executed = execute_all(to_run, jobs=jobs, fresh=fresh, stale_ok=stale_ok)
+    t1 = time.time()
+    pages = {page_name(p) for p in nbs}
+    docs, navs = {}, []
+    for p in nbs:
+        d = processed(p, executed.get(p), pages)
+        docs[page_name(p)] = d
+        num = re.match(r'\d+', p.stem)
+        navs.append((page_name(p), 'Home' if p.stem == 'index' else f'{num.group(0) + " " if num else ""}{_title(d, page_name(p))}'))
+    t2 = time.time()
+    out = Path(out).resolve()
+    shutil.rmtree(out, ignore_errors=True)
+    render(docs, navs, out)
+    dead, stray = postprocess(out)
+    ext = external_assets(out)
+    print(f'wrote {len(docs)} pages to {out} (execute {t1 - t0:.0f} s, process {t2 - t1:.0f} s, render {time.time() - t2:.0f} s)')
+    for s in stray: print(f'warning: link to a missing anchor (a renamed heading?) {s}')
+    bad = ['dead internal link ' + d for d in dead] + ['external asset ' + e for e in ext]
+    if strict_anchors: bad += ['missing anchor ' + s for s in stray]
+    if bad: raise SystemExit('docs check failed:\n  ' + '\n  '.join(bad))
+    return out
 
 def readme():
-    nb = processed(ROOT/'nbs'/'index.ipynb')
-    body, _ = _exporter(MarkdownExporter).from_notebook_node(nb)
-    front = re.match(r'---\n(.*?)\n---\n', body, re.S)  # Quarto front matter: a title and blurb on GitHub instead
-    if front:
-        meta = dict(re.findall(r"^(\w[\w-]*): '?(.*?)'?$", re.sub(r"\n\s+", ' ', front.group(1)), re.M))
-        body = f"# {meta.get('title', 'diffq_lab')}\n\n> {meta.get('description', '')}\n\n" + body[front.end():]
+    "README.md from nbs/index.ipynb (executed, or reused from the cache), as GitHub shows it."
+    from nbconvert import MarkdownExporter
+    from traitlets.config import Config
+    import nbformat
+    idx = NBS/'index.ipynb'
+    d = processed(idx, execute_all([idx])[idx], pages=set(), site=False)  # links to nbs/*.ipynb stay: they work on GitHub
+    c = Config(); c.TagRemovePreprocessor.remove_input_tags = {'remove_input'}; c.TagRemovePreprocessor.enabled = True
+    body, _ = MarkdownExporter(config=c).from_notebook_node(nbformat.reads(json.dumps(d), as_version=4))
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
     (ROOT/'README.md').write_text(body)
     print('wrote README.md')
 
-def html():
-    out = ROOT/'_docs'; out.mkdir(exist_ok=True)
-    for p in sorted((ROOT/'nbs').glob('*.ipynb')):
-        body, _ = _exporter(HTMLExporter).from_notebook_node(processed(p))
-        (out/f'{p.stem}.html').write_text(body)
-        print('wrote', out/f'{p.stem}.html')
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
+    sub = ap.add_subparsers(dest='cmd', required=True)
+    h = sub.add_parser('html', help='the static site, into _docs/')
+    h.add_argument('--execute', default='all', help="'all' (default), 'none', or notebook names separated by commas")
+    h.add_argument('--only', default='', help='build only these notebooks (comma-separated names)')
+    h.add_argument('--out', default=str(ROOT/'_docs'))
+    h.add_argument('--jobs', type=int, default=2, help='notebooks executed at once (one torch thread each)')
+    h.add_argument('--fresh', action='store_true', help='execute again even where a cached run matches')
+    h.add_argument('--stale-ok', action='store_true', help='reuse the newest cached run of a notebook even if it, the package or data/ changed since (fast, for work on the docs)')
+    h.add_argument('--strict-anchors', action='store_true', help='fail on a link to a missing #anchor too (else a warning)')
+    sub.add_parser('readme', help='README.md from nbs/index.ipynb')
+    e = sub.add_parser('_exec'); e.add_argument('src'); e.add_argument('dst')
+    a = ap.parse_args(argv)
+    if a.cmd == 'html': html_site(a.execute, Path(a.out), a.jobs, a.fresh, [s for s in a.only.split(',') if s] or None, a.strict_anchors, a.stale_ok)
+    elif a.cmd == 'readme': readme()
+    else: _execute_here(Path(a.src).resolve(), Path(a.dst).resolve())
 
 if __name__ == '__main__':
-    cmds = {'readme': readme, 'html': html}
-    if len(sys.argv) != 2 or sys.argv[1] not in cmds: sys.exit(f"usage: build_docs.py {{{'|'.join(cmds)}}}")
-    cmds[sys.argv[1]]()
+    main()
