@@ -6,6 +6,7 @@
 from __future__ import annotations
 import copy, math
 from collections import Counter
+from pathlib import Path
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -23,7 +24,7 @@ from .crossover import analyse_layers, gpu_spec, gpu_schemes, latent_grid, layer
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'capture_denoiser_inputs', 'linear_sensitivity', 'pattern_times', 'linear_times',
            'plan_chain', 'predicted', 'measure_plan', 'Recommendation', 'recommend_plan', 'recommend_on_trained',
-           'record_recommendations', 'pareto_plot']
+           'record_recommendations', 'pareto_plot', 'cli_recommend']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -261,3 +262,27 @@ def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):
     if quality == 'psnr': ax.axhline(table.bar.iloc[0], ls='--', color='grey', lw=0.8, label=f'bar {table.bar.iloc[0]} dB')
     ax.set_xlabel('predicted Linear time per forward, ms (real Z-Image shapes, roofline)'); ax.set_ylabel(f'measured {quality} vs dense')
     ax.legend(fontsize=7); return ax
+
+# %% ../nbs/16_recommend.ipynb #r0000032
+def cli_recommend(args) -> str:
+    "The `diffq-lab recommend` job: the plan for `args.gpu` under `args.bar` dB, written as JSON and as a diffusers snippet; its report."
+    from diffq_lab.core import atomic_write_text, check_writable, markdown_table
+    from diffq_lab.plan import export_snippet
+    from diffq_lab.pipelines import get_family, tiny_pipeline
+    from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, heldout_prompts, load_trained_pipeline
+    spec, fam = gpu_spec(args.gpu), get_family(args.family).name  # names checked before any work
+    out = Path(args.out)
+    if not str(args.out).strip() or out.is_dir(): raise ValueError(f'--out must name a file, got {args.out!r}')
+    check_writable(out.parent)
+    trained = fam == 'z-image' and not args.random_weights
+    pipe = load_trained_pipeline() if trained else tiny_pipeline(fam)
+    prompts = args.prompts or (heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background'])
+    kw = dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE) if trained else dict(steps=2)
+    rec = recommend_plan(pipe, spec, args.bar, pairs=[(s, p) for s in args.seeds for p in prompts], family=fam,
+                         te_scheme=args.te_scheme[0] if args.te_scheme else None, device=args.device, **kw)
+    snippet = export_snippet(rec.plan, args.model or 'MODEL_ID_OR_FOLDER')
+    rec.plan.save(out)
+    atomic_write_text(out.with_suffix('.py'), snippet)
+    table = markdown_table(rec.table, ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
+    return (f"{rec.summary()}\n\nsensitivity: {'trained' if trained else 'tiny random-weight'} {fam} (measured on this device); "
+            f"speed: the roofline at the real {fam} shapes\n\n{table}\n\nplan: {out}\nsnippet: {out.with_suffix('.py')}\n\n{snippet}")

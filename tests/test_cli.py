@@ -78,10 +78,35 @@ def test_export_writes_the_plan_and_a_snippet(tmp_path, capsys):
     assert "DiffusersTorchAoConfig(make_config('int8')" in snippet and snippet in capsys.readouterr().out
 
 
-@pytest.mark.parametrize('argv', [['export', '--family', 'flux.1-dev', '--scheme', 'fp8wo'],  # diffusers cannot express it
+@pytest.mark.parametrize('argv', [['export', '--family', 'z-image', '--scheme', 'int8', '--te-scheme', 'fp8_layerwise', '--out', ''],
                                   ['export', '--family', 'sdxl-turbo'], ['export', '--scheme', 'int8,fp8'],
                                   ['export', '--scheme', 'fp7'], ['export', '--out', '/proc/x/plan.json']])
 def test_export_refuses_with_exit_2(argv, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e: main(argv)
     assert e.value.code == 2
+
+
+def test_export_expresses_per_linear_what_modules_to_not_convert_cannot(tmp_path):
+    "flux.1's top-level proj_out stays dense under fp8wo; diffusers would match 'proj_out.' anywhere: exported per Linear instead."
+    out = tmp_path/'plan.json'
+    assert main(['export', '--family', 'flux.1-dev', '--scheme', 'fp8wo', '--out', str(out)]) == 0
+    assert 'FqnToConfig({' in out.with_suffix('.py').read_text()
+
+
+def test_recommend_writes_a_plan_that_clears_its_bar(tmp_path, capsys):
+    out = tmp_path/'rec'/'plan.json'
+    assert main(['recommend', '--gpu', 'h200', '--bar', '30', '--random-weights', '--seeds', '0', '--device', 'cpu', '--out', str(out)]) == 0
+    from diffq_lab.plan import QuantPlan
+    plan = QuantPlan.load(out)
+    assert plan.components['transformer'].n_quantized > 0 and 'nvfp4' not in {l.scheme for l in plan.components['transformer'].linears.values()}
+    compile(out.with_suffix('.py').read_text(), 'snippet', 'exec')
+    assert '>= bar 30.0 dB' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize('argv', [['recommend', '--gpu', 'tpu'], ['recommend', '--bar', '-3'], ['recommend', '--bar', 'high'],
+                                  ['recommend', '--family', 'sdxl-turbo'], ['recommend', '--out', '/proc/x/plan.json']])
+def test_recommend_refuses_with_exit_2(argv, tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as e: main([*argv, '--random-weights'])
+    assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
