@@ -244,8 +244,9 @@ def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool 
                 if k in ('text/markdown', 'text/html'):
                     o['data'][k] = rw(''.join(v) if isinstance(v, list) else v)
         cells.append(c)
+    for i, c in enumerate(cells): c.setdefault('id', f'docs-{i}')  # cells the processors added have none
     d['cells'] = cells
-    d.setdefault('nbformat', 4); d.setdefault('nbformat_minor', 5)
+    d['nbformat'], d['nbformat_minor'] = 4, max(5, d.get('nbformat_minor', 5))
     return d
 
 # ------------------------------------------------------------------------------------------ 3. render
