@@ -15,7 +15,7 @@ from .schemes import normalize_scheme, quantized_linears
 from .capability import BACKENDS, resolve_backend
 from .plan import quantize
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
-from .text_encoder import ENCODER_MIN_FEATURES, block_lists, encoder_filter
+from .text_encoder import block_lists, encoder_filter
 
 # %% auto #0
 __all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks',
@@ -123,7 +123,7 @@ def _check_exclude(exclude_tokens) -> tuple[str, ...]:
     if not all(isinstance(t, str) and t for t in toks): raise ValueError(f'exclude_tokens must be non-empty strings, got {toks!r}')
     return toks
 
-def block_filter(model: nn.Module, scheme, min_features: int = ENCODER_MIN_FEATURES, exclude_tokens=()):
+def block_filter(model: nn.Module, scheme, min_features: int | None = None, exclude_tokens=()):
     "The `filter_fn(module, fqn)` block selection casts with: `encoder_filter`'s guards, `min_features` and `exclude_tokens`."
     toks = _check_exclude(exclude_tokens)
     base = encoder_filter(model, scheme, keep=(0, 0), min_features=min_features)
@@ -231,7 +231,7 @@ def _sensitivity(bench) -> pd.DataFrame:
     df.attrs.update(scheme=bench.scheme, backend=bench.backend)
     return df
 
-def block_sensitivity(model: nn.Module, inputs, scheme='int8', read_layer='last', min_features: int = ENCODER_MIN_FEATURES,
+def block_sensitivity(model: nn.Module, inputs, scheme='int8', read_layer='last', min_features: int | None = None,
                       exclude_tokens=(), backend: str = 'auto', run_fn=None, fidelity_fn=None) -> pd.DataFrame:
     "Per block: the fidelity of `model`'s output with only that block cast to `scheme` (all else dense) vs the dense reference."
     bench = _bench(model, inputs, scheme, read_layer, min_features, exclude_tokens, backend, run_fn, fidelity_fn, cast_rest=False)
@@ -351,7 +351,7 @@ def _search(bench, bar: float, per_block: bool = True):
     return best, full, sens, pd.DataFrame(curve), keep_set, keep_res
 
 def find_keep_schedule(model: nn.Module, inputs, scheme='int8', bar: float = 0.99, read_layer='last',
-                       min_features: int = ENCODER_MIN_FEATURES, exclude_tokens=(), backend: str = 'auto',
+                       min_features: int | None = None, exclude_tokens=(), backend: str = 'auto',
                        run_fn=None, fidelity_fn=None, per_block: bool = True, cast_rest: bool = True) -> KeepSchedule:
     "The smallest `(keep_first, keep_last)` bf16 schedule whose fidelity vs dense clears `bar`, in O(depth) forward passes."
     if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not 0 < bar <= 1:
@@ -466,7 +466,7 @@ def _n_layers(model) -> int: return max(block_lists(model).values(), default=0)
 
 # %% ../nbs/07_block_select.ipynb #415c5e4b
 def measure_schedule(model: nn.Module, inputs, keep=(0, 0), scheme='int8', read_layer='last',
-                     min_features: int = ENCODER_MIN_FEATURES, exclude_tokens=(), backend: str = 'auto',
+                     min_features: int | None = None, exclude_tokens=(), backend: str = 'auto',
                      run_fn=None, fidelity_fn=None) -> dict:
     "The fidelity of `model` cast with `scheme` except the blocks `keep` names: a `(first, last)` schedule or block fqns."
     bench = _bench(model, inputs, scheme, read_layer, min_features, exclude_tokens, backend, run_fn, fidelity_fn)
@@ -509,7 +509,7 @@ class FamilySchedule:
                        sources={**fam.sources, 'keep_bf16': note})
 
 def schedule_for_family(family, scheme='int8', bar: float = 0.99, *, encoder=None, tokenizer=None, attr: str = 'text_encoder',
-                        prompts=None, min_features: int = ENCODER_MIN_FEATURES, backend: str = 'auto', text_layers: int = 6,
+                        prompts=None, min_features: int | None = None, backend: str = 'auto', text_layers: int = 6,
                         max_length: int = 64, device=None, model_name: str | None = None, read_layer=None) -> FamilySchedule:
     "Recompute `family`'s keep-bf16 schedule: on `encoder` (with `tokenizer`) when given, else on each encoder of its tiny pipeline."
     fam = get_family(family)
@@ -575,7 +575,7 @@ def _report(title: str, ks: KeepSchedule) -> str:
                       markdown_table(ks.curve, _CURVE_COLS), '', 'per-block sensitivity (one block cast, the rest dense):',
                       markdown_table(ks.sensitivity, _SENS_COLS), ''])
 
-def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_features: int = ENCODER_MIN_FEATURES, *,
+def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_features: int | None = None, *,
                read_layer=None, n_prompts: int | None = None, backend: str = 'auto', device=None) -> str:
     "The text `diffq-lab blocks` prints: the keep schedule and the curve searched for `encoder` (a folder, `minilm`, or a family)."
     prompts = load_prompts(n=n_prompts)
@@ -626,12 +626,16 @@ def _rows(ks: KeepSchedule, **meta) -> tuple[list, dict]:
     return sens, sched
 
 def measure_block_selection(prompts=None, schemes=RECORD_SCHEMES, bars=(0.99, 0.999), families=RECORD_FAMILIES,
-                            depths=(6, 12, 24), toy_depths=(4, 8, 16, 32, 64), device=None) -> tuple[pd.DataFrame, pd.DataFrame]:
+                            depths=(6, 12, 24), toy_depths=(4, 8, 16, 32, 64), device=None,
+                            progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
     "The block-selection measurements `record_block_selection` records: (per-block sensitivity rows, schedule rows)."
+    from tqdm.auto import tqdm
     prompts = list(prompts) if prompts is not None else load_prompts()
     device = resolve_device(device) if device is not None else torch.device('cpu')
     sens_rows, sched_rows = [], []
+    done = tqdm(desc='block selection', unit=' schedules', disable=not progress)  # a run of minutes says where it is
     def add(ks, with_sensitivity=True, **meta):
+        done.update(1); done.set_postfix_str(str(meta.get('model', ''))[:40])
         s, k = _rows(ks, prompts=len(prompts), **meta)
         if with_sensitivity: sens_rows.extend(s)  # one sensitivity curve per model and scheme, not per bar
         sched_rows.append(k)
@@ -662,11 +666,12 @@ def measure_block_selection(prompts=None, schemes=RECORD_SCHEMES, bars=(0.99, 0.
     for s in schemes:
         add(find_keep_schedule(pipe.transformer, calls, s, bars[0], run_fn=replay_run), model='tiny z-image DiT (random weights)',
             weights='random', encoder='transformer')
+    done.close()
     return pd.DataFrame(sens_rows), pd.DataFrame(sched_rows)
 
 def record_block_selection(root=None, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame]:
-    "Measure block selection (`measure_block_selection`) and append the rows to the `block_sensitivity` and `keep_schedules` tables."
-    sens, sched = measure_block_selection(**kwargs)
+    "Measure block selection (`measure_block_selection`, with progress) and append the rows to the `block_sensitivity` and `keep_schedules` tables."
+    sens, sched = measure_block_selection(**{'progress': True, **kwargs})
     device = kwargs.get('device') or 'cpu'  # measure_block_selection runs on the CPU unless told otherwise
     append_rows('block_sensitivity', sens.to_dict('records'), root=root, device=device)
     append_rows('keep_schedules', sched.to_dict('records'), root=root, device=device)

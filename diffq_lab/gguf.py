@@ -155,12 +155,14 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
 def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, gguf=None, compile: bool = True, device=None,
                             dtype=torch.bfloat16, *, te_quant=None, min_features: int = 512, backend: str = 'auto',
                             free_bytes: int | None = None, reserve: float = 0.1, validate: bool = True,
-                            compile_kwargs: dict | None = None, on_unavailable: str = 'dense', **load_kwargs):
+                            compile_kwargs: dict | None = None, on_unavailable: str = 'dense', vocabulary: str = 'lab',
+                            **load_kwargs):
     "Load (or take) a pipeline, quantise its text encoders (`te_quant`) and transformer (`transformer_quant`), compile; fall back to GGUF or dense with a reason. Returns (pipe, status)."
     t0 = time.perf_counter()
     device, dtype = resolve_device(device), as_dtype(dtype)
-    requested = normalize_scheme(transformer_quant)  # an unknown name fails before anything loads
-    normalize_scheme(te_quant)
+    # an unknown name fails before anything loads; a seed's names (vocabulary='unsloth-te' or 'diffu') become the lab's
+    transformer_quant, te_quant = (normalize_scheme(x, vocabulary) for x in (transformer_quant, te_quant))
+    requested = transformer_quant
     if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
     if on_unavailable not in ON_UNAVAILABLE: raise ValueError(f'on_unavailable must be one of {ON_UNAVAILABLE}, got {on_unavailable!r}')
     built = hasattr(model_or_pipe, 'components')

@@ -108,9 +108,10 @@ _FLUX1_DIMS = 'diffusers defaults (19 double + 38 single blocks, 3072 wide)'
 _WAN14_DIMS = 'diffusers defaults = Wan 14B dims (40 layers, 5120 wide): one of the two A14B experts'
 
 # %% ../nbs/05_pipelines.ipynb #d6bbfa31
-_PUB = 'published GPU study (quoted in issue 4 / PLATFORM.md, not measured here)'
-_QWEN_KEEP = f'int8 Qwen2.5-VL-7B, first+last 6 blocks bf16 -> prompt-embedding cosine ~0.997 vs bf16; {_PUB}'
-_DENSE_WHY = f'quantising its encoder gave large LPIPS drift for no speed win, so auto keeps it dense; {_PUB}'
+_SEED = 'unsloth studio seed (diffusion_precision.py, its Phase-8 PR), GPU-measured there, quoted, not re-measured here'
+_QWEN_KEEP = f'int8 Qwen2.5-VL-7B, first+last 6 blocks bf16 -> prompt-embedding cosine ~0.997 vs bf16; {_SEED}'
+_WAN_DENSE = f'encoder quantised: LPIPS 0.1195 vs bf16 for 146.7 -> 142.7 s (1.03x), so auto keeps it dense; {_SEED}'
+_HY_DENSE = f'auto keeps its encoders dense (no speed win worth the drift); {_SEED}'
 
 _FAMILY_LIST = [
     Family('z-image', 'ZImagePipeline', 'Tongyi-MAI/Z-Image-Turbo', ('text_encoder',), ('Qwen3Model',),
@@ -133,7 +134,7 @@ _FAMILY_LIST = [
            tiny=lambda **k: _tiny_flux1(schnell=True, **k)),
     Family('flux.2-dev', 'Flux2Pipeline', 'black-forest-labs/FLUX.2-dev', ('text_encoder',), ('Mistral3ForConditionalGeneration',),
            keep_bf16=(3, 0), keep_bf16_cosine=0.98, aliases=('flux.2', 'flux2', 'flux2-dev'),
-           sources={'keep_bf16': f'int8 Mistral-Small-24B, first 3 blocks bf16 -> prompt-embedding cosine ~0.98 vs bf16; {_PUB}'},
+           sources={'keep_bf16': f'int8 Mistral-Small-24B, first 3 blocks bf16 -> prompt-embedding cosine ~0.98 vs bf16; {_SEED}'},
            note='Mistral-Small-3.x 24B; stacks hidden states of layers 10, 20, 30',
            denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)}, denoiser_dims={},
            dims_source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)',
@@ -182,19 +183,28 @@ _FAMILY_LIST = [
            denoiser='WanTransformer3DModel', tiny_m=_WAN_M, denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30),
            frames=81, dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)', tiny=lambda **k: _tiny_wan(**k)),
     Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
-           auto_dense=True, sources={'auto_dense': _DENSE_WHY}, aliases=('wan2.2', 'wan2.2-a14b'),
+           auto_dense=True, sources={'auto_dense': _WAN_DENSE}, aliases=('wan2.2', 'wan2.2-a14b'),
            call_kwargs={'num_frames': 1}, video=True, note='two experts (transformer, transformer_2)',
            denoiser='WanTransformer3DModel', tiny_m=_WAN_M, denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS,
            tiny=lambda **k: _tiny_wan(two_experts=True, **k)),
+    Family('wan2.2-ti2v-5b', 'WanPipeline', 'Wan-AI/Wan2.2-TI2V-5B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
+           aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True, denoiser='WanTransformer3DModel',
+           tiny_m=_WAN_M, note=f'the contrast case to wan2.2-t2v-a14b: its encoder stays quantised under auto, for a real 1.09x ({_SEED})'),
     Family('hunyuanvideo-1.5', 'HunyuanVideo15Pipeline', 'hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v',
            ('text_encoder', 'text_encoder_2'), ('Qwen2_5_VLTextModel', 'T5EncoderModel'),
-           auto_dense=True, sources={'auto_dense': _DENSE_WHY}, aliases=('hunyuanvideo1.5', 'hunyuan-video-1.5', 'hyvideo-1.5'),
-           call_kwargs={'num_frames': 1}, video=True, note='Qwen2.5-VL text model + ByT5 glyph encoder',
+           auto_dense=True, sources={'auto_dense': _HY_DENSE}, aliases=('hunyuanvideo1.5', 'hunyuan-video-1.5', 'hyvideo-1.5'),
+           call_kwargs={'num_frames': 1}, video=True, note='Qwen2.5-VL text model + ByT5 glyph encoder (1472 -> 384 projection)',
+           denoiser='HunyuanVideo15Transformer3DModel'),
+    Family('hunyuanvideo-1.5-720p', 'HunyuanVideo15Pipeline', 'hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v',
+           ('text_encoder', 'text_encoder_2'), ('Qwen2_5_VLTextModel', 'T5EncoderModel'),
+           auto_dense=True, sources={'auto_dense': _HY_DENSE}, aliases=('hunyuanvideo1.5-720p', 'hyvideo-1.5-720p'),
+           call_kwargs={'num_frames': 1}, video=True, note='the 720p release of hunyuanvideo-1.5: the same encoders',
            denoiser='HunyuanVideo15Transformer3DModel'),
     Family('ltx-2', 'LTX2Pipeline', 'Lightricks/LTX-2', ('text_encoder',), ('Gemma3ForConditionalGeneration',),
            deny=('fp8',), aliases=('ltx2', 'ltx-video-2'), video=True,
-           sources={'deny': f'fp8 dynamic on its Gemma3 encoder black-framed whole clips; layerwise fp8 was near-lossless; {_PUB}'},
-           note='audio+video; Gemma3-12B encoder', denoiser='LTX2VideoTransformer3DModel'),
+           sources={'deny': ('fp8 dynamic on its Gemma3-27B encoder: LPIPS 0.78 vs bf16, mean luma 137.9 -> 0.0 (black clips); '
+                             f'layerwise fp8 LPIPS 0.0043; {_SEED}')},
+           note='audio+video; Gemma3-27B encoder', denoiser='LTX2VideoTransformer3DModel'),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
 ALIASES: dict[str, str] = {a: f.name for f in _FAMILY_LIST for a in f.aliases}

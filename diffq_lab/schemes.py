@@ -14,10 +14,11 @@ from torch import nn
 from .core import package_version
 
 # %% auto #0
-__all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'Gate', 'Scheme', 'register_scheme', 'scheme_choices', 'normalize_scheme', 'get_scheme',
-           'make_config', 'schemes_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear',
-           'quantized_linears', 'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight',
-           'rule_reason', 'skip_reasons', 'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
+__all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme', 'register_scheme', 'scheme_choices',
+           'normalize_scheme', 'get_scheme', 'make_config', 'schemes_table', 'vocabulary_table', 'FakeQuantLinear',
+           'layerwise_registry', 'is_quantized_linear', 'quantized_linears', 'skip_reason', 'make_filter_fn',
+           'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons', 'apply_kernel',
+           'fp8_gate_bypassed', 'gate_bypassed']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -80,8 +81,9 @@ def scheme_choices() -> str:
     "The valid scheme spellings, for error messages."
     return f"choose one of {', '.join(REGISTRY)}, 'auto', or None/'none'/'off' (no quantisation)"
 
-def normalize_scheme(value) -> str | None:
-    "The canonical name for `value`: None/''/'none'/'off' -> None, 'auto' stays 'auto', aliases and spelling forgiven."
+def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
+    "The canonical name for `value` read in `vocabulary` ('lab' or a seed's): None/'none'/'off' -> None, 'auto' stays 'auto'."
+    if vocabulary != 'lab': value = _in_vocabulary(value, vocabulary)  # a seed's name, as the lab spells that scheme
     if value is None: return None
     if isinstance(value, Scheme): return value.name
     if not isinstance(value, str): raise ValueError(f"scheme must be a string or None, got {value!r}; {scheme_choices()}")
@@ -262,6 +264,33 @@ def schemes_table() -> pd.DataFrame:
                          zero_row_hazard=s.zero_row_hazard, zero_weight_hazard=s.zero_weight_hazard, min_cuda=f'sm_{g.min_cuda[0]}{g.min_cuda[1]}', cpu_kernel=g.cpu,
                          bits_per_weight=round(8 * s.weight_bytes(4096, 4096) / 4096 ** 2, 3),
                          aliases=', '.join(s.aliases)))
+    return pd.DataFrame(rows)
+
+# %% ../nbs/01_schemes.ipynb #a1e0c102
+VOCABULARIES: dict[str, dict[str, str | None]] = {
+    'unsloth-te': {'none': None, 'bf16': None, 'auto': 'auto', 'fp8': 'fp8_layerwise', 'fp8_dynamic': 'fp8', 'int8': 'int8',
+                   'nvfp4': 'nvfp4wo'},                                # unsloth studio's text-encoder modes
+    'diffu': {'none': None, 'int8': 'int8wo', 'fp8': 'fp8wo', 'int8dq': 'int8', 'fp8dq': 'fp8'},   # diffu/quantize.py
+}
+
+def _in_vocabulary(value, vocabulary: str) -> str | None:
+    "A seed vocabulary's name translated into the lab's scheme name; ValueError naming that vocabulary's names."
+    if vocabulary not in VOCABULARIES: raise ValueError(f"unknown vocabulary {vocabulary!r}; choose 'lab' or one of {list(VOCABULARIES)}")
+    if value is None: return None
+    table = {_key(k): v for k, v in VOCABULARIES[vocabulary].items()}
+    k = _key(str(value))
+    if k not in table: raise ValueError(f'{value!r} is not a {vocabulary} name; it has {list(VOCABULARIES[vocabulary])}')
+    return table[k]
+
+def vocabulary_table() -> pd.DataFrame:
+    "Every seed name and what it means in each vocabulary (the lab's included), and whether the vocabularies disagree on it."
+    names = dict.fromkeys(k for v in VOCABULARIES.values() for k in v if k not in ('none', 'bf16', 'auto'))
+    rows = []
+    for n in names:
+        lab = _LOOKUP.get(_key(n))
+        seeds = {v: VOCABULARIES[v].get(n, '') for v in VOCABULARIES}
+        meanings = {x for x in (lab, *seeds.values()) if x != ''}
+        rows.append(dict(name=n, lab=lab or '', **{v: s or '' for v, s in seeds.items()}, ambiguous=len(meanings) > 1))
     return pd.DataFrame(rows)
 
 # %% ../nbs/01_schemes.ipynb #7044d515

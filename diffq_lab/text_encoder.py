@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import device_name, module_device, resolve_device
-from .schemes import SCHEMES, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
+from .schemes import SCHEMES, get_scheme, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
 from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears, quantize, record_rows, run_schemes
@@ -21,11 +21,11 @@ log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS', 'in_vision_tower',
-           'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks', 'encoder_filter', 'plan_encoder',
-           'quantize_encoder', 'encoder_ladder', 'device_encoder_ladder', 'offload_mode', 'OffloadProbe',
-           'offload_probe', 'offload_report', 'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders',
-           'report_frame', 'prompt_embeddings', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine',
-           'pipeline_offload_report']
+           'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks', 'encoder_min_features',
+           'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder', 'device_encoder_ladder',
+           'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report', 'select_encoder_scheme',
+           'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings', 'embedding_cosine',
+           'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -75,9 +75,14 @@ def keep_blocks(model: nn.Module, first: int = 0, last: int = 0) -> dict[str, st
     return out
 
 # %% ../nbs/06_text_encoders.ipynb #07a4e2d5
-ENCODER_MIN_FEATURES = 0  # encoders have no tiny modulation Linears; the tiny test encoders are 32-64 wide
+ENCODER_MIN_FEATURES = 512  # the seed's: a real encoder's narrow Linears (ByT5's 1472 -> 384 projection) stay dense
 
-def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int = ENCODER_MIN_FEATURES):
+def encoder_min_features(model: nn.Module) -> int:
+    "`ENCODER_MIN_FEATURES` for a real encoder; 0 for a test encoder none of whose Linears reaches it (the tiny ones are 32-64 wide)."
+    widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
+    return ENCODER_MIN_FEATURES if widths and max(widths) >= ENCODER_MIN_FEATURES else 0
+
+def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int | None = None):
     "A `filter_fn(module, fqn)` for `scheme` on text encoder `model`; its `.skip_reason` says why a Linear stays dense."
     s = normalize_scheme(scheme)
     if s in (None, 'auto'): raise ValueError(f'encoder_filter needs a concrete scheme, got {scheme!r}')
@@ -86,7 +91,7 @@ def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int = EN
     fp32_re = _keep_fp32_regex(fp32)
     # layerwise casting leaves an untied lm_head usable (its hook upcasts it); torchao schemes never touch it
     head = None if s == 'fp8_layerwise' else output_embedding_fqn(model)
-    base = make_filter_fn(min_features=min_features)
+    base = make_filter_fn(min_features=encoder_min_features(model) if min_features is None else min_features)
     def reason(module, fqn=''):
         if in_vision_tower(fqn): return 'vision tower'
         if head is not None and fqn == head: return 'output embedding (lm_head)'
@@ -100,7 +105,7 @@ def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int = EN
 
 # %% ../nbs/06_text_encoders.ipynb #88cf737e
 def plan_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
-                 min_features: int = ENCODER_MIN_FEATURES) -> ComponentPlan:
+                 min_features: int | None = None) -> ComponentPlan:
     "The plan of `scheme` for text encoder `model` under the encoder guards and a keep-bf16 schedule `keep`; nothing changes."
     s = normalize_scheme(scheme)
     if s == 'auto': raise ValueError("plan_encoder needs a concrete scheme; 'auto' is resolved by quantize_text_encoders")
@@ -111,7 +116,7 @@ def plan_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto'
 
 # %% ../nbs/06_text_encoders.ipynb #7a3a5302
 def quantize_encoder(model: nn.Module, scheme, *, keep=(0, 0), backend: str = 'auto', device=None,
-                     min_features: int = ENCODER_MIN_FEATURES) -> ComponentPlan:
+                     min_features: int | None = None) -> ComponentPlan:
     "Cast the Linears of text encoder `model` in place with `scheme` under the encoder guards, all or nothing; the applied plan."
     plan = plan_encoder(model, scheme, keep=keep, backend=backend, device=device, min_features=min_features)
     return apply_plan(model, plan).components[''] if plan.quantized else plan
@@ -261,7 +266,7 @@ def _family_or_none(pipe, family):
         return None
 
 def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str = 'auto', keep=None,
-                       device=None, min_features: int = ENCODER_MIN_FEATURES) -> QuantPlan:
+                       device=None, min_features: int | None = None) -> QuantPlan:
     "The plan for every text encoder of `pipe` under `scheme` ('auto', a scheme or None) and the family's rules."
     encoders = text_encoders(pipe)
     if not encoders:
@@ -271,6 +276,11 @@ def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str
     device = resolve_device(device) if device is not None else (
         resolve_device(None) if offload_mode(offload) else module_device(next(iter(encoders.values()))))
     s, note = select_encoder_scheme(scheme, fam, device=device, offload=offload, backend=backend, keep=keep)
+    if s is not None and get_scheme(s).library == 'torchao':  # the seed's rule: torchao encoder modes compute in bf16
+        dt = {a: next(e.parameters()).dtype for a, e in encoders.items()}
+        odd = {a: str(d).removeprefix('torch.') for a, d in dt.items() if d != torch.bfloat16}
+        if odd: raise ValueError(f'{s!r} needs bf16 text encoders (the torchao encoder modes compute in bf16); {odd} are not: '
+                                 'cast them (.to(torch.bfloat16)) or use fp8_layerwise')
     sched = (_schedule(fam, keep) or (0, 0)) if s == 'int8' else (0, 0)
     comps = {}
     for attr, enc in encoders.items():
