@@ -223,7 +223,7 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
     return Recommendation(spec['gpu'], float(bar), plan, best, final['time_s'], final['psnr'], final['clears'], best_src, table, sens)
 
 # %% ../nbs/16_recommend.ipynb #r0000027
-def recommend_on_trained(gpus=('b200', 'h200'), bar: float = 30.0, seeds=(0, 1), prompts=None, **kw) -> tuple[pd.DataFrame, dict]:
+def recommend_on_trained(gpus=('b200', 'h200'), bar: float = 40.0, seeds=(0, 1), prompts=None, **kw) -> tuple[pd.DataFrame, dict]:
     "`recommend_plan` on the trained tiny z-image pipeline for each GPU: every measured plan (with adherence), and the recommendations."
     from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, adherence, heldout_prompts, load_trained_pipeline
     prompts = list(heldout_prompts()[:4] if prompts is None else prompts)
