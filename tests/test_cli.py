@@ -110,3 +110,11 @@ def test_recommend_refuses_with_exit_2(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(SystemExit) as e: main([*argv, '--random-weights'])
     assert e.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+def test_python_dash_m_diffq_lab_is_the_command():
+    import subprocess, sys
+    ok = subprocess.run([sys.executable, '-m', 'diffq_lab', '--help'], capture_output=True, text=True, timeout=120)
+    assert ok.returncode == 0 and 'recommend' in ok.stdout
+    bad = subprocess.run([sys.executable, '-m', 'diffq_lab', 'probe', '--device', 'gpu'], capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown device 'gpu'" in bad.stderr
