@@ -28,19 +28,15 @@ def _int_in(lo: int, hi: int, multiple: int = 1):
 
 _positive = _int_in(1, 1 << 31)
 
-def _fraction(value: str) -> float:
-    "An argparse type: a number in (0, 1] (a fidelity bar)."
-    try: v = float(value)
-    except ValueError: v = float('nan')
-    if not 0 < v <= 1: raise argparse.ArgumentTypeError(f'expected a number in (0, 1], got {value!r}')
-    return v
-
-def _decibels(value: str) -> float:
-    "An argparse type: a PSNR bar in dB, in (0, 200]."
-    try: v = float(value)
-    except ValueError: v = float('nan')
-    if not 0 < v <= 200: raise argparse.ArgumentTypeError(f'expected a PSNR in dB in (0, 200], got {value!r}')
-    return v
+def _float_in(lo: float, hi: float, what: str = 'a number'):
+    "An argparse type: a number in (lo, hi] (a fidelity bar, a PSNR bar)."
+    def parse(value: str) -> float:
+        try: v = float(value)
+        except ValueError: v = float('nan')
+        if not lo < v <= hi: raise argparse.ArgumentTypeError(f'expected {what} in ({lo:g}, {hi:g}], got {value!r}')
+        return v
+    parse.__name__ = 'number'
+    return parse
 
 def _device(value: str) -> str:
     "An argparse type: a device this machine has ('cpu', 'cuda', 'cuda:N')."
@@ -133,7 +129,7 @@ def parser() -> argparse.ArgumentParser:
     blocks = sub.add_parser('blocks', help='which encoder blocks must stay bf16: per-block sensitivity and the smallest keep schedule')
     blocks.add_argument('--encoder', required=True, help="a family (its tiny encoder), 'minilm', or a folder with a transformers encoder")
     blocks.add_argument('--scheme', default='int8')
-    blocks.add_argument('--bar', type=_fraction, default=0.99, help='mean per-token cosine the schedule must clear, in (0, 1]')
+    blocks.add_argument('--bar', type=_float_in(0, 1), default=0.99, help='mean per-token cosine the schedule must clear, in (0, 1]')
     blocks.add_argument('--min-features', type=nonneg, default=0, help='skip Linears narrower than this')
     blocks.add_argument('--read-layer', default=None, help="'last', a hidden_states index, or a comma list (default: the family's)")
     blocks.add_argument('--prompts', type=_int_in(1, 10_000), default=None, help='use the first N prompts of data/prompts/encoder_prompts.txt')
@@ -151,7 +147,7 @@ def parser() -> argparse.ArgumentParser:
     rec = sub.add_parser('recommend', help="per-Linear formats for the denoiser on a GPU under a PSNR bar: sensitivity measured "
                                            'here, speed from the roofline at the real model\'s shapes; the plan as JSON and as code')
     rec.add_argument('--gpu', default='b200', help='a GPU of data/gpu_specs.csv (b200, h200, h100, rtx5090, ...)')
-    rec.add_argument('--bar', type=_decibels, default=30.0, help='minimum mean PSNR of the renders against dense, in dB (default 30)')
+    rec.add_argument('--bar', type=_float_in(0, 200, 'a PSNR in dB'), default=30.0, help='minimum mean PSNR of the renders against dense, in dB (default 30)')
     rec.add_argument('--family', default='z-image', help="the family: its tiny pipeline (z-image: the trained one) and its real dims")
     rec.add_argument('--random-weights', action='store_true', help='the random-weight tiny pipeline, not the trained one')
     rec.add_argument('--seeds', type=_int_list, default=[0, 1], help='comma list of seeds to render (default 0,1)')
@@ -280,18 +276,13 @@ def _run(args) -> int:
         print(cli_blocks(args.encoder, args.scheme, args.bar, args.min_features, read_layer=args.read_layer,
                          n_prompts=args.prompts, backend=args.backend, device=args.device))
     elif args.command == 'export':
-        from diffq_lab.core import atomic_write_text, check_writable
         from diffq_lab.gguf import plan_pipeline
-        from diffq_lab.plan import export_snippet
+        from diffq_lab.plan import check_plan_out, write_plan
         if len(args.scheme) != 1: raise ValueError(f'export takes one scheme, got {args.scheme}')
-        out = Path(args.out)
-        if not str(args.out).strip() or out.is_dir(): raise ValueError(f'--out must name a file, got {args.out!r}')
-        check_writable(out.parent)
+        out = check_plan_out(args.out)
         te = args.te_scheme[0] if args.te_scheme else None
         plan = plan_pipeline(args.family, args.scheme[0], te, min_features=args.min_features)
-        snippet = export_snippet(plan, args.model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express
-        plan.save(out)
-        atomic_write_text(out.with_suffix('.py'), snippet)
+        snippet = write_plan(plan, out, args.model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express
         print(f'{plan.summary()}\n\nplan: {out}\nsnippet: {out.with_suffix(".py")}\n\n{snippet}')
     elif args.command == 'recommend':
         from diffq_lab.recommend import cli_recommend

@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_crossover.ipynb #29598be0
 from __future__ import annotations
-import contextlib, copy, functools, math, re, statistics, time, warnings
+import contextlib, copy, functools, math, re, statistics, warnings
 from dataclasses import dataclass
 from itertools import product
 import numpy as np
@@ -16,7 +16,7 @@ from .capability import gpu_capability, hardware_gate
 from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
-from .quality import interleaved_times, speed_vs, warm_up
+from .quality import interleaved_times, speed_vs, time_once, warm_up
 
 # %% auto #0
 __all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS',
@@ -234,18 +234,9 @@ GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192,
 EMULATED_LABEL = 'emulated (fake-quant numerics, NOT the kernel)'
 
 def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
-    "Seconds per call of `fn`: CUDA events on a GPU, a synchronised wall clock elsewhere; after `warmup` calls."
+    "Seconds per call of `fn` (`quality.time_once`: CUDA events on a GPU, a wall clock elsewhere), after `warmup` calls."
     for _ in range(warmup): fn()
-    if device.type == 'cuda':
-        torch.cuda.synchronize(device)
-        ev = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(repeats)]
-        for a, b in ev: a.record(); fn(); b.record()
-        torch.cuda.synchronize(device)
-        return [a.elapsed_time(b) / 1e3 for a, b in ev]
-    out = []
-    for _ in range(repeats):
-        t0 = time.perf_counter(); fn(); out.append(time.perf_counter() - t0)
-    return out
+    return [time_once(fn, device) for _ in range(repeats)]
 
 def _gemm_kind(scheme) -> str:
     "The bare GEMM timed beside `scheme` ('bf16', 'int8', 'fp8'; '' for none): the registry's `Scheme.gemm`."

@@ -11,7 +11,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, atomic_write_text, module_device, resolve_device, results_dir
+from .core import append_rows, atomic_write_text, check_writable, module_device, resolve_device, results_dir
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
@@ -22,7 +22,7 @@ _log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError',
            'RestoreError', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config', 'export_snippet',
-           'save_plans', 'record_rows', 'run_schemes']
+           'check_plan_out', 'write_plan', 'save_plans', 'record_rows', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -342,6 +342,20 @@ def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
             lines += [f'for name in {fqns!r}:', f'    m = pipe.{c}.get_submodule(name)',
                       '    apply_layerwise_casting_hook(m, torch.float8_e4m3fn, m.weight.dtype, non_blocking=False)']
     return '\n'.join(lines) + '\n'
+
+# %% ../nbs/04_plan.ipynb #a960c0b1
+def check_plan_out(out) -> Path:
+    "`out` as the path of a plan file in a folder that can be written; ValueError otherwise (checked before any work)."
+    if not str(out).strip() or Path(out).is_dir(): raise ValueError(f'--out must name a file, got {out!r}')
+    check_writable(Path(out).parent)
+    return Path(out)
+
+def write_plan(plan: QuantPlan, out, model: str = 'MODEL_ID_OR_FOLDER') -> str:
+    "Write `plan` to `out` (JSON) and its `export_snippet` beside it (.py); the snippet, made first: a plan the libraries cannot express writes nothing."
+    snippet = export_snippet(plan, model)
+    plan.save(out)
+    atomic_write_text(Path(out).with_suffix('.py'), snippet)
+    return snippet
 
 # %% ../nbs/04_plan.ipynb #26807ca6
 APPLIED: dict[str, QuantPlan] = {}  # digest -> plan, for every plan a row of this process was made from

@@ -6,7 +6,6 @@
 from __future__ import annotations
 import copy, math
 from collections import Counter
-from pathlib import Path
 from dataclasses import dataclass, field
 import numpy as np
 import pandas as pd
@@ -124,7 +123,7 @@ def plan_chain(opts: dict) -> list[dict[str, str]]:
     "Every distinct optimal plan from the fastest (lam = 0) to dense (lam = inf), in order of increasing lam."
     breaks = sorted({(ta - tb) / (eb - ea) for o in opts.values() for a, (ta, ea) in o.items() for b, (tb, eb) in o.items()
                      if eb > ea and tb < ta and math.isfinite(eb)})
-    lams = [0.0, *[(x + y) / 2 for x, y in zip(breaks, breaks[1:])], *( [breaks[-1] * 2] if breaks else []), math.inf]
+    lams = [0.0, *[(x + y) / 2 for x, y in zip(breaks, breaks[1:])], *[b * 2 for b in breaks[-1:]], math.inf]
     chain = []
     for lam in lams:
         c = _choose(opts, lam) if math.isfinite(lam) else {f: min(o, key=lambda s: (o[s][1], -o[s][0])) for f, o in opts.items()}
@@ -147,8 +146,7 @@ def measure_plan(pipe, plan: QuantPlan, pairs, refs: dict, steps: int, size: int
     imgs = {k: render(q, k[1], steps=steps, size=size, seed=k[0], **render_kw) for k in pairs}
     vals = [psnr(imgs[k], refs[k]) for k in pairs]
     finite = [v for v in vals if math.isfinite(v)]
-    return dict(psnr=float(np.mean(finite)) if len(finite) == len(vals) else (math.inf if not finite else float(np.mean(finite))),
-                psnr_min=float(min(vals)), images=imgs)
+    return dict(psnr=float(np.mean(finite)) if finite else math.inf, psnr_min=float(min(vals)), images=imgs)  # identical pairs: inf dB
 
 # %% ../nbs/16_recommend.ipynb #r0000022
 @dataclass
@@ -266,23 +264,19 @@ def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):
 # %% ../nbs/16_recommend.ipynb #r0000032
 def cli_recommend(args) -> str:
     "The `diffq-lab recommend` job: the plan for `args.gpu` under `args.bar` dB, written as JSON and as a diffusers snippet; its report."
-    from diffq_lab.core import atomic_write_text, check_writable, markdown_table
-    from diffq_lab.plan import export_snippet
+    from diffq_lab.core import markdown_table
+    from diffq_lab.plan import check_plan_out, write_plan
     from diffq_lab.pipelines import get_family, tiny_pipeline
     from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, heldout_prompts, load_trained_pipeline
     spec, fam = gpu_spec(args.gpu), get_family(args.family).name  # names checked before any work
-    out = Path(args.out)
-    if not str(args.out).strip() or out.is_dir(): raise ValueError(f'--out must name a file, got {args.out!r}')
-    check_writable(out.parent)
+    out = check_plan_out(args.out)
     trained = fam == 'z-image' and not args.random_weights
     pipe = load_trained_pipeline() if trained else tiny_pipeline(fam)
     prompts = args.prompts or (heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background'])
     kw = dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE) if trained else dict(steps=2)
     rec = recommend_plan(pipe, spec, args.bar, pairs=[(s, p) for s in args.seeds for p in prompts], family=fam,
                          te_scheme=args.te_scheme[0] if args.te_scheme else None, device=args.device, **kw)
-    snippet = export_snippet(rec.plan, args.model or 'MODEL_ID_OR_FOLDER')
-    rec.plan.save(out)
-    atomic_write_text(out.with_suffix('.py'), snippet)
+    snippet = write_plan(rec.plan, out, args.model or 'MODEL_ID_OR_FOLDER')
     table = markdown_table(rec.table, ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
     return (f"{rec.summary()}\n\nsensitivity: {'trained' if trained else 'tiny random-weight'} {fam} (measured on this device); "
             f"speed: the roofline at the real {fam} shapes\n\n{table}\n\nplan: {out}\nsnippet: {out.with_suffix('.py')}\n\n{snippet}")

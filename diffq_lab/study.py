@@ -23,7 +23,7 @@ from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf, load_pipeline_quantized
-from .quality import Estimate, interleaved_times, quality_metrics, speed_vs, summarise, time_once, warm_up
+from .quality import Estimate, interleaved_times, quality_metrics, speed_vs, summarise, warm_up
 from .crossover import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
@@ -81,24 +81,21 @@ def _weights_MiB(pipe) -> dict:
     mib = lambda mods: sum(module_bytes(m) for m in mods) / 2**20
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
-def _timed(pipe, pair, steps, size, device, **render_kw):
-    "One render of `pair` (seed, prompt) and its seconds (`quality.time_once`: CUDA events on a GPU, a wall clock elsewhere)."
-    seed, prompt = pair
-    out = []
-    s = time_once(lambda: out.append(render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)), device)
-    return out[0], s
-
 def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
     "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images, paired seconds, peak extra bytes."
-    seed, prompt = pairs[0]
-    warm_up({'quantised': lambda: render(pipe, prompt, steps=steps, size=size, seed=seed, **render_kw)}, device)
+    def renders(pair, out):
+        seed, prompt = pair
+        go = lambda name, p: lambda: out.__setitem__(name, render(p, prompt, steps=steps, size=size, seed=seed, **render_kw))
+        return {'dense': go('dense', dense), 'quantised': go('quantised', pipe)}
+    warm_up({'quantised': renders(pairs[0], {})['quantised']}, device)
     mark = memory_mark(device)  # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
     imgs, t_dense, t_quant = {}, [], []
     for r in range(rounds):
         for pair in pairs:
-            (_, d1), (img, q1), (_, q2), (_, d2) = (_timed(p, pair, steps, size, device, **render_kw) for p in (dense, pipe, pipe, dense))
-            t_dense.append(d1 + d2); t_quant.append(q1 + q2)
-            if r == 0: imgs[pair] = img
+            out = {}
+            ts = interleaved_times(renders(pair, out), 2, device)  # two rounds of two: dense, quantised, quantised, dense
+            t_dense.append(sum(ts['dense'])); t_quant.append(sum(ts['quantised']))
+            if r == 0: imgs[pair] = out['quantised']
     return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
 
 def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
@@ -168,7 +165,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
     seed, prompt = pairs[0]
     warm_up({'dense': lambda: render(dense, prompt, steps=steps, size=size, seed=seed, **render_kw)}, device)
     mark = memory_mark(device)
-    ref = {pair: _timed(dense, pair, steps, size, device, **render_kw)[0] for pair in pairs}
+    ref = {pair: render(dense, pair[1], steps=steps, size=size, seed=pair[0], **render_kw) for pair in pairs}
     dense_extra = peak_extra_bytes(mark, device)
     label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
     base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile, rounds=rounds,

@@ -61,9 +61,9 @@ def test_what_modules_to_not_convert_cannot_express_goes_per_linear(tmp_path):
 
 
 @pytest.mark.parametrize('family', ['z-image', 'sd3'])
-def test_a_mixed_plan_round_trips_per_linear(family, tmp_path):
+def test_a_mixed_plan_round_trips_per_linear(pipes, family, tmp_path):
     "A plan that mixes schemes per Linear (as recommend_plan makes), in the denoiser and the encoders, loads bit-identical."
-    pipe = tiny_pipeline(family)
+    pipe = pipes[family]
     lab = copy.deepcopy(pipe)
     te = plan_text_encoders(lab, 'int8wo', family=family, keep=(0, 0))
     comps = {}

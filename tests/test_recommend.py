@@ -78,12 +78,12 @@ def test_the_chain_runs_from_fastest_to_dense():
 
 @pytest.mark.parametrize('kw,match', [(dict(bar=0), 'PSNR'), (dict(bar=float('nan')), 'PSNR'), (dict(bar=30, steps=0), 'steps'),
                                       (dict(bar=30, pairs=[]), 'pair'), (dict(bar=30, gpu='tpu-v5'), 'unknown gpu')])
-def test_bad_input_is_refused(kw, match):
+def test_bad_input_is_refused(pipes, kw, match):
     kw = {'gpu': 'b200', **kw}
-    with pytest.raises(ValueError, match=match): recommend_plan(tiny_pipeline('z-image'), kw.pop('gpu'), **kw)
+    with pytest.raises(ValueError, match=match): recommend_plan(pipes['z-image'], kw.pop('gpu'), **kw)  # refused before any work
 
 
-def test_a_gpu_without_low_precision_cores_is_refused():
+def test_a_gpu_without_low_precision_cores_is_refused(pipes):
     v100ish = {'gpu': 'v100-ish', 'bf16_tflops': 120.0, 'mem_bw_tbs': 0.9}
     assert gpu_formats(v100ish) == ()
-    with pytest.raises(ValueError, match='no low-precision format'): recommend_plan(tiny_pipeline('z-image'), v100ish, bar=30)
+    with pytest.raises(ValueError, match='no low-precision format'): recommend_plan(pipes['z-image'], v100ish, bar=30)

@@ -44,8 +44,8 @@ def test_a_name_the_vocabularies_disagree_on_is_read_in_the_named_one():
 
 def test_an_unavailable_explicit_scheme_leaves_the_encoder_dense(pipes):
     "The seed's contract: the default path cannot regress (mxfp8 has no kernel on this CPU, forced to torchao)."
-    _, st = _load(pipes['z-image'], te_quant='mxfp8', backend='torchao')
-    assert st['te_fallback_reason'] and G.engaged(_load(pipes['z-image'], te_quant='mxfp8', backend='torchao')[0])['text_encoder']['path'] == 'dense'
+    out, st = _load(pipes['z-image'], te_quant='mxfp8', backend='torchao')
+    assert st['te_fallback_reason'] and G.engaged(out)['text_encoder']['path'] == 'dense'
 
 
 def test_encoder_min_features_512_on_a_real_encoder_0_on_a_tiny_one(pipes):
