@@ -82,6 +82,9 @@ docs: venv
 	OMP_NUM_THREADS=1 $(PY) tools/build_docs.py html $(DOCS_ARGS)
 	@if [ -n "$(SHOTS)" ]; then $(PY) tools/screenshots.py; fi
 
+# JupyterLab on nbs/, no browser opened: it prints the URL (with its token) to open. As root (containers usually
+# run as root) it passes --allow-root, which JupyterLab otherwise requires and refuses to start without.
+# LAB_ARGS passes more options, e.g. LAB_ARGS="--ip=0.0.0.0 --port=8890".
 lab: venv
-	$(BIN)/pip install -q jupyterlab
-	$(BIN)/jupyter lab nbs
+	@$(PY) -c 'import jupyterlab' 2>/dev/null || $(BIN)/pip install -q jupyterlab
+	$(BIN)/jupyter lab --no-browser $$([ "$$(id -u)" = 0 ] && echo --allow-root) $(LAB_ARGS) nbs
