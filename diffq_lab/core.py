@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #22cc86dc
 from __future__ import annotations
-import contextlib, csv, datetime, io, math, os, platform, re, subprocess, tempfile, uuid
+import contextlib, csv, datetime, io, json, math, os, platform, re, shutil, subprocess, tempfile, uuid
 from filelock import FileLock
 from importlib.metadata import version as _pkg_version, PackageNotFoundError
 from pathlib import Path
@@ -12,11 +12,11 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'resolve_device', 'module_device', 'check_device', 'device_name',
-           'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root', 'package_version',
-           'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'DamagedTable',
-           'load_table', 'check_recordable', 'record_tables', 'append_rows', 'latest_run', 'markdown_table',
-           'provenance']
+__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'STAMP_COLUMNS', 'resolve_device', 'module_device', 'check_device',
+           'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root',
+           'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable',
+           'DamagedTable', 'load_table', 'recover_commits', 'check_recordable', 'record_tables', 'append_rows',
+           'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
@@ -205,35 +205,191 @@ def check_writable(folder) -> Path:
 
 # %% ../nbs/00_core.ipynb #9d903863
 class DamagedTable(ValueError):
-    "A results table that does not parse cleanly: refused, and left as it is."
+    "A results table that does not parse cleanly, or is not the kind's: refused, and left as it is."
 
-def _parse_strict(path: Path) -> pd.DataFrame:
+STAMP_COLUMNS = ('run', *FINGERPRINT_KEYS)  # what the store adds to every row; `utc` is in every recorded row
+
+def _damaged(path, line, what) -> DamagedTable:
+    return DamagedTable(f'{path}, line {line}: {what}; the table was left as it is')
+
+def _check_header(path: Path, header: list, columns=()):
+    "Refuse blank or repeated names, a header without the store's `utc`, or one sharing under half of `columns`."
+    if not all(h.strip() for h in header): raise _damaged(path, 1, 'a blank column name in the header')
+    if dup := sorted({h for h in header if header.count(h) > 1}): raise _damaged(path, 1, f'repeated columns {dup}')
+    if 'utc' not in header:
+        raise _damaged(path, 1, f'no utc column: its columns {header[:5]} are not a diffq_lab results table')
+    own = [c for c in dict.fromkeys(columns) if c not in STAMP_COLUMNS]
+    shared = [c for c in own if c in header]
+    if 2 * len(shared) < len(own):  # a kind grows a column or two; a table sharing less is another table
+        raise _damaged(path, 1, f'its columns are foreign to the {path.stem} rows being recorded (it has '
+                                f'{len(shared)} of their {len(own)} columns {own[:5]})')
+
+# %% ../nbs/00_core.ipynb #6c82feae
+def _parse_strict(path: Path, columns=()) -> pd.DataFrame:
+    "Table `path`, parsed strictly: UTF-8 without NUL, whole records, a store's header (sharing `columns`, when given)."
     if path.is_dir(): raise DamagedTable(f'{path} is a folder, not a results table')
-    text = path.read_text(encoding='utf-8')
+    raw = path.read_bytes()
+    line_at = lambda i: raw[:i].count(b'\n') + 1
+    if b'\0' in raw: raise _damaged(path, line_at(raw.index(b'\0')), 'a NUL byte (binary data, not CSV text)')
+    try: text = raw.decode('utf-8')
+    except UnicodeDecodeError as e: raise _damaged(path, line_at(e.start), 'bytes that are not UTF-8 text') from None
     if not text: return pd.DataFrame()
-    lines = text.count('\n') + (not text.endswith('\n'))
-    if not text.endswith('\n'):
-        raise DamagedTable(f'{path}, line {lines}: the last line is cut short (no newline at the end); the table was left as it is')
+    if not text.endswith('\n'): raise _damaged(path, line_at(len(raw)), 'the last line is cut short (no newline at the end)')
     reader = csv.reader(io.StringIO(text))
-    header = next(reader)
-    for record in reader:
-        if len(record) != len(header):
-            raise DamagedTable(f'{path}, line {reader.line_num}: {len(record)} fields where the header has {len(header)}; '
-                               'the table was left as it is')
+    try:
+        header = next(reader)
+        for record in reader:
+            if len(record) != len(header):
+                raise _damaged(path, reader.line_num, f'{len(record)} fields where the header has {len(header)}')
+    except csv.Error as e: raise _damaged(path, reader.line_num, f'not CSV ({e})') from None
+    _check_header(path, header, columns)
     return pd.read_csv(io.StringIO(text))
 
 def load_table(kind, root=None) -> pd.DataFrame:
     "The results table `kind` as a DataFrame (empty when nothing was recorded yet); a damaged table raises `DamagedTable`."
     path = _table_path(kind, root)
+    _recover_pending(path.parent)  # a recording cut short (SIGKILL) is finished first, so a table is never read half-committed
     return _parse_strict(path) if path.exists() else pd.DataFrame()
 
-def _lock(path: Path) -> FileLock:
-    "The inter-process lock of table `path`, kept in the system's temp folder so the results folder holds only tables."
+# %% ../nbs/00_core.ipynb #9e4b103a
+def _commit_lock() -> FileLock:
+    "The one lock every recording and recovery on this machine holds (in the system's temp folder): commits are short."
     folder = Path(tempfile.gettempdir())/'diffq_lab-locks'
     folder.mkdir(exist_ok=True)
-    key = re.sub(r'[^A-Za-z0-9]+', '_', str(path.resolve()))[-150:]
-    return FileLock(str(folder/f'{key}.lock'), timeout=120)
+    return FileLock(str(folder/'commit.lock'), timeout=120)
 
+@contextlib.contextmanager
+def _signals_deferred():
+    "SIGINT, SIGTERM and SIGHUP, sent to any thread, held until the block ends and then delivered (main thread)."
+    import signal, threading
+    held, old = [], {}
+    if threading.current_thread() is threading.main_thread():  # Python runs every handler in the main thread
+        for s in (signal.SIGINT, signal.SIGTERM, getattr(signal, 'SIGHUP', None)):
+            if s is not None and signal.getsignal(s) not in (signal.SIG_IGN, None):
+                old[s] = signal.signal(s, lambda signum, frame: held.append(signum))
+    try: yield
+    finally:
+        for s, h in old.items(): signal.signal(s, h)
+        for s in dict.fromkeys(held): signal.raise_signal(s)  # now: KeyboardInterrupt, or the default termination
+
+# %% ../nbs/00_core.ipynb #e412ced5
+_JOURNAL = '.diffq-commit-'  # <folder>/.diffq-commit-<id>.{staging,committed,abandoned,done}: one recording's journal
+
+def _fsync(path):
+    fd = os.open(path, os.O_RDONLY)
+    try: os.fsync(fd)
+    finally: os.close(fd)
+
+def _paths(journal: Path, ops) -> list:
+    "`ops` with their paths made absolute: a table's staged file and backup are named relative to the journal folder."
+    return [[op, *(p if p is None else str(journal/p) for p in paths)] for op, *paths in ops]
+
+def _redo(journal: Path, ops):
+    "Apply a committed journal's operations; each is idempotent, so a commit cut anywhere is finished by running it again."
+    for op, path, *rest in _paths(journal, ops):
+        if op == 'mkdir': Path(path).mkdir(parents=True, exist_ok=True)
+        elif op == 'unlink': Path(path).unlink(missing_ok=True)
+        elif Path(path).exists(): os.replace(path, rest[0])  # 'move': a source already gone was moved already
+
+def _undo(journal: Path, ops):
+    "Put back what `_redo` applied of `ops` (in reverse), from the backups taken when the journal was staged."
+    for op, path, *rest in reversed(_paths(journal, ops)):
+        if op == 'mkdir':
+            with contextlib.suppress(OSError): Path(path).rmdir()
+        elif op == 'unlink' and rest[0] and Path(rest[0]).exists(): os.replace(rest[0], path)
+        elif op == 'move' and not Path(path).exists() and Path(rest[0]).exists():
+            os.replace(rest[0], path)  # the new file back into the journal, then the old one back in place
+            if rest[1] and Path(rest[1]).exists(): os.replace(rest[1], rest[0])
+
+def _retire(journal: Path, state: str):
+    "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its report folder."
+    try: report = json.loads((journal/'journal.json').read_text())['report']
+    except (OSError, ValueError, KeyError, TypeError): report = None
+    try: os.replace(journal, journal.with_suffix('.' + state)); journal = journal.with_suffix('.' + state)
+    except OSError: (journal/'journal.json').unlink(missing_ok=True)  # a journal without its list is never redone
+    if report: shutil.rmtree(report, ignore_errors=True)
+    shutil.rmtree(journal, ignore_errors=True)
+
+# %% ../nbs/00_core.ipynb #68926606
+def _recover(folder: Path):
+    "Finish every journal in `folder` (lock held): a committed one is redone, any other is dropped with its report."
+    for j in sorted(folder.glob(_JOURNAL + '*')):
+        if not j.is_dir(): continue
+        if j.suffix == '.committed' and (j/'journal.json').exists():
+            _redo(j, json.loads((j/'journal.json').read_text())['ops'])
+            _retire(j, 'done')
+        elif j.suffix in ('.staging', '.committed'): _retire(j, 'abandoned')
+        else: _retire(j, j.suffix[1:])
+
+def _recover_pending(folder: Path):
+    "Recover `folder`'s journals under the commit lock, when it has any (a reader that finds none takes no lock)."
+    if folder.is_dir() and any(folder.glob(_JOURNAL + '*')):
+        with _commit_lock(): _recover(folder)
+
+def recover_commits(folder):
+    "Finish (or drop, when it never reached its commit point) every recording cut short in `folder`; its pending journals' names back."
+    folder = Path(folder)
+    pending = [j.name for j in folder.glob(_JOURNAL + '*')] if folder.is_dir() else []
+    _recover_pending(folder)
+    return pending
+
+# %% ../nbs/00_core.ipynb #8771b23d
+def _keep(path: Path, backup: Path) -> str | None:
+    "A hard link (else a copy) of `path` at `backup`, to put it back if the commit fails in this process; None: no `path`."
+    if not path.is_file(): return None
+    try: os.link(path, backup)
+    except OSError: shutil.copy2(path, backup)
+    return str(backup)
+
+def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
+    "The journal's operations that put the files of `stage` (to be renamed `into`) into `out`, removing the stale `owns`."
+    if out.exists() and not out.is_dir(): raise ValueError(f'cannot put the report into {out}: it is a file, not a folder')
+    if any(not f.is_file() for f in stage.iterdir()): raise ValueError(f'the staged report {stage} must hold only files')
+    if os.stat(stage).st_dev != os.stat(out if out.exists() else out.parent).st_dev:
+        raise ValueError(f'the staged report {stage} must be on the same filesystem as {out}')
+    ops = [] if out.exists() else [['mkdir', str(out)]]
+    ops += [['unlink', str(out/n), str(into/f'.diffq-old-{i}')] for i, n in enumerate(owns)
+            if (out/n).is_file() and not (stage/n).exists()]  # a report from an earlier run never sits beside this one
+    return ops + [['move', str(into/f.name), str(out/f.name), str(into/f'.diffq-old-{len(owns) + i}')]
+                  for i, f in enumerate(sorted(stage.iterdir()))]
+
+# %% ../nbs/00_core.ipynb #72bbb297
+def _commit(home: Path, texts: dict, report=None, owns=()):
+    "Write `texts` ({path: csv}) and move `report` (stage, out) all or nothing: a journal in `home`, one rename commits it."
+    journal = home/f'{_JOURNAL}{os.getpid()}-{uuid.uuid4().hex[:8]}.staging'
+    journal.mkdir(parents=True)
+    try:
+        ops, umask = [], os.umask(0); os.umask(umask)
+        for i, (path, text) in enumerate(texts.items()):
+            src = journal/f'{i}.table'  # never the table's own name: nothing staged is taken for a table
+            with open(src, 'x', encoding='utf-8') as f: f.write(text); f.flush(); os.fsync(f.fileno())
+            os.chmod(src, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
+            ops.append(['move', src.name, str(path), _keep(path, journal/f'{i}.old') and f'{i}.old'])
+        into = None
+        if report is not None:
+            stage, out = report
+            into = stage.parent/journal.with_suffix('.report').name
+            ops = _report_ops(stage, out, owns, into) + ops
+        (journal/'journal.json').write_text(json.dumps(dict(ops=ops, report=str(into) if into else None)))
+        _fsync(journal/'journal.json')
+        if into is not None:
+            os.replace(stage, into)  # the report is the journal's now: whoever staged it cannot delete it half-moved
+            for op in ops:
+                if op[0] == 'unlink' or op[0] == 'move' and op[1].startswith(str(into)): _keep(Path(op[-2]), Path(op[-1]))
+        _fsync(journal); committed = journal.with_suffix('.committed')
+        os.replace(journal, committed); journal = committed  # the commit point
+        _fsync(home)
+    except BaseException:
+        _retire(journal, 'abandoned')
+        raise
+    try: _redo(journal, ops)
+    except BaseException:
+        _undo(journal, ops)  # e.g. a full disk: back to how it was, and the journal dropped
+        _retire(journal, 'abandoned')
+        raise
+    _retire(journal, 'done')
+
+# %% ../nbs/00_core.ipynb #1486194b
 def _check_clean_tree(root, allow_dirty):
     "Refuse recording into the checkout's own data/results from a code tree with uncommitted changes, unless allowed."
     if allow_dirty or os.environ.get('DIFFQ_LAB_ALLOW_DIRTY') == '1': return
@@ -249,36 +405,26 @@ def check_recordable(kinds, root=None, allow_dirty: bool = False):
     check_writable(results_dir(root))
     for k in kinds: load_table(k, root)
 
-@contextlib.contextmanager
-def _signals_deferred():
-    "SIGINT and SIGTERM held until the block ends (main thread, POSIX), then delivered: a short commit is never cut half-way."
-    import signal, threading
-    main = threading.current_thread() is threading.main_thread() and hasattr(signal, 'pthread_sigmask')
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT, signal.SIGTERM}) if main else None
-    try: yield
-    finally:
-        if main: signal.pthread_sigmask(signal.SIG_SETMASK, old)
-
-def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = False) -> dict[str, pd.DataFrame]:
-    "Append rows to several tables as one recording: one run id, all of them written or none; the whole tables back."
+# %% ../nbs/00_core.ipynb #d4f7906f
+def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = False,
+                  report=None,      # (staged folder, out folder): the staged files move into out in the same commit
+                  report_files=(),  # names in out the report owns: removed there when the staged folder lacks them
+                 ) -> dict[str, pd.DataFrame]:
+    "Append rows to several tables and move a staged report as one recording: one run id, all of it or none; the tables back."
     tables = {k: [dict(v)] if isinstance(v, dict) else [dict(r) for r in v] for k, v in tables.items()}
-    if not tables or not all(tables.values()): raise ValueError('a recording needs at least one row per table')
+    if not (tables or report) or not all(tables.values()): raise ValueError('a recording needs at least one row per table')
     paths = {k: _table_path(k, root) for k in tables}
-    _check_clean_tree(root, allow_dirty)
-    fp = fingerprint(device)
-    run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}"  # one id per recording: its rows stay together across tables
-    with contextlib.ExitStack() as locks:
-        for k in sorted(paths): locks.enter_context(_lock(paths[k]))  # a fixed order: two recorders never deadlock
-        out = {k: pd.concat([load_table(k, root), pd.DataFrame([{'run': run, **fp, **r} if 'utc' not in r else r
-                                                                for r in rows])], ignore_index=True)
-               for k, rows in tables.items()}  # every table parsed (strictly) before any is touched
-        staged = {}
-        try:
-            for k, df in out.items(): staged[k] = _stage(paths[k], df.to_csv(index=False))
-            with _signals_deferred():  # Ctrl-C between two renames would leave one table recorded and not the other
-                for k, tmp in staged.items(): os.replace(tmp, paths[k])
-        finally:
-            for tmp in staged.values(): tmp.unlink(missing_ok=True)
+    report = None if report is None else tuple(Path(p) for p in report)
+    if report is not None and not report[0].is_dir(): raise ValueError(f'the staged report {report[0]} is not a folder')
+    home = results_dir(root) if tables else report[0].parent  # where the recording's journal lives
+    if tables: _check_clean_tree(root, allow_dirty); fp = fingerprint(device); home.mkdir(parents=True, exist_ok=True)
+    run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}" if tables else None  # one id per recording: its rows stay together
+    with _commit_lock(), _signals_deferred():  # a signal from any thread waits until the commit is whole
+        for folder in dict.fromkeys([home, *([report[0].parent] if report else [])]): _recover(folder)
+        new = {k: pd.DataFrame([{'run': run, **fp, **r} if 'utc' not in r else r for r in rows]) for k, rows in tables.items()}
+        out = {k: pd.concat([_parse_strict(paths[k], df.columns) if paths[k].exists() else pd.DataFrame(), df],
+                            ignore_index=True) for k, df in new.items()}  # every table parsed (strictly) before any is touched
+        _commit(home, {paths[k]: df.to_csv(index=False) for k, df in out.items()}, report, tuple(report_files))
     return out
 
 def append_rows(kind, rows, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
