@@ -211,7 +211,7 @@ def _check_hub_id(repo: str):
 
 def _check_gguf(value: str):
     "`--gguf`: a GGUF type, 'none', or a file that parses as GGUF."
-    from diffq_lab.gguf import GGUF_TYPES
+    from diffq_lab.memory import GGUF_TYPES
     if value.lower() == 'none' or value in GGUF_TYPES: return
     p = Path(value)
     if not p.is_file(): raise ValueError(f'--gguf {value!r}: choose one of {list(GGUF_TYPES)}, none, or an existing .gguf file')
@@ -276,7 +276,7 @@ def _run(args) -> int:
         print(cli_blocks(args.encoder, args.scheme, args.bar, args.min_features, read_layer=args.read_layer,
                          n_prompts=args.prompts, backend=args.backend, device=args.device))
     elif args.command == 'export':
-        from diffq_lab.gguf import plan_pipeline
+        from diffq_lab.export import plan_pipeline
         from diffq_lab.plan import check_plan_out, write_plan
         if len(args.scheme) != 1: raise ValueError(f'export takes one scheme, got {args.scheme}')
         out = check_plan_out(args.out)

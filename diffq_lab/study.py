@@ -22,7 +22,8 @@ from .plan import QuantPlan, quantize, record_rows, run_schemes, save_plans
 from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
-from .gguf import write_gguf, load_pipeline_quantized
+from .gguf import write_gguf
+from .loader import load_pipeline_quantized
 from .quality import Estimate, interleaved_times, quality_metrics, speed_vs, summarise, warm_up
 from .crossover import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html

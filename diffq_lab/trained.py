@@ -351,7 +351,7 @@ def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'),
     from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise  # earlier notebooks' modules
     from diffq_lab.schemes import normalize_scheme
     from diffq_lab.plan import run_schemes
-    from diffq_lab.gguf import load_pipeline_quantized
+    from diffq_lab.loader import load_pipeline_quantized
     for s in schemes: normalize_scheme(s)  # a ValueError naming the valid schemes before any work
     prompts = heldout_prompts() if prompts is None else list(prompts)
     for p in prompts: parse_prompt(p)

@@ -7,12 +7,14 @@ import torch
 from torch import nn
 
 import diffq_lab.gguf as G
+import diffq_lab.loader as L
 from diffq_lab.capability import smoke_probe
 from diffq_lab.pipelines import TINY_FAMILIES, render, tiny_pipeline
 from diffq_lab.schemes import SCHEMES, quantized_linears
 from diffq_lab.memory import GGUF_TYPES, plan_memory
 from diffq_lab.transformer import denoisers, is_gguf_linear, plan_transformer, quantize_transformer
-from diffq_lab.gguf import load_pipeline_quantized, write_gguf
+from diffq_lab.gguf import write_gguf
+from diffq_lab.loader import load_pipeline_quantized
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 
@@ -91,8 +93,8 @@ def test_a_forward_failure_is_retried_emulated_then_restores_dense_bit_exact(pip
     seen = []
     def dies(p, status, device):
         seen.append((len(quantized_linears(p.transformer)), type(p.transformer.layers[0].attention.to_q).__name__))
-        raise G._ForwardFailed('RuntimeError: kernel died (forced)')
-    monkeypatch.setattr(G, '_validate', dies)
+        raise L._ForwardFailed('RuntimeError: kernel died (forced)')
+    monkeypatch.setattr(L, '_validate', dies)
     out, st = load_pipeline_quantized(pipe, transformer_quant='int8', compile=False, min_features=0)
     planned = n_planned(pipes['z-image'], 'int8')
     assert [n for n, _ in seen] == [planned, planned] and seen[0][1] != seen[1][1], seen  # torchao, then emulated

@@ -5,7 +5,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from types import SimpleNamespace
 import pytest
 from torch import nn
-import diffq_lab.gguf as G
+import diffq_lab.loader as G
 from diffq_lab.capability import SchemeUnavailableError
 from diffq_lab.memory import module_bytes, plan_memory
 from diffq_lab.schemes import quantized_linears

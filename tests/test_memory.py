@@ -5,7 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from diffq_lab.gguf import load_pipeline_quantized, write_gguf
+from diffq_lab.gguf import write_gguf
+from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.memory import linear_bytes, module_bytes, plan_memory, real_dims_components
 from diffq_lab.pipelines import render, tiny_pipeline
 from diffq_lab.transformer import plan_transformer

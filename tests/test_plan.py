@@ -13,7 +13,7 @@ import torch
 from torch import nn
 from diffq_lab import schemes
 from diffq_lab import text_encoder as te
-from diffq_lab.gguf import load_pipeline_quantized
+from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.pipelines import text_encoders, tiny_pipeline
 from diffq_lab.plan import QuantizationError, plan_linears, quantize
 from diffq_lab.transformer import plan_transformer, quantize_transformer

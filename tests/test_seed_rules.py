@@ -5,7 +5,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 from torch import nn
-import diffq_lab.gguf as G
+import diffq_lab.loader as G
 from diffq_lab.schemes import normalize_scheme, vocabulary_table
 from diffq_lab.text_encoder import ENCODER_MIN_FEATURES, encoder_min_features, plan_encoder, plan_text_encoders, select_encoder_scheme
 

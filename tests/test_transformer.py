@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 import diffq_lab.transformer as T
-from diffq_lab.gguf import load_pipeline_quantized
+from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.pipelines import TINY_FAMILIES, get_family, render, tiny_pipeline
 from diffq_lab.schemes import quantized_linears
 from diffq_lab.transformer import denoisers, plan_transformer, quantize_transformer
