@@ -341,3 +341,126 @@ def test_nvfp4_outlier_tokens_are_said_out_loud(outlier, says):
     x = torch.randn(64, 64, dtype=torch.bfloat16)
     x[0, 3] = outlier
     with pytest.warns(NVFP4ScaleWarning, match=says): m(x)
+
+
+# ================================================================ the results store (issue 27, item 5): commits under signals
+# A recording (several tables and a staged report) commits through a journal: one rename is the commit point, a cut
+# commit is finished (or dropped) by the next reader. These cases kill or signal a real process mid-commit, from a thread.
+COMMIT = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from diffq_lab import core
+res, out, stage, sig, point = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
+real = os.replace
+def from_a_thread():
+    t = threading.Thread(target=os.kill, args=(os.getpid(), sig)); t.start(); t.join()
+    time.sleep(0.3)  # an undeferred SIGINT lands here, in the main thread
+def replace(src, dst):
+    if point == 'staged' and str(dst).endswith('.committed'): from_a_thread()  # everything staged, not committed
+    real(src, dst)
+    if point == 'report' and str(dst) == str(out/'report.md'): from_a_thread()  # the report moved, no table yet
+    if point == 'mid' and str(dst).endswith('capability.csv'): from_a_thread()  # one table of three moved
+os.replace = replace
+stage.mkdir(); (stage/'report.md').write_text('new report')
+core.record_tables({'capability': [dict(scheme='fp8', probe_ok=True)], 'study_numerics': [dict(scheme='fp8', rel_err=0.1)] * 4,
+                    'study': [dict(scheme='fp8', ssim=0.5)]}, root=res, device='cpu', report=(stage, out),
+                   report_files=('report.md', 'grid.png'))
+print('recorded', flush=True)
+"""
+
+
+def _recorded_before(tmp_path):
+    "Three tables of one row and an earlier report (with a grid) beside the user's notes: the state a cut commit must keep."
+    res, out = tmp_path/'results', tmp_path/'out'
+    record_tables({'capability': dict(scheme='int8', probe_ok=True), 'study_numerics': dict(scheme='int8', rel_err=0.01),
+                   'study': dict(scheme='int8', ssim=0.9)}, root=res, device='cpu')
+    out.mkdir(); (out/'report.md').write_text('old report'); (out/'grid.png').write_text('old grid'); (out/'notes.txt').write_text('mine')
+    return res, out, {k: (res/f'{k}.csv').read_bytes() for k in ('capability', 'study_numerics', 'study')}
+
+
+def _state(res, out) -> tuple:
+    "(rows per table, files of out with their text), read through the store (which finishes a cut commit first)."
+    rows = {k: len(load_table(k, res)) for k in ('capability', 'study_numerics', 'study')}
+    return rows, {p.name: p.read_text() for p in sorted(out.iterdir())}
+
+
+NOTHING = ({'capability': 1, 'study_numerics': 1, 'study': 1},
+           {'grid.png': 'old grid', 'notes.txt': 'mine', 'report.md': 'old report'})
+ALL = ({'capability': 2, 'study_numerics': 5, 'study': 2}, {'notes.txt': 'mine', 'report.md': 'new report'})
+
+
+@pytest.mark.parametrize('sig', [signal.SIGKILL, signal.SIGINT, signal.SIGTERM], ids=lambda s: signal.Signals(s).name)
+@pytest.mark.parametrize('point', ['staged', 'report', 'mid'])
+def test_a_signal_from_a_thread_mid_commit_records_all_or_nothing(tmp_path, sig, point):
+    res, out, before = _recorded_before(tmp_path)
+    p = _child(COMMIT, str(res), str(out), str(tmp_path/'.out.staging'), str(int(sig)), point)
+    so, err = p.communicate(timeout=120)
+    pending = sorted(q.suffix for q in res.iterdir() if q.name.startswith('.diffq-commit-'))
+    if sig == signal.SIGKILL:  # killed where it stood: a journal is left, and the next reader settles it
+        assert p.returncode == -9 and pending == (['.committed'] if point != 'staged' else ['.staging']), (pending, err[-800:])
+        if point == 'mid':  # the raw files show the cut: one table moved, the others not yet
+            assert (res/'capability.csv').read_bytes() != before['capability'] and (res/'study.csv').read_bytes() == before['study']
+        assert _state(res, out) == (NOTHING if point == 'staged' else ALL)
+    else:  # held until the commit was whole, then delivered: the raw files are whole before any reader runs
+        assert 'recorded' not in so and p.returncode in ((1, -2) if sig == signal.SIGINT else (-15,)), (p.returncode, err[-800:])
+        assert sig != signal.SIGINT or 'KeyboardInterrupt' in err
+        assert pending == [] and {k: (res/f'{k}.csv').read_bytes() != v for k, v in before.items()} == dict.fromkeys(before, True)
+        assert _state(res, out) == ALL
+    assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results']  # no staged report, no journal, no .tmp
+    assert sorted(q.name for q in res.iterdir()) == ['capability.csv', 'study.csv', 'study_numerics.csv']
+
+
+LOOP = """
+import os, random, signal, sys, threading, time
+from pathlib import Path
+from diffq_lab.core import record_tables
+res, out, sig, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+delay = random.Random(seed).uniform(0.5, 2.0)
+threading.Thread(target=lambda: (time.sleep(delay), os.kill(os.getpid(), sig)), daemon=True).start()
+for i in range(10**6):
+    stage = out.parent/f'.out.staging-{i}'; stage.mkdir(); (stage/'report.md').write_text(str(i))
+    record_tables({'a': dict(i=i), 'b': [dict(i=i)] * 2}, root=res, device='cpu', report=(stage, out), report_files=('report.md',))
+"""
+
+
+@pytest.mark.parametrize('sig,seed', [(signal.SIGKILL, 0), (signal.SIGKILL, 1), (signal.SIGINT, 2), (signal.SIGTERM, 3)])
+def test_a_signal_at_a_random_moment_of_a_stream_of_recordings_keeps_tables_and_report_together(tmp_path, sig, seed):
+    "A thread of the recorder signals it at a (seeded) random moment: every table and the report end at the same recording."
+    res, out = tmp_path/'results', tmp_path/'out'
+    p = _child(LOOP, str(res), str(out), str(int(sig)), str(seed))
+    _, err = p.communicate(timeout=120)
+    assert p.returncode in (-9, -2, 1, -15) and (sig != signal.SIGINT or 'KeyboardInterrupt' in err), err[-800:]
+    a, b = load_table('a', res), load_table('b', res)  # a cut commit is finished or dropped here
+    assert len(a) > 0 and list(a.i) == list(range(len(a))) and list(b.i) == sorted(list(range(len(a))) * 2)
+    assert (out/'report.md').read_text() == str(len(a) - 1) and set(a.run) == set(b.run)
+    assert not [q for q in res.iterdir() if q.name.startswith('.')]
+
+
+def test_nul_bytes_in_a_quoted_cell_are_refused_and_never_rewritten(tmp_path):
+    res, out, before = _recorded_before(tmp_path)
+    cap = res/'capability.csv'
+    cap.write_bytes(cap.read_bytes().replace(b',int8,', b',"in\0t8",'))
+    damaged = cap.read_bytes()
+    with pytest.raises(DamagedTable, match=r'capability\.csv, line 2: a NUL byte') as e:
+        record_tables({'capability': dict(scheme='fp8'), 'study': dict(scheme='fp8')}, root=res, device='cpu')
+    assert '\n' not in str(e.value) and cap.read_bytes() == damaged and (res/'study.csv').read_bytes() == before['study']
+
+
+@pytest.mark.parametrize('foreign', ['name,age\nann,3\n', 'study'], ids=['not-a-results-table', 'another-kinds-table'])
+def test_a_table_of_foreign_columns_is_refused_and_never_merged_into(tmp_path, foreign):
+    res, out, before = _recorded_before(tmp_path)
+    cap = res/'capability.csv'
+    cap.write_bytes(before['study'] if foreign == 'study' else foreign.encode())
+    damaged = cap.read_bytes()
+    with pytest.raises(DamagedTable, match=r'capability\.csv, line 1: .*(foreign|not a diffq_lab results table)'):
+        record_tables({'capability': dict(scheme='fp8', arch='cpu', gate_ok=True, probe_ok=True, runs_as='emulated'),
+                       'study': dict(scheme='fp8', ssim=0.5)}, root=res, device='cpu')
+    assert cap.read_bytes() == damaged and (res/'study.csv').read_bytes() == before['study']
+
+
+def test_a_foreign_capability_table_stops_the_study_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    (tmp_path/'results').mkdir(); (tmp_path/'results'/'capability.csv').write_text('name,age\nann,3\n')
+    code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')], capsys)
+    assert code == 2 and one_line_error(err) and 'capability.csv, line 1' in err and not (tmp_path/'out').exists()
+    assert (tmp_path/'results'/'capability.csv').read_text() == 'name,age\nann,3\n'
