@@ -234,7 +234,7 @@ def _parse_strict(path: Path, columns=()) -> pd.DataFrame:
     try: text = raw.decode('utf-8')
     except UnicodeDecodeError as e: raise _damaged(path, line_at(e.start), 'bytes that are not UTF-8 text') from None
     if not text: return pd.DataFrame()
-    if not text.endswith('\n'): raise _damaged(path, line_at(len(raw)), 'the last line is cut short (no newline at the end)')
+    if not text.endswith('\n'): raise _damaged(path, line_at(len(raw)), 'the last line is cut short (no newline)')
     reader = csv.reader(io.StringIO(text))
     try:
         header = next(reader)
@@ -248,7 +248,7 @@ def _parse_strict(path: Path, columns=()) -> pd.DataFrame:
 def load_table(kind, root=None) -> pd.DataFrame:
     "The results table `kind` as a DataFrame (empty when nothing was recorded yet); a damaged table raises `DamagedTable`."
     path = _table_path(kind, root)
-    _recover_pending(path.parent)  # a recording cut short (SIGKILL) is finished first, so a table is never read half-committed
+    _recover_pending(path.parent)  # a recording cut short (SIGKILL) is settled first: never read half-committed
     return _parse_strict(path) if path.exists() else pd.DataFrame()
 
 # %% ../nbs/00_core.ipynb #9e4b103a
@@ -285,11 +285,12 @@ def _paths(journal: Path, ops) -> list:
     return [[op, *(p if p is None else str(journal/p) for p in paths)] for op, *paths in ops]
 
 def _redo(journal: Path, ops):
-    "Apply a committed journal's operations; each is idempotent, so a commit cut anywhere is finished by running it again."
+    "Apply a committed journal's operations; each is idempotent, so running them again finishes a cut commit."
     for op, path, *rest in _paths(journal, ops):
         if op == 'mkdir': Path(path).mkdir(parents=True, exist_ok=True)
         elif op == 'unlink': Path(path).unlink(missing_ok=True)
-        elif Path(path).exists(): os.replace(path, rest[0])  # 'move': a source already gone was moved already
+        elif Path(path).exists():  # 'move': a source already gone was moved already
+            Path(rest[0]).parent.mkdir(parents=True, exist_ok=True); os.replace(path, rest[0])
 
 def _undo(journal: Path, ops):
     "Put back what `_redo` applied of `ops` (in reverse), from the backups taken when the journal was staged."
@@ -302,7 +303,7 @@ def _undo(journal: Path, ops):
             if rest[1] and Path(rest[1]).exists(): os.replace(rest[1], rest[0])
 
 def _retire(journal: Path, state: str):
-    "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its report folder."
+    "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its report."
     try: report = json.loads((journal/'journal.json').read_text())['report']
     except (OSError, ValueError, KeyError, TypeError): report = None
     try: os.replace(journal, journal.with_suffix('.' + state)); journal = journal.with_suffix('.' + state)
@@ -314,7 +315,7 @@ def _retire(journal: Path, state: str):
 def _recover(folder: Path):
     "Finish every journal in `folder` (lock held): a committed one is redone, any other is dropped with its report."
     for j in sorted(folder.glob(_JOURNAL + '*')):
-        if not j.is_dir(): continue
+        if not j.is_dir() or j.suffix == '.report': continue  # a staged report goes with its journal, never alone
         if j.suffix == '.committed' and (j/'journal.json').exists():
             _redo(j, json.loads((j/'journal.json').read_text())['ops'])
             _retire(j, 'done')
@@ -327,7 +328,7 @@ def _recover_pending(folder: Path):
         with _commit_lock(): _recover(folder)
 
 def recover_commits(folder):
-    "Finish (or drop, when it never reached its commit point) every recording cut short in `folder`; its pending journals' names back."
+    "Finish (or drop, if it never reached its commit point) each recording cut short in `folder`; their names."
     folder = Path(folder)
     pending = [j.name for j in folder.glob(_JOURNAL + '*')] if folder.is_dir() else []
     _recover_pending(folder)
@@ -335,16 +336,17 @@ def recover_commits(folder):
 
 # %% ../nbs/00_core.ipynb #8771b23d
 def _keep(path: Path, backup: Path) -> str | None:
-    "A hard link (else a copy) of `path` at `backup`, to put it back if the commit fails in this process; None: no `path`."
+    "A hard link (else a copy) of `path` at `backup`, to put back if the commit fails in this process; None: no `path`."
     if not path.is_file(): return None
     try: os.link(path, backup)
     except OSError: shutil.copy2(path, backup)
     return str(backup)
 
 def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
-    "The journal's operations that put the files of `stage` (to be renamed `into`) into `out`, removing the stale `owns`."
-    if out.exists() and not out.is_dir(): raise ValueError(f'cannot put the report into {out}: it is a file, not a folder')
-    if any(not f.is_file() for f in stage.iterdir()): raise ValueError(f'the staged report {stage} must hold only files')
+    "The journal's operations putting the files of `stage` (renamed `into`) into `out`, removing the stale `owns`."
+    if out.exists() and not out.is_dir(): raise ValueError(f'cannot put a report into {out}: it is a file')
+    if any(not n or Path(n).name != n for n in owns): raise ValueError(f'report_files must be plain names, got {owns}')
+    if any(not f.is_file() for f in stage.iterdir()): raise ValueError(f'staged report {stage}: only files')
     if os.stat(stage).st_dev != os.stat(out if out.exists() else out.parent).st_dev:
         raise ValueError(f'the staged report {stage} must be on the same filesystem as {out}')
     ops = [] if out.exists() else [['mkdir', str(out)]]
@@ -355,7 +357,7 @@ def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
 
 # %% ../nbs/00_core.ipynb #72bbb297
 def _commit(home: Path, texts: dict, report=None, owns=()):
-    "Write `texts` ({path: csv}) and move `report` (stage, out) all or nothing: a journal in `home`, one rename commits it."
+    "Write `texts` ({path: csv}), move `report` (stage, out): all or none, by a journal in `home` one rename commits."
     journal = home/f'{_JOURNAL}{os.getpid()}-{uuid.uuid4().hex[:8]}.staging'
     journal.mkdir(parents=True)
     try:
@@ -375,7 +377,8 @@ def _commit(home: Path, texts: dict, report=None, owns=()):
         if into is not None:
             os.replace(stage, into)  # the report is the journal's now: whoever staged it cannot delete it half-moved
             for op in ops:
-                if op[0] == 'unlink' or op[0] == 'move' and op[1].startswith(str(into)): _keep(Path(op[-2]), Path(op[-1]))
+                if op[0] == 'unlink' or op[0] == 'move' and op[1].startswith(str(into)):
+                    _keep(Path(op[-2]), Path(op[-1]))  # what the report replaces, to put back on a failure
         _fsync(journal); committed = journal.with_suffix('.committed')
         os.replace(journal, committed); journal = committed  # the commit point
         _fsync(home)
@@ -406,13 +409,17 @@ def check_recordable(kinds, root=None, allow_dirty: bool = False):
     for k in kinds: load_table(k, root)
 
 # %% ../nbs/00_core.ipynb #d4f7906f
-def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = False,
-                  report=None,      # (staged folder, out folder): the staged files move into out in the same commit
-                  report_files=(),  # names in out the report owns: removed there when the staged folder lacks them
+def record_tables(tables: dict,               # {kind: a row or rows (dicts)}; may be empty when a report is given
+                  root=None,                  # the results folder (default: `results_dir()`)
+                  device=None,                # the device the rows' fingerprint names
+                  allow_dirty: bool = False,  # record into data/results from a tree with uncommitted changes
+                  report=None,                # (staged folder, out folder): the staged files move into out, same commit
+                  report_files=(),            # names in out the report owns: removed there when the stage lacks them
                  ) -> dict[str, pd.DataFrame]:
-    "Append rows to several tables and move a staged report as one recording: one run id, all of it or none; the tables back."
+    "Append rows to several tables and move a staged report as one recording (one run id), all or none; the tables."
     tables = {k: [dict(v)] if isinstance(v, dict) else [dict(r) for r in v] for k, v in tables.items()}
-    if not (tables or report) or not all(tables.values()): raise ValueError('a recording needs at least one row per table')
+    if not (tables or report) or not all(tables.values()):
+        raise ValueError('a recording needs at least one row per table (or a report)')
     paths = {k: _table_path(k, root) for k in tables}
     report = None if report is None else tuple(Path(p) for p in report)
     if report is not None and not report[0].is_dir(): raise ValueError(f'the staged report {report[0]} is not a folder')
@@ -421,9 +428,10 @@ def record_tables(tables: dict, root=None, device=None, allow_dirty: bool = Fals
     run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}" if tables else None  # one id per recording: its rows stay together
     with _commit_lock(), _signals_deferred():  # a signal from any thread waits until the commit is whole
         for folder in dict.fromkeys([home, *([report[0].parent] if report else [])]): _recover(folder)
-        new = {k: pd.DataFrame([{'run': run, **fp, **r} if 'utc' not in r else r for r in rows]) for k, rows in tables.items()}
-        out = {k: pd.concat([_parse_strict(paths[k], df.columns) if paths[k].exists() else pd.DataFrame(), df],
-                            ignore_index=True) for k, df in new.items()}  # every table parsed (strictly) before any is touched
+        new = {k: pd.DataFrame([{'run': run, **fp, **r} if 'utc' not in r else r for r in rows])
+               for k, rows in tables.items()}
+        old = {k: _parse_strict(paths[k], df.columns) if paths[k].exists() else pd.DataFrame() for k, df in new.items()}
+        out = {k: pd.concat([old[k], df], ignore_index=True) for k, df in new.items()}  # all parsed, none touched
         _commit(home, {paths[k]: df.to_csv(index=False) for k, df in out.items()}, report, tuple(report_files))
     return out
 
