@@ -1,10 +1,37 @@
-"Hermetic test session: offline hub, a probe cache of its own (never the user's ~/.cache/diffq_lab), one torch thread."
-import os, tempfile
+"""Hermetic test session: offline hub, a probe cache of its own (never the user's ~/.cache/diffq_lab), one torch thread,
+and every test's random draws seeded (`$DIFFQ_LAB_SEED`, default 0; tools/seed_sweep.py sweeps it)."""
+import os, random, sys, tempfile
+from pathlib import Path
+import numpy as np
 import pytest
 import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ['DIFFQ_LAB_CACHE'] = tempfile.mkdtemp(prefix='diffq_lab_test_cache_')
+
+SEED = int(os.environ.get('DIFFQ_LAB_SEED', '0'))  # seed 0 is the suite's; a sweep runs it under others
+_TESTS = str(Path(__file__).resolve().parent)
+_REAL = dict(torch=torch.manual_seed, random=random.seed, numpy=np.random.seed, rng=np.random.default_rng)
+
+
+def _offset(real):
+    "`real(seed)`, with `seed + SEED` when a test in tests/ sets the seed itself: a sweep varies those draws too."
+    def seed(s=None, *args, **kwargs):
+        mine = sys._getframe(1).f_code.co_filename.startswith(_TESTS)
+        return real(s + SEED if mine and isinstance(s, int) and not isinstance(s, bool) else s, *args, **kwargs)
+    return seed
+
+
+if SEED:  # only under a sweep: the suite itself runs with torch's, numpy's and random's own functions
+    torch.manual_seed, random.seed = _offset(_REAL['torch']), _offset(_REAL['random'])
+    np.random.seed, np.random.default_rng = _offset(_REAL['numpy']), _offset(_REAL['rng'])
+
+
+@pytest.fixture(autouse=True)
+def seeded():
+    "Every test starts from the same generator states (seed `SEED`): its draws are reproducible, never the order's luck."
+    _REAL['torch'](SEED); _REAL['random'](SEED); _REAL['numpy'](SEED % 2**32)
+    yield
 
 @pytest.fixture(scope='session')
 def pipes():

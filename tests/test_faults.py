@@ -1,7 +1,7 @@
 """Fault injection, one test per category of issue #15: bad arguments, concurrent writers, kills mid-run and mid-write,
 corrupted tables and caches, failures inside quantisation. Each asserts the outcome: a clear one-line error (exit 2, no
 traceback), nothing lost or half-written, the model restored. Tiny models, no network, well under two minutes on 2 cores."""
-import copy, json, os, signal, subprocess, sys, textwrap, time, warnings
+import copy, json, os, random, signal, subprocess, sys, textwrap, time, warnings
 from pathlib import Path
 import pytest
 import torch
@@ -38,7 +38,7 @@ def scratch(tmp_path, monkeypatch):
     (tmp_path/'noweights').mkdir()
     (tmp_path/'noweights'/'config.json').write_text(json.dumps(dict(model_type='bert', hidden_size=32, num_hidden_layers=1,
                                                                   num_attention_heads=2, intermediate_size=37, vocab_size=100)))
-    (tmp_path/'junk.gguf').write_bytes(os.urandom(1000))
+    (tmp_path/'junk.gguf').write_bytes(random.Random(0).randbytes(1000))  # seeded junk: not a GGUF
     (tmp_path/'afile').write_text('x')
     (tmp_path/'big.txt').write_text('x' * 260_000 + '\n')
     (tmp_path/'many.txt').write_text('a cat\n' * 10_000)
