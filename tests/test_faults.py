@@ -464,3 +464,20 @@ def test_a_foreign_capability_table_stops_the_study_in_one_line_before_any_work(
     code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')], capsys)
     assert code == 2 and one_line_error(err) and 'capability.csv, line 1' in err and not (tmp_path/'out').exists()
     assert (tmp_path/'results'/'capability.csv').read_text() == 'name,age\nann,3\n'
+
+
+def test_a_rename_failing_after_the_commit_point_puts_every_table_and_the_report_back(tmp_path, monkeypatch):
+    "The report moved and one table renamed, then the disk fails: this process undoes it all, backups put back."
+    res, out, before = _recorded_before(tmp_path)
+    stage = tmp_path/'.out.staging'; stage.mkdir(); (stage/'report.md').write_text('new report')
+    real = os.replace
+    def full(src, dst):
+        if str(dst).endswith('study_numerics.csv'): raise OSError(28, 'No space left on device')
+        return real(src, dst)
+    monkeypatch.setattr(os, 'replace', full)
+    with pytest.raises(OSError, match='No space'):
+        record_tables({'capability': dict(scheme='fp8'), 'study_numerics': dict(scheme='fp8'), 'study': dict(scheme='fp8')},
+                      root=res, device='cpu', report=(stage, out), report_files=('report.md', 'grid.png'))
+    monkeypatch.setattr(os, 'replace', real)
+    assert {k: (res/f'{k}.csv').read_bytes() for k in before} == before and _state(res, out) == NOTHING
+    assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results'] and len(list(res.iterdir())) == 3
