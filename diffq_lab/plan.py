@@ -20,9 +20,10 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears', 'QuantizationError',
-           'RestoreError', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config', 'export_snippet',
-           'check_plan_out', 'write_plan', 'save_plans', 'record_rows', 'run_schemes']
+__all__ = ['PLAN_BACKENDS', 'APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears',
+           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
+           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows',
+           'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -75,11 +76,42 @@ class ComponentPlan:
                             columns=['fqn', 'in', 'out', 'scheme', 'backend', 'reason'])
     def __repr__(self): return f'ComponentPlan({self.summary()})'
 
+# %% ../nbs/04_plan.ipynb #d4c25228
+PLAN_BACKENDS = ('torchao', 'diffusers', 'emulate')  # what a plan may say runs a Linear: a library, or the lab's emulation
+_NAME = re.compile(r'[^.\s]+(\.[^.\s]+)*')  # a module path: 'layers.0.attn.to_q', '0', 'all_final_layer.2-1.linear'
+
+def _bad_plan(where: str, what: str) -> ValueError:
+    return ValueError(f'not a valid QuantPlan: {where}: {what}')
+
+def _linear_from_json(where: str, v) -> LinearPlan:
+    "One Linear's [scheme, backend, reason, in, out], checked against the registry and the backends."
+    if not (isinstance(v, list) and len(v) == 5): raise _bad_plan(where, f'expected [scheme, backend, reason, in, out], got {v!r:.80}')
+    s, b, r, k, n = v
+    if not (isinstance(r, str) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (k, n))):
+        raise _bad_plan(where, f'reason must be text and in/out integers >= 0, got {v!r:.80}')
+    if s is None:
+        if b is not None: raise _bad_plan(where, f'a dense Linear has no backend, got {b!r}')
+        return LinearPlan(None, None, r, (k, n))
+    if not isinstance(s, str): raise _bad_plan(where, f'scheme must be a name, got {s!r:.40}')
+    s = normalize_scheme(s)  # ValueError naming the registered schemes
+    if b not in ('emulate', get_scheme(s).library):
+        raise _bad_plan(where, f"{s} runs via {get_scheme(s).library!r} or 'emulate', not {b!r}")
+    return LinearPlan(s, b, r, (k, n))
+
+def _component_from_json(c, p) -> ComponentPlan:
+    if not (isinstance(c, str) and (c == '' or c.isidentifier())): raise _bad_plan(repr(c), 'not a component name')
+    if not (isinstance(p, dict) and isinstance(p.get('linears'), dict)): raise _bad_plan(c, 'expected {"linears": {...}, ...}')
+    if not all(isinstance(p.get(k, ''), (str, type(None))) for k in ('requested', 'note')): raise _bad_plan(c, 'requested/note must be text')
+    bad = [f for f in p['linears'] if not (f == '' or _NAME.fullmatch(f))]
+    if bad: raise _bad_plan(c, f'{bad[0]!r} is not a Linear name')
+    return ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'), p.get('note') or '')
+
 # %% ../nbs/04_plan.ipynb #2b421d2a
 @dataclass
 class QuantPlan:
     "What is (to be) applied to a pipeline: one `ComponentPlan` per component ('' for a bare module)."
     components: dict[str, ComponentPlan] = field(default_factory=dict)
+    resolved_here: bool = field(default=True, compare=False)  # False when read from a file: apply_plan resolves backends here
 
     def to_dict(self) -> dict:
         return dict(version=1, components={
@@ -87,22 +119,24 @@ class QuantPlan:
             for c, p in self.components.items()})
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
-        "The plan `d` (as `to_dict` wrote it); names of schemes are checked against the registry."
+        "The plan `d` (as `to_dict` wrote it), checked against the schema and the registry; its backends to resolve anew."
         if not isinstance(d, dict) or d.get('version') != 1 or not isinstance(d.get('components'), dict):
             raise ValueError('not a QuantPlan (version 1): expected {"version": 1, "components": {...}}')
-        comps = {}
-        for c, p in d['components'].items():
-            lins = {f: LinearPlan(normalize_scheme(s), b, r, (int(k), int(n))) for f, (s, b, r, k, n) in p['linears'].items()}
-            comps[c] = ComponentPlan(lins, p.get('requested'), p.get('note', ''))
-        return cls(comps)
+        return cls({c: _component_from_json(c, p) for c, p in d['components'].items()}, resolved_here=False)
     def to_json(self) -> str: return json.dumps(self.to_dict(), indent=1, sort_keys=True)
     @classmethod
-    def from_json(cls, text: str) -> QuantPlan: return cls.from_dict(json.loads(text))
+    def from_json(cls, text: str) -> QuantPlan:
+        try: d = json.loads(text)
+        except (json.JSONDecodeError, RecursionError) as e: raise ValueError(f'not a QuantPlan: not JSON ({type(e).__name__}: {e})'[:300]) from None
+        return cls.from_dict(d)
     def save(self, path) -> Path:
         "Write the plan as JSON to `path` (atomically)."
         atomic_write_text(path, self.to_json()); return Path(path)
     @classmethod
-    def load(cls, path) -> QuantPlan: return cls.from_json(Path(path).read_text(encoding='utf-8'))
+    def load(cls, path) -> QuantPlan:
+        try: return cls.from_json(Path(path).read_text(encoding='utf-8'))
+        except (OSError, UnicodeDecodeError) as e: raise ValueError(f'{path}: cannot read a plan ({type(e).__name__}: {e})') from None
+        except ValueError as e: raise ValueError(f'{path}: {e}') from None
     def digest(self) -> str:
         "A short content hash: rows recorded from this plan carry it."
         return hashlib.sha256(json.dumps(self.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
@@ -181,19 +215,41 @@ def _components(target, plan: QuantPlan) -> dict[str, nn.Module]:
         out[c] = m
     return out
 
+# %% ../nbs/04_plan.ipynb #284f9e39
 def _check_applicable(mods: dict, plan: QuantPlan):
+    "The plan fits the live modules: the same Linears with the same shapes, the planned ones still dense and with weights."
     for c, p in plan.components.items():
-        named = dict(mods[c].named_modules())
+        where, named, shapes = c or 'module', dict(mods[c].named_modules()), _linear_shapes(mods[c])
+        if set(p.linears) != set(shapes):
+            other = sorted(set(p.linears) ^ set(shapes))
+            raise ValueError(f'{where}: the plan is for another model: it names {len(p.linears)} Linears, this one has '
+                             f'{len(shapes)} (differing: {other[:3]}); plan again for this model')
+        for f, l in p.linears.items():
+            if shapes[f] != l.shape: raise ValueError(f'{where}: {f!r} is {shapes[f]}, the plan says {l.shape}; plan again')
         for f in p.quantized:
-            m = named.get(f)
+            m = named[f]
             if not isinstance(m, nn.Linear) or is_quantized_linear(m):
-                raise ValueError(f'{c or "module"}: {f!r} is not a dense nn.Linear any more; plan again')
-            if (m.in_features, m.out_features) != p.linears[f].shape:
-                raise ValueError(f'{c or "module"}: {f!r} is {(m.in_features, m.out_features)}, the plan says {p.linears[f].shape}')
+                raise ValueError(f'{where}: {f!r} is not a dense nn.Linear any more; plan again')
             if m.weight.device.type == 'meta':
-                raise ValueError(f'{c or "module"}: {f!r} is on the meta device (no weights): load the weights before quantising')
+                raise ValueError(f'{where}: {f!r} is on the meta device (no weights): load the weights before quantising')
             if f == '' and p.linears[f].backend == 'emulate':
                 raise ValueError("emulation swaps a Linear in its parent: pass the Linear's parent, e.g. nn.Sequential(linear)")
+
+# %% ../nbs/04_plan.ipynb #aa3e6b0a
+def resolve_here(mods: dict, plan: QuantPlan) -> QuantPlan:
+    "`plan` with every backend checked on this machine; a plan read from a file gets the backend that runs here."
+    comps = {}
+    for c, p in plan.components.items():
+        device, lins = module_device(mods[c]), dict(p.linears)
+        for f, l in p.linears.items():
+            if not l.scheme: continue
+            if l.backend not in PLAN_BACKENDS: raise ValueError(f'{c or "module"}: {f!r}: unknown backend {l.backend!r}; choose one of {PLAN_BACKENDS}')
+            if plan.resolved_here: continue
+            b, why = resolve_backend(l.scheme, 'auto', device)  # the file says where it was made; this machine decides
+            moved = f'planned via {l.backend}' if b != l.backend else ''
+            lins[f] = LinearPlan(l.scheme, b, '; '.join(x for x in (why, moved) if x), l.shape)
+        comps[c] = ComponentPlan(lins, p.requested, p.note)
+    return QuantPlan(comps)
 
 # %% ../nbs/04_plan.ipynb #6fa0d81d
 def _snapshot(module: nn.Module, fqns) -> list:
@@ -243,6 +299,7 @@ def apply_plan(target, plan, check=None) -> QuantPlan:
     if isinstance(plan, ComponentPlan): plan = QuantPlan({'': plan})
     mods = _components(target, plan)
     _check_applicable(mods, plan)
+    plan = resolve_here(mods, plan)
     snap = [s for c, p in plan.components.items() for s in _snapshot(mods[c], p.quantized)]
     try:
         for c, p in plan.components.items(): _convert(mods[c], p, c)
