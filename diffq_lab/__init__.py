@@ -5,6 +5,8 @@ __version__ = "0.1.0"
 # imports them (lazily, on the first quantisation). Each filter below drops ONE of those messages, on the
 # logger that emits it, and nothing else: every other record of those loggers, and every warning of the
 # lab's own, still shows. The lab's modules import torchao late, so the filters are installed here, before.
+# A message logged before the lab is imported (torchao's, when `import diffusers` comes first and loads it) is
+# past filtering: import the lab first, as the README's snippets do.
 import logging as _logging, re as _re
 
 class _KnownNoise(_logging.Filter):
@@ -34,6 +36,10 @@ _QUIET = {
     # diffusers 0.42 looks for torchao tensor classes that newer torchao removed; the lab never loads such checkpoints.
     'diffusers.quantizers.torchao.torchao_quantizer': _KnownNoise(
         r"^Unable to import `torchao` Tensor objects\. This may affect loading checkpoints serialized with `torchao`$"),
+    # transformers 5 names the torchvision image processors; without torchvision (it does not import beside the CPU
+    # torch) it falls back to the PIL ones, which the pipelines' CLIP / Siglip image processors then are: same output.
+    'transformers.utils.import_utils': _KnownNoise(
+        r"^`\w+ImageProcessor` requires torchvision \(not installed\); falling back to `\w+ImageProcessorPil` "),
 }
 for _name, _filter in _QUIET.items():
     _logger = _logging.getLogger(_name)

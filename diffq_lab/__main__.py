@@ -6,8 +6,7 @@
 __all__ = []
 
 # %% ../nbs/19_main.ipynb #m0000004
-#| eval: false
 import sys
 from .cli import main
 
-if __name__ == '__main__': sys.exit(main())
+if __name__ == '__main__' and 'get_ipython' not in globals(): sys.exit(main())  # not in a kernel: its argv is not ours

@@ -195,6 +195,8 @@ def compare_grid_png(renders: dict, ref, metrics=None, path=None, dpi: int = 100
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f'.{path.name}.', suffix='.tmp')
         try:
             with os.fdopen(fd, 'wb') as fh: fh.write(data)
+            umask = os.umask(0); os.umask(umask)
+            os.chmod(tmp, 0o666 & ~umask)  # mkstemp makes 0600: the grid is read like any file written (0644)
             os.replace(tmp, path)
         except BaseException: Path(tmp).unlink(missing_ok=True); raise
     return data

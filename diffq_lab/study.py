@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
-import contextlib, copy, html, math, os, statistics, tempfile, time
+import contextlib, copy, html, math, os, statistics, subprocess, tempfile, textwrap, time
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -30,8 +30,9 @@ from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
-__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'BENCH_COLS', 'probe_block', 'probe_tokens', 'scheme_numerics', 'run_study',
-           'write_report', 'numerics_summary', 'default_study', 'image_quality', 'transformer_bench',
+__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'BENCH_COLS', 'probe_block', 'probe_tokens', 'scheme_numerics',
+           'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report', 'numerics_summary', 'short_table',
+           'short_capability', 'changed_files', 'recorded_note', 'default_study', 'image_quality', 'transformer_bench',
            'record_transformer_bench', 'cli_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
@@ -217,27 +218,146 @@ STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'tra
               'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'te_MiB', 'transformer_MiB', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
               'fallback_reason', 'plan', 'error']
 
-def write_report(df: pd.DataFrame, out, title='diffq_lab study', extra_md='') -> Path:
-    "Write `report.md`, `report.html` and the render grid `grid.png` of a `run_study` table under `out`."
-    out = Path(out)
+def _blank(v) -> bool: return v is None or v == '' or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
+
+def blank_reason(row: dict, col: str) -> str:
+    "Why cell `col` of a study row is blank: the report says so instead of printing NaN."
+    if row.get('status') == 'failed' and col not in ('fallback_reason', 'error'): return 'the scheme failed (see error)'
+    if col == 'lpips': return 'LPIPS not measured: ' + str(row.get('lpips_unavailable') or 'no score')[:120]
+    if col.startswith('adherence'): return 'adherence is scored on the trained pipeline only'
+    if col in ('fallback_reason', 'error'): return 'none'
+    if row.get('requested') == 'dense': return 'the dense reference itself: nothing quantised, nothing to compare'
+    if col.endswith(('_backend', '_scheme')): return 'this part stays dense'
+    if col.endswith(('_lo', '_hi')) and row.get('pairs', 2) < 2: return 'an interval needs at least two (seed, prompt) pairs'
+    return 'not measured'
+
+def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
+    "One line per reason a cell of `df[cols]` is blank, naming the columns and rows it applies to."
+    seen = {}
+    for r in df.to_dict('records'):
+        for col in (c for c in cols if c in df and _blank(r.get(c))):
+            cs, rs = seen.setdefault(reason(r, col), ({}, {})); cs[col] = rs[str(r.get('requested', r.get('scheme', '')))] = 1
+    return [f'{why}: {", ".join(cs)} ({", ".join(rs)})' for why, (cs, rs) in seen.items()]
+
+def html_table(df: pd.DataFrame, cols=None, reason=blank_reason) -> str:
+    "`df` as a scrolling HTML table: floats to 4 significant digits, a blank cell (never NaN) titled with why it is blank."
+    cols, esc = [c for c in (cols or list(df.columns)) if c in df], lambda s: html.escape(str(s), quote=True)
+    def td(r, col):
+        v = r.get(col)
+        if _blank(v): return f'<td class="blank" title="{esc(reason(r, col))}"></td>'
+        if isinstance(v, (float, np.floating)): return f'<td class="num">{v:.4g}</td>'
+        return f'<td class="num">{v}</td>' if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else f'<td>{esc(v)}</td>'
+    rows = ''.join('<tr>' + ''.join(td(r, col) for col in cols) + '</tr>' for r in df.to_dict('records'))
+    return f'<div class="scroll"><table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in cols)}</tr></thead><tbody>{rows}</tbody></table></div>'
+
+REPORT_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:96em;padding:0 1em;color:#222}
+h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
+.scroll{overflow-x:auto}table{border-collapse:collapse;font-size:12px;margin:.5em 0}
+th,td{border:1px solid #ddd;padding:3px 7px;white-space:nowrap}th{background:#f0f2f7;position:sticky;top:0}
+tr:nth-child(even) td{background:#fafafa}td.num{text-align:right;font-variant-numeric:tabular-nums}
+td.blank{background:#f6f6f6}.prov,.notes{color:#555;font-size:12px}"""
+
+def _report_md(title, df, tables) -> str:
+    secs = ''.join(f'## {name}\n\n{markdown_table(t, cols=cols)}\n\n' for name, (t, cols) in tables.items())
+    notes = ''.join(f'- blank: {n}\n' for n in blank_notes(df, STUDY_COLS))
+    return f'# {title}\n\n{provenance(df)}\n\n{secs}## Per scheme\n\n{markdown_table(df, cols=STUDY_COLS)}\n\n{notes}\n![renders](grid.png)\n'
+
+def _report_html(title, df, tables, renders, ref, metrics) -> str:
+    esc = html.escape
+    secs = ''.join(f'<h2>{esc(name)}</h2>{html_table(t, cols, lambda r, c: "not measured")}' for name, (t, cols) in tables.items())
+    notes = ''.join(f'<li>blank: {esc(n)}</li>' for n in blank_notes(df, STUDY_COLS))
+    grid = compare_html(renders, ref, metrics) if renders else ''
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{REPORT_CSS}</style></head>'
+            f'<body><h1>{esc(title)}</h1><p class="prov">{esc(provenance(df))}</p><h2>Renders</h2>{grid}{secs}'
+            f'<h2>Per scheme</h2>{html_table(df, STUDY_COLS)}<ul class="notes">{notes}</ul></body></html>\n')
+
+def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | None = None) -> Path:
+    "Write `report.md`, `report.html` (styled, every table) and the render grid `grid.png` of a `run_study` table under `out`."
+    out, tables = Path(out), {k: v if isinstance(v, tuple) else (v, None) for k, v in (tables or {}).items()}  # name: df or (df, cols)
     renders, ref = df.attrs.get('renders', {}), df.attrs.get('reference')
     metrics = {r['requested']: {k: r[k] for k in ('psnr', 'ssim') if k in r and pd.notna(r[k])}
                for r in df.to_dict('records') if r.get('requested') in renders}
-    table = markdown_table(df, cols=STUDY_COLS)
-    md = f'# {title}\n\n{provenance(df)}\n\n{extra_md}## Per scheme\n\n{table}\n\n![renders](grid.png)\n'
-    atomic_write_text(out/'report.md', md)
-    if renders:
-        compare_grid_png(renders, ref, metrics, path=out/'grid.png')
-        atomic_write_text(out/'report.html', compare_html(renders, ref, metrics, title=title)
-                          + f'<pre>{html.escape(provenance(df))}</pre>' + df[[c for c in STUDY_COLS if c in df]].to_html(index=False))
+    atomic_write_text(out/'report.md', _report_md(title, df, tables))
+    if renders: compare_grid_png(renders, ref, metrics, path=out/'grid.png')
+    atomic_write_text(out/'report.html', _report_html(title, df, tables, renders, ref, metrics))
     return out
 
+
 # %% ../nbs/15_study.ipynb #b32097dc
+def _short_numerics(summary: pd.DataFrame) -> str:
+    from tabulate import tabulate
+    short = summary.rename(columns=lambda c: c.replace('cosine_', 'cos_').replace('gaussian', 'gauss').replace('outliers', 'outl'))
+    return tabulate(short, list(short.columns), tablefmt='simple', showindex=False, floatfmt='.4g')
+
 def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
     "One row per scheme: how it ran and its error on each token kind, best first."
     wide = num.pivot_table(index=['scheme', 'runs_as', 'quantized'], columns='tokens', values=['rel_err', 'cosine'])
     wide.columns = [f'{m}_{k}' for m, k in wide.columns]
     return wide.reset_index().sort_values(f'rel_err_{num.tokens.iloc[0]}').reset_index(drop=True)
+
+WIDTH = 120  # the terminal columns the study's printed tables and notes fit in
+
+def _fill(s: str, indent: str = '') -> str: return textwrap.fill(s, WIDTH, subsequent_indent=indent or '  ')
+
+def _fmt(v, spec='.3g') -> str: return '' if _blank(v) else ('same' if v == math.inf else format(v, spec))
+
+def _short_speed(r: dict) -> str:
+    "vs_dense with its interval and the first words of its verdict: '0.27 [0.23, 0.30] slower'."
+    if r.get('requested') == 'dense': return 'reference'
+    if r.get('status') == 'failed': return 'failed'
+    v, lo, hi = (r.get(k) for k in ('vs_dense', 'vs_dense_lo', 'vs_dense_hi'))
+    interval = f' [{lo:.2f}, {hi:.2f}]' if not (_blank(lo) or _blank(hi)) else ''
+    return (f'{_fmt(v, ".2f")}{interval} ' + str(r.get('speed') or '').split(':')[0][:12]).strip()
+
+def short_table(study: pd.DataFrame) -> str:
+    "The study's terminal view: a row per scheme in at most 120 columns, a legend, and each failure or fallback in a line."
+    from tabulate import tabulate
+    runs = lambda r: '+'.join(dict.fromkeys(b for b in (r.get('te_backend'), r.get('transformer_backend')) if not _blank(b))) or '-'
+    trained = 'adherence' in study
+    rows = [[r.get('requested'), runs(r), r.get('transformer_quantized') if not _blank(r.get('transformer_quantized')) else '-',
+             _fmt((r.get('te_MiB') or 0) + (r.get('transformer_MiB') or 0), '.1f'), _short_speed(r), _fmt(r.get('psnr'), '.1f'),
+             _fmt(r.get('ssim'), '.3f'), *([_fmt(r.get('adherence'), '.2f')] if trained else [])] for r in study.to_dict('records')]
+    head = ['scheme', 'ran as', 'DiT q', 'MiB', 'vs dense [interval] verdict', 'PSNR dB', 'SSIM', *(['adher.'] if trained else [])]
+    level = study.ci_level.dropna().iloc[0] if 'ci_level' in study and study.ci_level.notna().any() else 0.95
+    legend = [f'ran as: the backends that ran (emulate: fake-quant on this device, numerics only). DiT q: transformer Linears '
+              f'quantised/total. MiB: encoder + transformer weights as stored. vs dense: dense time / scheme time (> 1 faster), '
+              f'median paired ratio with its {level * 100:g}% interval, and the verdict. PSNR / SSIM: renders vs dense '
+              f'(same: identical).' + (' adher.: prompt adherence of the trained checker (0-1).' if trained else '')]
+    notes = [f'{r["requested"]}: {str(r.get(k))[:300]}' for r in study.to_dict('records')
+             for k in ('error', 'fallback_reason') if not _blank(r.get(k))]  # a failure's error, a fallback's reason
+    table = tabulate(rows, head, tablefmt='simple', disable_numparse=True)
+    return '\n'.join([table, '', *map(_fill, legend + notes)])
+
+def short_capability(cap: pd.DataFrame) -> str:
+    "The capability report's headline and a short table (the probe messages are in the report)."
+    from tabulate import tabulate
+    cols = [c for c in ('scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick') if c in cap]
+    head = format_report(cap).split('\n\n')[0]
+    return _fill(head) + '\n\n' + tabulate(cap[cols].astype(object).where(cap[cols].notna(), ''), cols, tablefmt='simple',
+                                          showindex=False, floatfmt='.3g')
+
+def changed_files(paths) -> list[str]:
+    "`git status --porcelain` lines of `paths` (tracked files changed, new ones): [] where no git checkout holds them."
+    paths = [Path(p).resolve() for p in paths]
+    cwd = next((p.parent for p in paths if p.parent.is_dir()), None)
+    if cwd is None: return []
+    try: r = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=all', '--', *map(str, paths)], cwd=cwd,
+                            capture_output=True, text=True, timeout=60)
+    except (OSError, subprocess.SubprocessError): return []
+    return r.stdout.splitlines() if r.returncode == 0 else []
+
+def recorded_note(counts: dict, root=None) -> str:
+    "What a recording changed, said at the end of a run: each table with its new rows, and whether git tracks it."
+    from diffq_lab.core import results_dir
+    folder = results_dir(root)
+    lines = changed_files([folder/f'{k}.csv' for k in counts] + [folder/'plans'])
+    if not lines: return _fill(f'recorded into {folder} (no git checkout tracks it): ' +
+                               ', '.join(f'{k}.csv +{n} rows' for k, n in counts.items()))
+    plans = [l for l in lines if '/plans/' in l]
+    tabs = [f'  {l}' + next((f' (+{n} rows)' for k, n in counts.items() if l.endswith(f'/{k}.csv')), '') for l in lines if l not in plans]
+    return '\n'.join([_fill('changed tracked files (the lab\'s findings: the docs and README render them; review and '
+                            'commit them, or `git checkout -- data/results` to drop this run; --no-record runs without '
+                            'recording):'), *tabs] + ([f'  {len(plans)} plan file(s) in {folder/"plans"}'] if plans else []))
 
 def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
                   allow_dirty: bool = False, **study_kw) -> dict:
@@ -250,20 +370,22 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
     if out is not None: check_writable(out)
     t0 = time.perf_counter()
     cap = capability_report(device)
-    log(f'## Capability\n\n{format_report(cap)}\n')
+    log(f'## Capability\n\n{short_capability(cap)}\n')
     num = scheme_numerics(schemes, device)
     summary = numerics_summary(num)
-    log(f'## Scheme numerics on a bf16 MLP block ({device_name(device)})\n\n{markdown_table(summary)}\n')
+    log(f'## Scheme numerics on a bf16 MLP block ({device_name(device)})\n\n{_short_numerics(summary)}\n')
     study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
+    full = f'the full table ({len([c for c in STUDY_COLS if c in study])} columns) is in report.md and report.html'
     log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
-        f'{markdown_table(study, cols=STUDY_COLS)}\n')
+        f'{short_table(study)}\n' + _fill(full + (f' in {out}' if out is not None else ' (pass out= to write it)')) + '\n')
     if out is not None:  # the report first: a failure there leaves no rows
-        extra = (f'## Capability\n\n{format_report(cap)}\n\n## Scheme numerics on a bf16 MLP block\n\n{markdown_table(summary)}\n\n')
-        write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}', extra)
+        write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}',
+                     tables={'Capability': cap, 'Scheme numerics on a bf16 MLP block': summary})
     if record:
         save_plans([*num.plan, *study.plan], root)  # each row's digest opens its applied plan
         record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
                        'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty)  # all three or none
+        log(recorded_note({'capability': len(cap), 'study_numerics': len(num), 'study': len(study)}, root))
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
     return dict(capability=cap, numerics=num, summary=summary, study=study)
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/14_trained.ipynb #9ffde412
 from __future__ import annotations
-import copy, functools, json, time
+import contextlib, copy, functools, json, time
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -16,7 +16,7 @@ from .pipelines import cast_as_loaded, render, tiny_pipeline
 __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TRAIN_ARGS',
            'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS', 'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL',
            'caption', 'layouts', 'draw_scene', 'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts',
-           'build_components', 'train_vae', 'train_dit', 'trained_dir', 'save_trained', 'train_all',
+           'build_components', 'train_vae', 'train_dit', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading',
            'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
            'checks', 'adherence', 'evaluate', 'record_trained', 'adherence_by_scheme', 'record_adherence_by_scheme']
 
@@ -215,13 +215,25 @@ def train_all(seed=0, root=None, threads=2, log=print, callback=None, **kw):
     return pipe, out
 
 # %% ../nbs/14_trained.ipynb #2beb0919
+@contextlib.contextmanager
+def quiet_loading():
+    "diffusers' and transformers' loading progress bars off for the duration, as they were after: a load is ~1 s."
+    import diffusers.utils.logging as dl, transformers.utils.logging as tl
+    was = dl.is_progress_bar_enabled(), tl.is_progress_bar_enabled()
+    dl.disable_progress_bar(); tl.disable_progress_bar()
+    try: yield
+    finally:
+        if was[0]: dl.enable_progress_bar()
+        if was[1]: tl.enable_progress_bar()
+
 def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     "The trained tiny z-image pipeline from data/trained, a standard diffusers folder (offline, about a second), cast to `dtype`."
     import diffusers as D
     d = trained_dir(root)
     if not (d/'model_index.json').exists():
         raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
-    pipe = D.ZImagePipeline.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
+    with quiet_loading():  # a study loads it once per scheme: no bars repeated on stderr
+        pipe = D.ZImagePipeline.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
     for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
     pipe.set_progress_bar_config(disable=True)
     pipe._diffq_family = 'z-image'

@@ -83,6 +83,9 @@ def test_navigation_lists_every_notebook_in_order(site):
     order = [bd.page_name(p) + '.html' for p in bd.notebooks()]
     seen = [h for h in dict.fromkeys(nav) if h in order]
     assert seen == order, seen
+    labels = re.findall(r'class="md-nav__link[^"]*"[^>]*>\s*<span class="md-ellipsis">\s*([^<]+?)\s*</span>', text)
+    assert 'Findings' in labels and 'Main' in labels, labels                # readable: no number, no __main__
+    assert not [l for l in labels if re.match(r'\d+ ', l) or '__' in l], labels
     assert 'search' in text and 'md-search' in text                    # material's (offline) search
 
 def test_findings_tables_and_widget_snapshot(site):
@@ -121,3 +124,79 @@ def test_generated_quarto_files_are_ignored():
     for f in ('nbs/_quarto.yml', 'nbs/nbdev.yml', 'nbs/sidebar.yml', '_quarto.yml', 'sidebar.yml', '_docs/index.html', '_docs_shots/index.png'):
         r = subprocess.run(['git', 'check-ignore', '-q', f], cwd=ROOT)
         assert r.returncode == 0, f'{f} is not git-ignored'
+
+# ------------------------------------------------------------------ robustness (issue 27.4), on tiny synthetic notebooks
+def _toy_nb(path: Path, *cells: str, truncate: bool = False):
+    import json
+    nb = {'cells': [{'cell_type': 'markdown', 'id': 'm0', 'metadata': {}, 'source': f'# {path.stem}\n\n> a toy page'}] +
+          [{'cell_type': 'code', 'id': f'c{i}', 'metadata': {}, 'source': s, 'outputs': [], 'execution_count': None}
+           for i, s in enumerate(cells)],
+          'metadata': {'kernelspec': {'name': 'python3', 'display_name': 'python3', 'language': 'python'}},
+          'nbformat': 4, 'nbformat_minor': 5}
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(nb)
+    path.write_text(text[:len(text) // 2] if truncate else text)
+
+def _build(tmp_path, nbs, out, *args):
+    env = {**os.environ, 'DIFFQ_DOCS_CACHE': str(tmp_path/'cache')}
+    return subprocess.run([sys.executable, str(ROOT/'tools'/'build_docs.py'), 'html', '--nbs', str(nbs), '--out', str(out), *args],
+                          capture_output=True, text=True, cwd=ROOT, timeout=600, env=env)
+
+def _one_line(r) -> str:
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    return lines[0]
+
+def test_out_is_never_a_folder_it_did_not_make_nor_a_file(tmp_path):
+    _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1')
+    mine = tmp_path/'my_documents'; mine.mkdir(); (mine/'notes.txt').write_text('mine')
+    r = _build(tmp_path, tmp_path/'nbs', mine)
+    assert r.returncode == 2 and 'did not make' in _one_line(r) and str(mine) in r.stderr
+    assert [p.name for p in mine.iterdir()] == ['notes.txt'] and (mine/'notes.txt').read_text() == 'mine'
+    f = tmp_path/'notes.txt'; f.write_text('mine too')
+    r = _build(tmp_path, tmp_path/'nbs', f)
+    assert r.returncode == 2 and 'is a file' in _one_line(r) and f.read_text() == 'mine too'
+    assert not (tmp_path/'cache').exists()  # refused before any work
+
+def test_a_truncated_notebook_is_one_line(tmp_path):
+    _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1', truncate=True)
+    r = _build(tmp_path, tmp_path/'nbs', tmp_path/'site')
+    assert r.returncode == 1 and 'toy.ipynb' in _one_line(r) and 'not a readable notebook' in r.stderr
+    assert not (tmp_path/'site').exists()
+
+def test_failing_cells_are_one_line_each_and_the_old_site_stays(tmp_path):
+    _toy_nb(tmp_path/'good'/'toy.ipynb', 'x = 1', 'print(x)')
+    site = tmp_path/'site'
+    r = _build(tmp_path, tmp_path/'good', site)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert (site/bd.MARKER).exists() and (site/'toy.html').exists()
+    before = (site/'toy.html').read_text()
+    bad = tmp_path/'bad'
+    _toy_nb(bad/'a_exit.ipynb', 'x = 1', 'import sys\nsys.exit(0)', 'print(2)')
+    _toy_nb(bad/'b_osexit.ipynb', 'import os\nos._exit(0)')
+    _toy_nb(bad/'c_hang.ipynb', 'x = 1', 'while True: pass')
+    _toy_nb(bad/'d_raise.ipynb', '1/0')
+    r = _build(tmp_path, bad, site, '--timeout', '3', '--jobs', '2')
+    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
+    lines = r.stderr.strip().removeprefix('build_docs.py: ').splitlines()
+    assert len(lines) == 4, r.stderr
+    got = {l.split(':')[0]: l for l in lines}
+    assert 'cell [2]' in got['a_exit.ipynb'] and 'SystemExit' in got['a_exit.ipynb']
+    assert 'cell [1]' in got['b_osexit.ipynb'] and 'ended the process' in got['b_osexit.ipynb']
+    assert 'cell [2]' in got['c_hang.ipynb'] and 'ran past the 3 s' in got['c_hang.ipynb']
+    assert 'cell [1]' in got['d_raise.ipynb'] and 'ZeroDivisionError' in got['d_raise.ipynb']
+    assert (site/'toy.html').read_text() == before and (site/bd.MARKER).exists()   # a failed build leaves the site as it was
+    assert not [p for p in tmp_path.iterdir() if '.building-' in p.name]           # and no staging folder behind
+
+def test_nav_labels_progress_bars_search_banner_and_scrolling_tables():
+    assert bd.nav_label('18_findings', 'Findings') == 'Findings' and bd.nav_label('19_main', '__main__') == 'Main'
+    assert bd.nav_label('index', 'diffq_lab') == 'Home' and bd.nav_label('06_text_encoders', 'text_encoders') == 'Text encoders'
+    bar = {'output_type': 'stream', 'name': 'stderr',
+           'text': 'Loading pipeline components...:  40%|####      | 2/5 [00:00<00:00, 60.89it/s]\rLoading weights: 100%|#| 24/24 [00:00<00:00]\n'}
+    assert bd._no_progress(bar) is None
+    mixed = dict(bar, text=bar['text'] + 'UserWarning: a genuine warning\n')
+    assert bd._no_progress(mixed)['text'] == 'UserWarning: a genuine warning\n'
+    out = {'output_type': 'stream', 'name': 'stdout', 'text': '50%|##| 1/2'}
+    assert bd._no_progress(out) is out                                        # stdout is the notebook's own
+    assert "location.protocol !== 'file:'" in bd.EXTRA_JS and 'python -m http.server' in bd.EXTRA_JS
+    assert re.search(r'table \{[^}]*overflow-x: auto', bd.EXTRA_CSS)

@@ -6,7 +6,8 @@ import pytest
 # The lines issue #16 measured ahead of every report (torchao 0.17/0.18, torch 2.13, diffusers 0.42).
 NOISE = [r'Failed to load \S*_C_mxfp8', r'Failed to load \S*_C_cutlass_90a',
          r'is an Enum subclass and is now natively supported by torch\.compile',
-         r'Unable to import `torchao` Tensor objects']
+         r'Unable to import `torchao` Tensor objects',
+         r'ImageProcessor` requires torchvision \(not installed\); falling back']  # transformers 5, flux.1's processors
 
 # Import the lab, then everything that logs the noise (torchao itself, diffusers' torchao quantizer), then
 # provoke genuine messages: a warning of the lab's own and an unrelated record on torchao's logger.
@@ -16,6 +17,9 @@ import logging, torch, torchao
 import diffusers.quantizers.torchao.torchao_quantizer
 from diffq_lab.plan import plan_linears
 plan_linears(torch.nn.Sequential(torch.nn.Linear(8, 8)), "int8")
+from diffq_lab.pipelines import tiny_pipeline
+tiny_pipeline("flux.1")  # CLIP and Siglip image processors: transformers' torchvision fallback lines
+logging.getLogger("transformers.utils.import_utils").warning("a genuine transformers warning")
 logging.getLogger("torchao").warning("Failed to load /elsewhere/_C_other.so: a genuine torchao warning")
 logging.getLogger("diffusers.quantizers.torchao.torchao_quantizer").warning("a genuine diffusers warning")
 print("done")
@@ -50,6 +54,7 @@ def test_import_is_quiet_and_genuine_warnings_show():
     assert 'none of the 1 Linears qualifies' in out, out   # the lab's own UserWarning
     assert 'a genuine torchao warning' in out, out          # the same logger, another message
     assert 'a genuine diffusers warning' in out, out
+    assert 'a genuine transformers warning' in out, out
     assert 'done' in out, out
 
 def test_probe_prints_nothing_before_its_report():
@@ -57,3 +62,19 @@ def test_probe_prints_nothing_before_its_report():
     out = _run([str(exe), 'probe'])
     assert out.startswith('**'), out[:2000]
     assert _noise(out) == [], '\n'.join(_noise(out))
+
+# The README's snippet, in its order: the lab imported before diffusers (which loads torchao on import).
+SNIPPET = '''
+import tempfile, torch
+from diffq_lab.pipelines import tiny_pipeline
+from diffq_lab.plan import plan_linears, to_pipeline_config
+from diffusers import DiffusionPipeline
+pipe = DiffusionPipeline.from_pretrained  # the user's own loading code
+plan_linears(tiny_pipeline('z-image').transformer, 'int8')
+print(to_pipeline_config is not None)
+'''
+
+def test_readme_snippet_is_quiet():
+    out = _run([sys.executable, '-c', SNIPPET])
+    assert _noise(out) == [], '\n'.join(_noise(out))
+    assert 'True' in out, out

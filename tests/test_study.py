@@ -64,3 +64,37 @@ def test_a_failing_scheme_is_a_row_and_the_others_still_run(monkeypatch):
     assert list(st.requested) == ['dense', 'int8wo', 'fp8wo'] and list(st.status) == ['ok', 'ok', 'failed']
     assert st.error.iloc[2] == 'RuntimeError: no kernel (forced)' and st.transformer_scheme.iloc[1] == 'int8wo'
     assert st.plan.iloc[1] and len(st.plan.iloc[1]) == 12  # the applied plan's digest travels with the row
+
+
+def _git(cwd, *args):
+    import subprocess
+    return subprocess.run(['git', *args], cwd=cwd, capture_output=True, text=True, check=True)
+
+
+def test_a_recording_says_which_tracked_files_it_changed(tmp_path):
+    "A routine study changes tracked tables: the last lines of its output name each one and its new rows."
+    res = tmp_path/'data'/'results'
+    res.mkdir(parents=True)
+    (res/'study.csv').write_text('a\n1\n'); (res/'capability.csv').write_text('a\n1\n')
+    _git(tmp_path, 'init', '-q'); _git(tmp_path, 'add', '.')
+    _git(tmp_path, '-c', 'user.name=t', '-c', 'user.email=t@t', 'commit', '-qm', 'tables')
+    (res/'study.csv').write_text('a\n1\n2\n3\n'); (res/'plans').mkdir(); (res/'plans'/'abc.json').write_text('{}')
+    note = S.recorded_note({'study': 2, 'capability': 0}, root=res)
+    assert 'changed tracked files' in note and 'M data/results/study.csv (+2 rows)' in note
+    assert 'capability.csv' not in note and '1 plan file(s)' in note   # unchanged tables are not listed
+    assert max(map(len, note.splitlines())) <= S.WIDTH
+    outside = S.recorded_note({'study': 3}, root=tmp_path.parent/'elsewhere')
+    assert 'no git checkout tracks it' in outside and 'study.csv +3 rows' in outside
+
+
+def test_short_table_fits_120_columns_with_failures_and_a_legend():
+    import pandas as pd
+    rows = [dict(requested='dense', scheme='dense', vs_dense=1.0, te_MiB=0.5, transformer_MiB=26.0, status='ok'),
+            dict(requested='fp8_layerwise', te_backend='diffusers', transformer_backend='torchao+emulate', transformer_quantized='27/29',
+                 vs_dense=0.27, vs_dense_lo=0.23, vs_dense_hi=0.30, ci_level=0.995, speed='slower: the whole interval below 1',
+                 psnr=46.5, ssim=0.987, te_MiB=0.2, transformer_MiB=13.7, status='ok', fallback_reason='x' * 400),
+            dict(requested='int4wo', status='failed', error='ImportError: ' + 'y' * 300)]
+    out = S.short_table(pd.DataFrame(rows))
+    assert max(map(len, out.splitlines())) <= 120, max(out.splitlines(), key=len)
+    assert '0.27 [0.23, 0.30] slower' in out and '99.5% interval' in out and 'reference' in out
+    assert 'int4wo: ImportError' in out and 'fp8_layerwise: xxx' in out and 'nan' not in out.lower()

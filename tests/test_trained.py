@@ -154,3 +154,15 @@ def test_record_trained_writes_to_the_given_root(tmp_path, monkeypatch):
     assert list(t.split) == ['heldout', 'train'] and t.adherence.between(0, 1).all()
     assert len(load_table('trained_adherence', root=tmp_path)) == 2  # written under tmp_path, not the repo
     assert set(t.columns) >= {'adherence', 'ci_low', 'ci_high', *CHECKS, 'run'}
+
+
+def test_loading_shows_no_progress_bars_and_leaves_them_as_they_were(capfd):
+    "A study loads the trained pipeline once per scheme: its loading bars were repeated on stderr each time."
+    import diffusers.utils.logging as dl, transformers.utils.logging as tl
+    from diffq_lab.trained import load_trained_pipeline
+    assert dl.is_progress_bar_enabled() and tl.is_progress_bar_enabled()
+    capfd.readouterr()
+    load_trained_pipeline()
+    err = capfd.readouterr().err
+    assert 'Loading' not in err and 'it/s' not in err, err[-2000:]
+    assert dl.is_progress_bar_enabled() and tl.is_progress_bar_enabled()   # the user's own loads still show theirs

@@ -1,7 +1,12 @@
 """The lab's docs, built offline: `make docs` (a static site in _docs/) and `make readme` (README.md).
 
-    python tools/build_docs.py html [--execute all|none|NAME,...] [--out DIR] [--jobs N] [--fresh]
+    python tools/build_docs.py html [--execute all|none|NAME,...] [--out DIR] [--jobs N] [--fresh] [--timeout S]
     python tools/build_docs.py readme
+
+Failures are one line each, naming the notebook and the cell (a cell that raises, ends the process or runs past
+--timeout; a notebook that is not valid JSON): exit 1. A bad --out is refused before any work: exit 2. The site is
+built in a folder beside --out and moved there whole; --out is replaced only when it is new, empty, or a site this
+builder made (it holds the builder's marker file, .diffq_docs_site): a folder of anything else is never deleted.
 
 Why mkdocs-material + mkdocs-jupyter, not hand-built nbconvert pages, Sphinx + myst-nb or nbdev_docs:
   * nbdev_docs needs Quarto, which cannot be installed on these machines (PyPI's quarto-cli downloads a
@@ -9,8 +14,9 @@ Why mkdocs-material + mkdocs-jupyter, not hand-built nbconvert pages, Sphinx + m
   * Hand-built nbconvert pages had no navigation, no search and no page contents; writing those by hand
     is writing a site generator. mkdocs-material gives all three, a responsive layout and a dark mode,
     from one PyPI wheel whose assets (JS, CSS, icons, the lunr search) ship inside it: with
-    `font: false` (no Google Fonts) and its `offline` plugin (the search index inlined, so search works
-    from file://) the site needs no network at all.
+    `font: false` (no Google Fonts) and its `offline` plugin the site needs no network at all. Search runs in a
+    web worker, which a browser refuses on a page opened from file://: there a banner says how to serve the site
+    (python -m http.server -d _docs 8000), where search works.
   * mkdocs-jupyter renders each notebook with nbconvert, i.e. its markdown as Jupyter renders it
     (CommonMark: lists straight after a paragraph, tables, raw HTML); feeding the notebooks' markdown
     to Python-Markdown instead would re-render it differently. Sphinx + myst-nb would also render
@@ -39,14 +45,22 @@ What this builder adds around mkdocs, because the notebooks are nbdev notebooks 
      fails and names the link otherwise.
 """
 from __future__ import annotations
-import argparse, base64, hashlib, html, json, os, re, shutil, subprocess, sys, time
+import argparse, base64, hashlib, html, json, os, re, shutil, subprocess, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, unquote
 
 ROOT = Path(__file__).resolve().parent.parent
-NBS, CACHE = ROOT/'nbs', ROOT/'_proc'/'executed'
-BUILDER_VERSION = '2'  # bump when execution changes what a cached notebook holds
+NBS, CACHE = ROOT/'nbs', Path(os.environ.get('DIFFQ_DOCS_CACHE') or ROOT/'_proc'/'executed')  # the cache: env for tests
+BUILDER_VERSION = '3'  # bump when execution changes what a cached notebook holds
+MARKER = '.diffq_docs_site'  # written into every site this builder makes: only such a folder is ever replaced
+CELL_TIMEOUT = 1200  # seconds a cell may run before its notebook's build is stopped (--timeout)
+
+class DocsError(Exception):
+    "A failure the builder reports in one line (naming the notebook and cell), with no traceback."
+
+def _say(msg: str, code: int):
+    print(f'build_docs.py: {msg}', file=sys.stderr); raise SystemExit(code)
 WIDGET_MIME = 'application/vnd.jupyter.widget-view+json'
 
 def _config():
@@ -57,10 +71,40 @@ def page_name(nb: Path | str) -> str:
     "The page a notebook becomes, as nbdev names it: 04_plan.ipynb -> plan (index stays index)."
     return re.sub(r'^\d+[a-zA-Z0-9]*_', '', Path(nb).stem)
 
-def notebooks() -> list[Path]:
-    "The notebooks of the site, in nav order: index first, then the numbered ones."
-    nbs = sorted(p for p in NBS.glob('*.ipynb') if not p.name.startswith('_'))
+def notebooks(folder: Path | None = None) -> list[Path]:
+    "The notebooks of the site (of `folder`, default nbs/), in nav order: index first, then the numbered ones."
+    nbs = sorted(p for p in Path(folder or NBS).glob('*.ipynb') if not p.name.startswith('_'))
     return sorted(nbs, key=lambda p: (p.stem != 'index', p.name))
+
+def check_notebooks(nbs: list[Path]):
+    "Every notebook readable as one (JSON with cells) before any work: DocsError naming the first that is not."
+    for p in nbs:
+        try: d = json.loads(p.read_text(encoding='utf-8'))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise DocsError(f'{_rel(p)}: not a readable notebook ({type(e).__name__}: {e}); restore it (git checkout -- {_rel(p)})') from None
+        if not isinstance(d, dict) or not isinstance(d.get('cells'), list):
+            raise DocsError(f'{_rel(p)}: not a notebook (no list of cells)')
+
+def nav_label(stem: str, title: str) -> str:
+    "A sidebar label a reader can read: the title without its number or underscores ('__main__' -> 'Main')."
+    if stem == 'index': return 'Home'
+    t = re.sub(r'_+', ' ', title).strip() or stem
+    return t[0].upper() + t[1:]
+
+def check_out(out: Path) -> Path:
+    "`out` resolved, if the builder may (re)place a site there: else DocsError (exit 2) saying why, before any work."
+    out = Path(out).expanduser().resolve()
+    if out.exists() and not out.is_dir(): raise DocsError(f'--out {out}: it is a file, not a folder; name a folder for the site')
+    if out.is_dir() and any(out.iterdir()) and not (out/MARKER).exists() and not _legacy_site(out):
+        raise DocsError(f'--out {out}: refusing to replace a folder this builder did not make (it has files and no {MARKER}); '
+                        'name a new or empty folder')
+    if out == ROOT or out in ROOT.parents or out == NBS: raise DocsError(f'--out {out}: that folder holds the sources')
+    return out
+
+def _legacy_site(out: Path) -> bool:
+    "A site an earlier version of this builder made (before the marker): only mkdocs's outputs, with the builder's CSS."
+    made = {'assets', 'search', 'sitemap.xml', 'sitemap.xml.gz'}
+    return (out/'assets'/'extra.css').is_file() and all(p.name in made or p.suffix == '.html' for p in out.iterdir())
 
 # ------------------------------------------------------------------------------------------ 1. execute
 def _skip_re():
@@ -118,8 +162,20 @@ def _execute_here(src: Path, dst: Path):
     os.chdir(src.parent)
     shell = CaptureShell(src)
     shell.run_cell('from nbdev.showdoc import show_doc')
-    shell.run_all(nb, exc_stop=True, preproc=lambda c: c.cell_type == 'code' and bool(skip.search(c.source)),
-                  postproc=_snapshot_widgets)
+    status = os.environ.get('DIFFQ_DOCS_STATUS')
+    def pre(c):
+        skipped = c.cell_type == 'code' and bool(skip.search(c.source))
+        if status and c.cell_type == 'code' and not skipped:  # which cell runs now: the parent names it if the process ends here
+            Path(status).write_text(json.dumps({'cell': c.idx_, 'line': c.source.strip().splitlines()[0][:60] if c.source.strip() else ''}))
+        return skipped
+    try: shell.run_all(nb, exc_stop=True, preproc=pre, postproc=_snapshot_widgets)
+    except BaseException as e:  # one line for the parent, naming the cell (its traceback stays in the notebook's own run)
+        at = json.loads(Path(status).read_text()) if status and Path(status).exists() else {}
+        if status: Path(status).write_text(json.dumps({**at, 'done': True}))  # the cells are over: no timeout from here
+        print(f'DIFFQ-DOCS-ERROR: cell [{at.get("cell", "?")}] {at.get("line", "")!r} raised {type(e).__name__}: '
+              f'{(str(e).strip().splitlines() or [""])[0][:300]}', file=sys.stderr, flush=True)
+        raise SystemExit(1) from None
+    if status: Path(status).write_text(json.dumps({'done': True}))
     for c in nb.cells: c.get('metadata', {}).pop('execution', None)
     dst.parent.mkdir(parents=True, exist_ok=True)
     write_nb(nb, dst)
@@ -132,7 +188,48 @@ def _state_hash() -> str:
     for p in files: h.update(str(p.relative_to(ROOT)).encode()); h.update(p.read_bytes())
     return h.hexdigest()
 
-def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: bool = False) -> dict[Path, Path]:
+def _rel(p: Path) -> str:
+    try: return str(p.relative_to(ROOT))
+    except ValueError: return str(p)
+
+_ENV = {'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg',
+        'TQDM_DISABLE': '1', 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}  # no progress bars in a page: they read as errors there
+
+def _run_one(nb: Path, dst: Path, timeout: int = CELL_TIMEOUT) -> tuple[Path, str]:
+    "Execute `nb` into `dst` in its own process, watched: (nb, '') when it ran whole, else (nb, one line saying where it stopped)."
+    env = {**os.environ, **_ENV, 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '1')}
+    t = time.time()
+    with tempfile.TemporaryDirectory(prefix='diffq_docs_exec_') as tmp:
+        status, log = Path(tmp)/'status.json', Path(tmp)/'stderr.txt'
+        env['DIFFQ_DOCS_STATUS'] = str(status)
+        dst.unlink(missing_ok=True)
+        with open(log, 'w') as err:
+            proc = subprocess.Popen([sys.executable, __file__, '_exec', str(nb), str(dst)], stdout=subprocess.DEVNULL, stderr=err, env=env)
+            started, last = time.time(), None
+            while proc.poll() is None:  # the per-cell timeout: a cell is timed from when it starts
+                try: mark = status.read_text()
+                except OSError: mark = None  # not yet (the imports before the first cell get 10 minutes at least)
+                if mark != last: started, last = time.time(), mark
+                if time.time() - started > (max(timeout, 600) if not last or '"done"' in last else timeout):
+                    proc.kill(); proc.wait()
+                    return nb, f'{_cell(status)} ran past the {timeout} s cell timeout (--timeout)'
+                time.sleep(0.2)
+        lines = [l for l in log.read_text(errors='replace').splitlines() if l.strip()]
+        mine = [l.removeprefix('DIFFQ-DOCS-ERROR: ') for l in lines if l.startswith('DIFFQ-DOCS-ERROR: ')]
+        if mine: err = mine[-1]
+        elif proc.returncode != 0: err = f'{_cell(status)} ended the process with exit code {proc.returncode}' + (f': {lines[-1][:300]}' if lines else '')
+        elif not dst.exists(): err = f'{_cell(status)} ended the process (exit code 0, e.g. sys.exit or os._exit) before the notebook finished'
+        else: err = ''
+    print(f'  executed {nb.name} in {time.time() - t:.1f} s' + (' FAILED' if err else ''), flush=True)
+    return nb, err
+
+def _cell(status: Path) -> str:
+    "The cell the status file names, as 'cell [i] 'first line''."
+    try: at = json.loads(status.read_text())
+    except (OSError, ValueError): return 'the notebook (before its first cell)'
+    return f'cell [{at.get("cell", "?")}] {at.get("line", "")!r}'
+
+def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: bool = False, timeout: int = CELL_TIMEOUT) -> dict[Path, Path]:
     "Executed copies of `nbs` (cached by content), each run in a fresh process; raise naming every notebook that failed."
     state = _state_hash()
     out, todo = {}, []
@@ -143,19 +240,10 @@ def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: b
         if not dst.exists() and stale_ok and (runs := sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime)):
             out[nb] = runs[-1]; print(f'  reusing {runs[-1].name} (an older run: the notebook, package or data changed since)')
         elif fresh or not dst.exists(): todo.append((nb, dst))
-    env = {**os.environ, 'OMP_NUM_THREADS': '1', 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '1'),
-           'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg'}
-    def run(job):
-        nb, dst = job
-        t = time.time()
-        r = subprocess.run([sys.executable, __file__, '_exec', str(nb), str(dst)], capture_output=True, text=True, env=env)
-        print(f'  executed {nb.name} in {time.time() - t:.1f} s' + ('' if r.returncode == 0 else ' FAILED'), flush=True)
-        return nb, r
-    if todo: print(f'executing {len(todo)} notebook(s), {jobs} at a time ({len(nbs) - len(todo)} reused from {CACHE.relative_to(ROOT)})')
-    with ThreadPoolExecutor(max(1, jobs)) as ex: results = list(ex.map(run, todo))
-    failed = [(nb, r) for nb, r in results if r.returncode != 0]
-    if failed:
-        raise SystemExit('\n\n'.join(f'{nb.name} failed:\n{r.stderr[-3000:]}' for nb, r in failed))
+    if todo: print(f'executing {len(todo)} notebook(s), {jobs} at a time ({len(nbs) - len(todo)} reused from {_rel(CACHE)})')
+    with ThreadPoolExecutor(max(1, jobs)) as ex: results = list(ex.map(lambda job: _run_one(*job, timeout=timeout), todo))
+    failed = [f'{nb.name}: {err}' for nb, err in results if err]
+    if failed: raise DocsError('\n'.join(failed))
     for nb, _ in todo:  # keep the 3 newest runs of each notebook (another build may be using an older one)
         for old in sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime, reverse=True)[3:]:
             old.unlink(missing_ok=True)
@@ -196,6 +284,15 @@ def _link_rewriter(pages: set[str]):
             return f'{name}.html' if name in pages else m.group(0)
         return local_nb.sub(nb, s)
     return rw
+
+_BAR = re.compile(r'\d+%\|.*\|\s*\d+/\d+|\d+(?:\.\d+)?(?:it|s)/(?:s|it)\]|^\s*\x1b\[A')
+
+def _no_progress(o: dict) -> dict | None:
+    "A stderr stream without its progress-bar lines (tqdm, diffusers, transformers), or None when nothing else is left."
+    if o.get('output_type') != 'stream' or o.get('name') != 'stderr': return o
+    text = ''.join(o['text']) if isinstance(o.get('text'), list) else (o.get('text') or '')
+    keep = [l for l in re.split(r'[\r\n]+', text) if l.strip() and not _BAR.search(l)]
+    return {**o, 'text': '\n'.join(keep) + '\n'} if keep else None
 
 def _doc_procs(executed: bool) -> list:
     "nbdev's doc processors (FilterDefaults), less what an executed notebook already did, with a lenient show_doc run otherwise."
@@ -239,6 +336,7 @@ def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool 
             if not src.strip(): continue
             src = math_to_mathml(rw(src)) if site else src
         c['source'] = src
+        if c['cell_type'] == 'code': c['outputs'] = [o for o in map(_no_progress, c.get('outputs', [])) if o is not None]
         for o in c.get('outputs', []):
             for k, v in o.get('data', {}).items():
                 if k in ('text/markdown', 'text/html'):
@@ -259,6 +357,11 @@ EXTRA_CSS = """
 /* show_doc: the source link beside the symbol's heading, as on an nbdev site */
 .jp-RenderedMarkdown > hr + p:has(> a:only-child) { float: right; margin: 1.1em 0 0; font-size: 0.8em; }
 .jupyter-wrapper .jp-OutputArea-output { overflow-x: auto; }
+/* wide tables scroll inside the page instead of being clipped at its edge */
+.md-typeset .jupyter-wrapper table { display: block; max-width: 100%; overflow-x: auto; }
+.md-typeset .jupyter-wrapper .jp-RenderedHTMLCommon { overflow-x: auto; }
+.file-banner { background: #fff3cd; color: #5c4400; padding: 0.5em 1em; font-size: 0.7rem; border-bottom: 1px solid #e0c872; }
+.file-banner code { background: transparent; }
 .widget-snapshot { border: 1px dashed var(--md-default-fg-color--lighter); padding: 0.6em; border-radius: 4px; }
 .widget-snapshot .ws-row { display: flex; gap: 0.8em; flex-wrap: wrap; align-items: flex-start; }
 .widget-snapshot .ws-col { display: flex; flex-direction: column; gap: 0.4em; align-items: flex-start; }
@@ -267,6 +370,20 @@ EXTRA_CSS = """
 .widget-snapshot .ws-selected { background: var(--md-primary-fg-color); color: var(--md-primary-bg-color); }
 .widget-snapshot .widget-note { font-size: 0.8em; color: var(--md-default-fg-color--light); margin: 0.4em 0 0; }
 math { font-size: 1.05em; }
+"""
+
+# Opened from file://, a browser refuses the search's web worker (search stays at "Initializing search"): say how to serve.
+EXTRA_JS = """
+document.addEventListener('DOMContentLoaded', function () {
+  if (location.protocol !== 'file:') return;
+  var b = document.createElement('div');
+  b.className = 'file-banner';
+  b.innerHTML = 'Search needs the site served over HTTP (a browser blocks it on pages opened from a file): run ' +
+    '<code>python -m http.server -d _docs 8000</code> in the checkout and open <code>http://localhost:8000</code>.';
+  document.body.insertBefore(b, document.body.firstChild);
+  var q = document.querySelector('.md-search__input');
+  if (q) { q.placeholder = 'Search: serve the site (see the banner)'; }
+});
 """
 
 def _title(d: dict, fallback: str) -> str:
@@ -311,6 +428,7 @@ def _render(docs, navs, out: Path, stage: Path):
     (stage/'docs'/'assets').mkdir(parents=True)
     for name, d in docs.items(): (stage/'docs'/f'{name}.ipynb').write_text(json.dumps(d), encoding='utf-8')
     (stage/'docs'/'assets'/'extra.css').write_text(EXTRA_CSS)
+    (stage/'docs'/'assets'/'extra.js').write_text(EXTRA_JS)
     conf = {
         'site_name': cfg.title, 'site_description': cfg.description,
         'docs_dir': str(stage/'docs'), 'site_dir': str(out), 'use_directory_urls': False,
@@ -322,7 +440,7 @@ def _render(docs, navs, out: Path, stage: Path):
         'plugins': ['search', 'offline', {'mkdocs-jupyter': {
             'include': ['*.ipynb'], 'execute': False, 'ignore_h1_titles': True, 'include_source': False, 'no_prompt': True, 'toc_depth': 3,
             'remove_tag_config': {'remove_input_tags': ['remove_input']}, 'cache': False, 'include_requirejs': False}}],
-        'extra_css': ['assets/extra.css'],
+        'extra_css': ['assets/extra.css'], 'extra_javascript': ['assets/extra.js'],
         'nav': [{title: f'{name}.ipynb'} for name, title in navs],
         'validation': {'nav': {'omitted_files': 'warn'}, 'links': {'not_found': 'warn'}},
     }
@@ -394,35 +512,45 @@ def external_assets(out: Path) -> list[str]:
 
 # ------------------------------------------------------------------------------------------ commands
 def html_site(execute: str = 'all', out: Path = ROOT/'_docs', jobs: int = 2, fresh: bool = False,
-              only: list[str] | None = None, strict_anchors: bool = False, stale_ok: bool = False) -> Path:
+              only: list[str] | None = None, strict_anchors: bool = False, stale_ok: bool = False,
+              timeout: int = CELL_TIMEOUT, folder: Path | None = None) -> Path:
     "Build the site: execute what `execute` names ('all', 'none' or notebook names), process, render, check."
     t0 = time.time()
-    nbs = notebooks()
+    out = check_out(out)
+    nbs = notebooks(folder)
+    check_notebooks(nbs)
     if only: nbs = [p for p in nbs if p.stem in only or page_name(p) in only]
     want = {p.stem for p in nbs} if execute == 'all' else set() if execute == 'none' else set(execute.split(','))
     unknown = want - {p.stem for p in nbs} - {page_name(p) for p in nbs}
     if unknown: raise SystemExit(f'no notebook named {sorted(unknown)}')
     to_run = [p for p in nbs if p.stem in want or page_name(p) in want]
-    executed = execute_all(to_run, jobs=jobs, fresh=fresh, stale_ok=stale_ok)
+    executed = execute_all(to_run, jobs=jobs, fresh=fresh, stale_ok=stale_ok, timeout=timeout)
     t1 = time.time()
     pages = {page_name(p) for p in nbs}
     docs, navs = {}, []
     for p in nbs:
         d = processed(p, executed.get(p), pages)
         docs[page_name(p)] = d
-        num = re.match(r'\d+', p.stem)
-        navs.append((page_name(p), 'Home' if p.stem == 'index' else f'{num.group(0) + " " if num else ""}{_title(d, page_name(p))}'))
+        navs.append((page_name(p), nav_label(p.stem, _title(d, page_name(p)))))
     t2 = time.time()
-    out = Path(out).resolve()
-    shutil.rmtree(out, ignore_errors=True)
-    render(docs, navs, out)
-    dead, stray = postprocess(out)
-    ext = external_assets(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.building-'))
+    try:
+        render(docs, navs, stage)
+        dead, stray = postprocess(stage)
+        ext = external_assets(stage)
+        for s in stray: print(f'warning: link to a missing anchor (a renamed heading?) {s}')
+        bad = ['dead internal link ' + d for d in dead] + ['external asset ' + e for e in ext]
+        if strict_anchors: bad += ['missing anchor ' + s for s in stray]
+        if bad: raise SystemExit('docs check failed:\n  ' + '\n  '.join(bad))
+        (stage/MARKER).write_text('made by tools/build_docs.py: the builder replaces this folder on its next build\n')
+        os.chmod(stage, 0o755)  # mkdtemp makes 0700
+        check_out(out)  # still ours (or new) now that the site is ready
+        if out.exists(): shutil.rmtree(out)
+        os.replace(stage, out)
+    finally: shutil.rmtree(stage, ignore_errors=True)
     print(f'wrote {len(docs)} pages to {out} (execute {t1 - t0:.0f} s, process {t2 - t1:.0f} s, render {time.time() - t2:.0f} s)')
-    for s in stray: print(f'warning: link to a missing anchor (a renamed heading?) {s}')
-    bad = ['dead internal link ' + d for d in dead] + ['external asset ' + e for e in ext]
-    if strict_anchors: bad += ['missing anchor ' + s for s in stray]
-    if bad: raise SystemExit('docs check failed:\n  ' + '\n  '.join(bad))
+    print(f'open {out/"index.html"}; for search, serve it: python -m http.server -d {_rel(out)} 8000')
     return out
 
 def readme():
@@ -431,6 +559,7 @@ def readme():
     from traitlets.config import Config
     import nbformat
     idx = NBS/'index.ipynb'
+    check_notebooks([idx])
     d = processed(idx, execute_all([idx])[idx], pages=set(), site=False)  # links to nbs/*.ipynb stay: they work on GitHub
     c = Config(); c.TagRemovePreprocessor.remove_input_tags = {'remove_input'}; c.TagRemovePreprocessor.enabled = True
     body, _ = MarkdownExporter(config=c).from_notebook_node(nbformat.reads(json.dumps(d), as_version=4))
@@ -444,7 +573,9 @@ def main(argv=None):
     h = sub.add_parser('html', help='the static site, into _docs/')
     h.add_argument('--execute', default='all', help="'all' (default), 'none', or notebook names separated by commas")
     h.add_argument('--only', default='', help='build only these notebooks (comma-separated names)')
-    h.add_argument('--out', default=str(ROOT/'_docs'))
+    h.add_argument('--out', default=str(ROOT/'_docs'), help=f'the site folder (default _docs/): new, empty, or a site this builder made ({MARKER})')
+    h.add_argument('--timeout', type=int, default=CELL_TIMEOUT, help=f'seconds a cell may run (default {CELL_TIMEOUT})')
+    h.add_argument('--nbs', default=str(NBS), help='the folder of notebooks (default nbs/)')
     h.add_argument('--jobs', type=int, default=2, help='notebooks executed at once (one torch thread each)')
     h.add_argument('--fresh', action='store_true', help='execute again even where a cached run matches')
     h.add_argument('--stale-ok', action='store_true', help='reuse the newest cached run of a notebook even if it, the package or data/ changed since (fast, for work on the docs)')
@@ -452,9 +583,16 @@ def main(argv=None):
     sub.add_parser('readme', help='README.md from nbs/index.ipynb')
     e = sub.add_parser('_exec'); e.add_argument('src'); e.add_argument('dst')
     a = ap.parse_args(argv)
-    if a.cmd == 'html': html_site(a.execute, Path(a.out), a.jobs, a.fresh, [s for s in a.only.split(',') if s] or None, a.strict_anchors, a.stale_ok)
-    elif a.cmd == 'readme': readme()
-    else: _execute_here(Path(a.src).resolve(), Path(a.dst).resolve())
+    if a.cmd == '_exec': return _execute_here(Path(a.src).resolve(), Path(a.dst).resolve())
+    if a.cmd == 'html' and a.timeout < 1: ap.error(f'--timeout must be >= 1 second, got {a.timeout}')
+    try:
+        if a.cmd == 'html':
+            html_site(a.execute, Path(a.out), a.jobs, a.fresh, [s for s in a.only.split(',') if s] or None, a.strict_anchors,
+                      a.stale_ok, a.timeout, Path(a.nbs))
+        else: readme()
+    except DocsError as e:
+        _say(str(e), 2 if str(e).startswith('--out') else 1)
+    except KeyboardInterrupt: _say('interrupted; the site in --out is as it was', 130)
 
 if __name__ == '__main__':
     main()
