@@ -10,20 +10,23 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, repo_root, resolve_device
-from .schemes import normalize_scheme, quantized_linears
+from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, record_tables, repo_root
+from .core import resolve_device
+from .schemes import SCHEMES, normalize_scheme, quantized_linears
 from .capability import BACKENDS, resolve_backend
-from .plan import quantize
+from .plan import quantize, run_schemes
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
-from .text_encoder import block_lists, encoder_filter
+from .text_encoder import block_lists, encoder_filter, get_real_encoder, quantize_encoder, real_encoder, real_encoders
 
 # %% auto #0
-__all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks',
-           'block_names', 'schedule_blocks', 'check_read_layer', 'read_hidden', 'encoder_run', 'token_fidelity',
-           'flat_fidelity', 'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'encoder_inputs',
-           'KeepSchedule', 'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls',
-           'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule', 'FamilySchedule', 'schedule_for_family',
-           'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'deepened', 'measure_block_selection',
+__all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'REAL_READ_LAYER', 'REAL_BARS', 'INT8_KEEPS', 'RECORD_SCHEMES',
+           'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks', 'block_names', 'schedule_blocks', 'check_read_layer',
+           'read_hidden', 'encoder_run', 'token_fidelity', 'flat_fidelity', 'block_filter', 'block_sensitivity',
+           'prompts_path', 'load_prompts', 'encoder_inputs', 'KeepSchedule', 'find_keep_schedule', 'inject_outliers',
+           'ToyStack', 'toy_stack', 'capture_calls', 'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule',
+           'FamilySchedule', 'schedule_for_family', 'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks',
+           'scheme_cosines', 'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff',
+           'measure_real_encoder', 'record_real_encoder_findings', 'deepened', 'measure_block_selection',
            'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
@@ -577,9 +580,18 @@ def _report(title: str, ks: KeepSchedule) -> str:
 
 def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_features: int | None = None, *,
                read_layer=None, n_prompts: int | None = None, backend: str = 'auto', device=None) -> str:
-    "The text `diffq-lab blocks` prints: the keep schedule and the curve searched for `encoder` (a folder, `minilm`, or a family)."
+    "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the schedule and curve."
     prompts = load_prompts(n=n_prompts)
     key = str(encoder).strip()
+    if key.lower() in real_encoders():
+        model, tok = real_encoder(key, device=device)
+        rl = read_layer if read_layer is not None else REAL_READ_LAYER
+        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar, rl,
+                                min_features, backend=backend)
+        e = get_real_encoder(key)
+        head = (f'# diffq-lab blocks: {e.name} ({type(model).__name__}, {e.weights} weights from {e.package}), '
+                f'{len(prompts)} prompts, read {ks.read_layer!r}, min_features {min_features}')
+        return '\n'.join([head, '', _report(e.name, ks)])
     if key.lower() in MINILM_NAMES or Path(key).is_dir():
         model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
         name = MINILM if key.lower() in MINILM_NAMES else key
@@ -589,8 +601,9 @@ def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_featur
                           f'min_features {min_features}', '', _report(name, ks)])
     try: fam = get_family(key)
     except ValueError:
-        raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a known family; "
-                         f"pass a transformers model folder, 'minilm', or a family name") from None
+        raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "
+                         f"{list(real_encoders())}, nor a known family; pass a transformers model folder, 'minilm', "
+                         f"a real encoder or a family name") from None
     fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, min_features=min_features, backend=backend, device=device,
                              read_layer=read_layer)
     reg = 'none' if fam.keep_bf16 is None else f'first {fam.keep_bf16[0]} + last {fam.keep_bf16[1]}'
@@ -598,6 +611,148 @@ def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_featur
              f'registry int8 schedule (FAMILIES[{fam.name!r}].keep_bf16): {reg}; random weights do not predict a trained '
              f'encoder: pass a real encoder folder for a schedule to record', '']
     return '\n'.join(lines + [_report(f'{a} read {ks.read_layer!r}', ks) for a, ks in fs.schedules.items()])
+
+# %% ../nbs/07_block_select.ipynb #b8f43935
+REAL_READ_LAYER = -2  # where Z-Image and Qwen-Image read their decoder-LM encoders: hidden_states[-2]
+
+def _cast_copy(model, scheme, keep=(0, 0), min_features: int | None = 0, backend: str = 'auto', filter_fn=None):
+    "A deep copy of `model` cast by `quantize_encoder` (or by `quantize` with `filter_fn`), and the applied plan."
+    q = copy.deepcopy(model)
+    if filter_fn is not None: return q, quantize(q, scheme, filter_fn=filter_fn, backend=backend)
+    return q, quantize_encoder(q, scheme, keep=keep, backend=backend, min_features=min_features)
+
+def scheme_cosines(model, inputs, schemes=SCHEMES, keeps=((0, 0),), read_layer=REAL_READ_LAYER,
+                   min_features: int | None = 0, backend: str = 'auto') -> pd.DataFrame:
+    "Per scheme x keep schedule: the token cosine (mean, worst) of `read_layer` vs dense, cast by `quantize_encoder`."
+    run, keeps = encoder_run(read_layer), [tuple(k) for k in keeps]
+    with torch.no_grad(): ref = run(model, inputs)
+    def one(s, keep):
+        q, plan = _cast_copy(model, s, keep, min_features, backend)
+        with torch.no_grad(): res = token_fidelity(ref, run(q, inputs), inputs)
+        return None, dict(keep='{}+{}'.format(*keep), scheme=plan.scheme or 'dense', backend=plan.backend,
+                          quantized=plan.n_quantized, linears=plan.n_linear, **res, note=plan.summary()[:200])
+    rows = [dict(r, requested=s) for k in keeps
+            for s, r in zip(schemes, run_schemes(schemes, lambda s, k=k: one(s, k)))]
+    mf = 'encoder default' if min_features is None else min_features
+    return pd.DataFrame(rows).assign(read_layer=str(read_layer), min_features=str(mf))
+
+# %% ../nbs/07_block_select.ipynb #932b583f
+def _states(model, inputs) -> tuple[torch.Tensor, ...]:
+    with torch.no_grad(): return tuple(h.float() for h in model(**inputs, output_hidden_states=True).hidden_states)
+
+def massive_activations(model, inputs, top: int = 2) -> pd.DataFrame:
+    "Per hidden state (0: the embeddings): the largest |h| over real tokens, where, the median |h|, the `top` channels."
+    live = inputs['attention_mask'].bool()
+    rows = []
+    for layer, h in enumerate(_states(model, inputs)):
+        a = h.abs() * live[..., None]
+        b, t, c = (int(i) for i in torch.unravel_index(a.argmax(), a.shape))
+        per_ch = a.amax(dim=(0, 1))
+        rows.append(dict(layer=layer, max_abs=a.max().item(), channel=c, prompt=b, position=t,
+                         median_abs=h.abs()[live].median().item(),
+                         top_channels=' '.join(str(int(i)) for i in per_ch.topk(top).indices)))
+    df = pd.DataFrame(rows)
+    return df.assign(ratio=df.max_abs / df.median_abs)
+
+# %% ../nbs/07_block_select.ipynb #c151b355
+def massive_under_schemes(model, inputs, schemes=SCHEMES, layer: int | None = None, min_features: int | None = 0,
+                          backend: str = 'auto') -> pd.DataFrame:
+    "Per scheme, at the layer of the largest activation: that value cast vs dense, and its token's cosine without it."
+    dense, live = _states(model, inputs), inputs['attention_mask'].bool()
+    table = massive_activations(model, inputs)
+    row = table.loc[table.max_abs.idxmax()] if layer is None else table[table.layer == layer].iloc[0]
+    L, b, t, c = (int(row[k]) for k in ('layer', 'prompt', 'position', 'channel'))
+    hot = [int(i) for i in str(row['top_channels']).split()]
+    cold = torch.ones(dense[L].shape[-1], dtype=torch.bool); cold[hot] = False
+    def one(s):
+        q, plan = _cast_copy(model, s, min_features=min_features, backend=backend)
+        h = _states(q, inputs)[L]
+        d = dense[L]
+        others = live.clone(); others[b, t] = False
+        cos = lambda x, y: torch.nn.functional.cosine_similarity(x, y, dim=-1)
+        return None, dict(scheme=plan.scheme or 'dense', backend=plan.backend, layer=L, channel=c, position=t,
+                          dense_peak=d[b, t, c].item(), cast_peak=h[b, t, c].item(),
+                          peak_rel_err=abs(h[b, t, c].item() - d[b, t, c].item()) / abs(d[b, t, c].item()),
+                          peak_token_cosine=cos(h[b, t], d[b, t]).item(),
+                          peak_token_cosine_rest=cos(h[b, t, cold], d[b, t, cold]).item(),
+                          other_tokens_cosine=cos(h[others], d[others]).mean().item())
+    return pd.DataFrame(run_schemes(schemes, one)).assign(hot_channels=str(row['top_channels']))
+
+# %% ../nbs/07_block_select.ipynb #0a4db3bf
+def _logits(model, inputs) -> torch.Tensor:
+    with torch.no_grad(): return model(**inputs).logits.float()
+
+def tied_guard_effect(model, inputs, schemes=('int8', 'fp8_layerwise'), read_layer=REAL_READ_LAYER) -> pd.DataFrame:
+    "Per scheme, with the tied-embedding guard on and off (lm_head cast too): read-layer and logits cosine vs dense."
+    from diffusers.hooks import apply_layerwise_casting
+    run = encoder_run(read_layer)
+    with torch.no_grad(): ref = run(model, inputs)
+    ref_logits, rows = _logits(model, inputs), []
+    for s in schemes:
+        for guard in (True, False):
+            row = dict(scheme=s, guard='on' if guard else 'off (lm_head cast too)')
+            try:
+                q, plan = _cast_copy(model, s)
+                if not guard and s == 'fp8_layerwise':  # the hook casts the shared Parameter in place
+                    apply_layerwise_casting(q.get_output_embeddings(), torch.float8_e4m3fn, torch.bfloat16)
+                elif not guard: q, plan = _cast_copy(model, s, filter_fn=lambda m, f: isinstance(m, nn.Linear))
+                emb = q.get_input_embeddings().weight
+                with torch.no_grad(): out = run(q, inputs)
+                row.update(quantized=plan.n_quantized, input_embedding_dtype=str(emb.dtype).removeprefix('torch.'),
+                           read_cosine=token_fidelity(ref, out, inputs)['cosine'],
+                           logits_cosine=token_fidelity(ref_logits, _logits(q, inputs), inputs)['cosine'], error='')
+            except Exception as e:  # noqa: BLE001 -- a crash is the finding
+                row.update(error=f'{type(e).__name__}: {" ".join(str(e).split())[:160]}')
+            rows.append(row)
+    return pd.DataFrame(rows)
+
+# %% ../nbs/07_block_select.ipynb #600796d4
+def keep_tradeoff(model, inputs, scheme='int8', counts=(0, 1, 2, 3, 4, 6), read_layer=REAL_READ_LAYER,
+                  min_features: int | None = 0, backend: str = 'auto') -> pd.DataFrame:
+    "The cosine with the first k, the last k, and the first k + last k blocks kept bf16, for each k of `counts`."
+    bench = _bench(model, inputs, scheme, read_layer, min_features, (), backend, None, None)
+    rows = []
+    try:
+        for k in counts:
+            for side, keep in (('first', (k, 0)), ('last', (0, k)), ('both', (k, k))):
+                if k == 0 and side != 'first': continue
+                res = bench.measure([f for f in bench.blocks if f not in bench.kept(*keep)] + bench.rest)
+                rows.append(dict(scheme=bench.scheme, backend=bench.backend, side=side, k=k, keep_first=keep[0],
+                                 keep_last=keep[1], dense_blocks=len(bench.kept(*keep)), **res))
+    finally: bench.check_restored()
+    return pd.DataFrame(rows).assign(read_layer=str(read_layer), min_features=str(min_features))
+
+# %% ../nbs/07_block_select.ipynb #000a1cd7
+REAL_BARS = (0.996, 0.997, 0.998)  # around the seed's Qwen2.5-VL figure (0.997 with 6+6 kept)
+INT8_KEEPS = ((1, 0), (2, 0), (0, 2))  # the int8 schedules set beside "all cast": first 1, first 2, last 2
+
+def measure_real_encoder(name='smollm2-135m', prompts=None, schemes=SCHEMES, bars=REAL_BARS,
+                         device=None) -> dict[str, pd.DataFrame]:
+    "The findings `record_real_encoder_findings` records, table name -> rows (read layer -2, every Linear cast)."
+    model, tok = real_encoder(name, device=device)
+    prompts = list(prompts) if prompts is not None else load_prompts()
+    inp = encoder_inputs(tok, prompts, device=module_device(model))
+    schedules, sens = [], []
+    for j, bar in enumerate(bars):
+        s, k = _rows(find_keep_schedule(model, inp, 'int8', bar, REAL_READ_LAYER, min_features=0, per_block=j == 0))
+        schedules.append(k); sens += s
+    tables = dict(real_encoder_schemes=pd.concat([scheme_cosines(model, inp, schemes),
+                                                  scheme_cosines(model, inp, ('int8',), INT8_KEEPS),
+                                                  scheme_cosines(model, inp, schemes, min_features=None)]),
+                  real_keep_schedules=pd.DataFrame(schedules), real_block_sensitivity=pd.DataFrame(sens),
+                  real_encoder_tradeoff=keep_tradeoff(model, inp),
+                  real_encoder_massive=massive_activations(model, inp),
+                  real_encoder_massive_schemes=massive_under_schemes(model, inp, schemes),
+                  real_encoder_guards=tied_guard_effect(model, inp))
+    meta = dict(model=name, weights=get_real_encoder(name).weights, prompts=len(prompts))
+    return {k: v.assign(**meta) for k, v in tables.items()}
+
+def record_real_encoder_findings(name='smollm2-135m', root=None, allow_dirty: bool = False, **kwargs) -> dict:
+    "Measure `measure_real_encoder` and record its tables in data/results as one recording (all or none)."
+    tables = measure_real_encoder(name, **kwargs)
+    device = kwargs.get('device') or 'cpu'
+    return record_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device=device,
+                         allow_dirty=allow_dirty)
 
 # %% ../nbs/07_block_select.ipynb #f9449287
 RECORD_SCHEMES = ('int8', 'fp8', 'nvfp4wo')

