@@ -6,7 +6,7 @@ PY    := $(BIN)/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels
+.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels gpu-rehearsal gpu-import
 
 venv: $(VENV)/.installed
 
@@ -52,15 +52,27 @@ test: sync-check
 	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
 	$(BIN)/pytest -q tests
 
-# Wheels for the lent GPU machine (Python 3.12, its own CUDA torch): carried with tools/gpu_check.sh.
+# Wheels for the lent GPU machine (its python3 3.12 beside its own CUDA torch), carried in .gpu_wheels/ with
+# tools/gpu_check.sh: the pins of data/gpu_image/wheels.txt, hash-checked, their Requires-Dist checked against the image's
+# package list (data/gpu_image/image_packages.txt) and the 64 MiB transfer, and the git sha stamped in .gpu_wheels/SOURCE.
 gpu-wheels:
-	rm -rf .gpu_wheels && python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d .gpu_wheels \
-	  torchao==0.17.0 diffusers==0.42.1 "nbdev==2.4.14" "execnb<0.2" "fastcore<2" ipywidgets widgetsnbextension jupyterlab-widgets \
-	  tabulate gguf tqdm ghapi astunparse asttokens watchdog  # nbdev and execnb imports beside what the GPU box has
+	python3 tools/gpu_wheels.py download --dest .gpu_wheels
 
-# The GPU cells, on a machine with one (skipped by the plain test run).
+# The GPU run rehearsed on this CPU (about 5-10 minutes; needs PyPI once to build its venv): a venv holding only the
+# image's packages (/tmp/gpu_rehearsal_venv; CPU torch 2.13.0 standing in for 2.11), the carried wheels installed the
+# script's way, and `tools/gpu_check.sh --dry-run` end to end in a copy of the tree as the device gets it. Run it before
+# a change to the CLI, the benches or the wheel list lands.
+gpu-rehearsal: gpu-wheels
+	python3 tools/gpu_rehearsal.py
+
+# The GPU cells, on a machine with one (skipped by the plain test run). The GPU run itself is `bash tools/gpu_check.sh`.
 gpu-test: venv
 	$(BIN)/nbdev_test --flags "gpu" --n_workers 1
+
+# The rows a GPU run brought back (its results.tar.gz) into data/results, with their provenance.
+gpu-import: venv
+	@test -n "$(TARBALL)" || { echo "usage: make gpu-import TARBALL=path/to/results.tar.gz"; exit 2; }
+	$(PY) tools/gpu_import.py "$(TARBALL)"
 
 export: venv
 	$(BIN)/nbdev_export

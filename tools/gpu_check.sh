@@ -1,15 +1,68 @@
 #!/usr/bin/env bash
-# The one prepared device check, for a lent GPU machine (see shared/PLATFORM.md): run from the repo root with
-# the wheels from `make gpu-wheels` carried in .gpu_wheels/. Installs them beside the machine's CUDA torch,
-# runs the `#| gpu` cells and the short benchmarks, and leaves every recorded row under $OUT/results.
-# Untested on a GPU so far: no session has been lent one yet.
+# The one prepared GPU run (see shared/PLATFORM.md): on the lent H200, from the repo root, with the wheels of
+# `make gpu-wheels` carried in .gpu_wheels/ (no network there). The stages and their budgets live in tools/gpu_stages.py
+# (their sum, installs and packing included, is at most 8 minutes); each stage runs in its own `python3` under its own
+# timeout and appends its rows to the lab's results store the moment it ends; after every stage the rows so far are packed
+# into $OUT, so a stage killed mid-way loses only its own rows. $OUT ends with three files (at most 8 come back):
+# results.tar.gz (every table, the applied plans, provenance.json, status.tsv), run.log, and summary.md (printed last).
+#   bash tools/gpu_check.sh              # on the GPU machine (the run tool's $OUT)
+#   bash tools/gpu_check.sh --dry-run    # the same stages and files on a CPU at tiny dims (`make gpu-rehearsal`)
+#   GPU_STAGES="headline trained" GPU_BUDGET_headline=300 bash tools/gpu_check.sh   # a rerun of some stages, more time
+# Bring the rows home with `make gpu-import TARBALL=<the returned results.tar.gz>`.
 set -uo pipefail
-OUT=${OUT:-out/gpu}; mkdir -p "$OUT/results"
-export DIFFQ_LAB_RESULTS="$OUT/results" DIFFQ_LAB_CACHE="$OUT/cache" HF_HUB_OFFLINE=1 PYTHONPATH="$PWD/.gpu_deps:$PWD"
-pip install -q --no-deps --target .gpu_deps .gpu_wheels/*.whl > "$OUT/install.log" 2>&1 || { echo "wheel install failed"; tail "$OUT/install.log"; }
-python -c "import torch, torchao, diffusers; print(torch.__version__, torchao.__version__, diffusers.__version__, torch.cuda.get_device_name())" | tee "$OUT/versions.txt"
-LAB=(python -c "import sys; from diffq_lab.cli import main; sys.exit(main(sys.argv[1:]))")
-"${LAB[@]}" probe --device cuda --record | tee "$OUT/probe.md"
-timeout 420 python -c "from nbdev.test import nbdev_test; nbdev_test(flags='gpu', n_workers=1)" > "$OUT/nbdev_test_gpu.log" 2>&1; echo "nbdev_test --flags gpu: rc=$?" | tee -a "$OUT/versions.txt"
-timeout 120 "${LAB[@]}" study --device cuda --out "$OUT/study" > "$OUT/study.log" 2>&1; echo "study: rc=$?" | tee -a "$OUT/versions.txt"
-ls -la "$OUT/results"
+cd "$(dirname "$0")/.."
+DRY=""; [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
+OUT=${OUT:-out/gpu}; mkdir -p "$OUT"
+PY=${GPU_PYTHON:-python3}          # the image's interpreter: a bare `python` may be another one, or none
+WORK=${GPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/diffq_gpu_run.XXXXXX")}   # outside $OUT: only the packed files land there
+DEPS=${GPU_DEPS:-$WORK/deps}
+mkdir -p "$WORK/results" "$WORK/cache"
+export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" DIFFQ_LAB_RESULTS="$WORK/results" DIFFQ_LAB_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 \
+  TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
+  PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/diffq_inductor}"
+LOG="$OUT/run.log"; : > "$LOG"; : > "$WORK/status.tsv"
+T_START=$SECONDS
+say() { echo "$*" | tee -a "$LOG"; }
+budgets=$("$PY" tools/gpu_stages.py budgets $DRY) || { say "cannot read the stage budgets with $PY"; exit 2; }
+b() { awk -v n="$1" '$1 == n {print $2}' <<<"$budgets"; }
+record() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$WORK/status.tsv"; }
+pack() { timeout 20 "$PY" tools/gpu_stages.py pack --work "$WORK" --out "$OUT" >> "$LOG" 2>&1 || say "pack failed (rc $?)"; }
+"$PY" tools/gpu_stages.py plan $DRY | tee -a "$LOG"
+say "python: $(command -v "$PY") ($("$PY" -V 2>&1)); work folder $WORK; out $OUT; ${DRY:-real run}"
+
+# the carried wheels, beside the image's packages (never over them: --no-deps, on PYTHONPATH only)
+t0=$SECONDS
+shopt -s nullglob; wheels=(.gpu_wheels/*.whl); shopt -u nullglob
+if [[ -n "${GPU_SKIP_INSTALL:-}" ]]; then record install "$(b install)" 0 0 skipped
+elif (( ${#wheels[@]} == 0 )); then say "no wheels in .gpu_wheels/: run 'make gpu-wheels' and carry .gpu_wheels"; record install "$(b install)" 0 1 "no wheels"
+else
+  if "$PY" -m pip --version >/dev/null 2>&1; then
+    timeout -k 3 "$(b install)" "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
+      --target "$DEPS" "${wheels[@]}" >> "$LOG" 2>&1; rc=$?
+  else  # no pip in the image: a wheel is a zip, and --target installs are its files
+    say "no pip for $PY: unzipping the wheels into $DEPS"
+    timeout -k 3 "$(b install)" "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+      "$DEPS" "${wheels[@]}" >> "$LOG" 2>&1; rc=$?
+  fi
+  st=ok; (( rc == 124 || rc == 137 )) && st="killed at its budget"; (( rc != 0 && rc != 124 && rc != 137 )) && st=failed
+  record install "$(b install)" $((SECONDS - t0)) "$rc" "$st"; say "=== install: ${#wheels[@]} wheels, $st (rc $rc, $((SECONDS - t0)) s)"
+fi
+
+STAGES=${GPU_STAGES:-$(awk '$1 != "install" {print $1}' <<<"$budgets")}
+for s in $STAGES; do
+  bs=$(b "$s"); [[ -z "$bs" ]] && { say "unknown stage $s"; continue; }
+  fake=(); [[ -n "${GPU_FAKE:-}" ]] && { v="GPU_FAKE_$s"; fake=(--fake "${!v:-$GPU_FAKE}"); }  # tests of this script
+  say "=== $s: starts, budget $bs s ($((SECONDS - T_START)) s into the run)"
+  t0=$SECONDS
+  timeout -k 3 "$((bs > 6 ? bs - 3 : bs))" "$PY" tools/gpu_stages.py run "$s" $DRY "${fake[@]}" >> "$LOG" 2>&1; rc=$?
+  el=$((SECONDS - t0))
+  st=ok; (( rc == 124 || rc == 137 )) && st="killed at its budget"; (( rc != 0 && rc != 124 && rc != 137 )) && st=failed
+  record "$s" "$bs" "$el" "$rc" "$st"
+  say "=== $s: $st (rc $rc, $el s)"
+  pack
+done
+pack
+say "run took $((SECONDS - T_START)) s; in $OUT: $(ls "$OUT" | tr '\n' ' ')"
+n=$(find "$OUT" -type f | wc -l); (( n > 8 )) && say "WARNING: $n files in $OUT, only 8 come back"
+cat "$OUT/summary.md"
+awk -F'\t' '$5 != "ok" && $5 != "skipped" {bad = 1} END {exit bad}' "$WORK/status.tsv"

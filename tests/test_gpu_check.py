@@ -1,0 +1,164 @@
+"""The GPU run's preparation, checked fast and offline: the carried wheels against the image, the stage budgets, the
+files the script leaves, a stage killed mid-way, and the import of a returned tarball. The full rehearsal (a venv of the
+image's packages, the dry run end to end) needs PyPI once and minutes: `make gpu-rehearsal`, not part of this file."""
+import copy, importlib.util, io, json, os, subprocess, sys, tarfile
+from pathlib import Path
+import pandas as pd
+import pytest
+
+REPO = Path(__file__).resolve().parent.parent
+TOOLS = REPO/'tools'
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, TOOLS/f'{name}.py')
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+sys.path.insert(0, str(TOOLS))
+stages, wheels, gimport, rehearsal = (_load(n) for n in ('gpu_stages', 'gpu_wheels', 'gpu_import', 'gpu_rehearsal'))
+
+
+# ---------------------------------------------------------------------------------------------------- the wheels
+def test_carried_wheels_close_over_the_image():
+    meta, image = wheels.load_meta(), wheels.read_image()
+    assert wheels.check(meta=meta, image=image, tree=wheels.tree_bytes()) == []
+    names = {wheels.norm(w['name']): w['version'] for w in meta}
+    assert names['torchao'] == '0.18.0'  # the torchao the lab is tested with
+    assert all(n in names for n in ('diffusers', 'ipywidgets', 'ipython', 'traitlets', 'comm', 'gguf'))
+    assert not {'nbdev', 'execnb', 'fastcore', 'ghapi'} & set(names)  # the run calls the lab's functions, not nbdev_test
+
+
+def test_pins_match_the_metadata():
+    pins = [l.split()[0] for l in wheels.PINS.read_text().splitlines() if l and not l.startswith('#')]
+    hashes = [l.split('--hash=sha256:')[1] for l in wheels.PINS.read_text().splitlines() if '--hash=' in l]
+    meta = wheels.load_meta()
+    assert pins == [f"{w['name']}=={w['version']}" for w in meta]
+    assert hashes == [w['sha256'] for w in meta]
+
+
+def test_closure_finds_what_is_missing():
+    meta, image = wheels.load_meta(), wheels.read_image()
+    no_traitlets = [w for w in meta if wheels.norm(w['name']) != 'traitlets']
+    assert any('traitlets' in p and 'neither on the image nor carried' in p for p in wheels.closure(no_traitlets, image)[0])
+    no_regex = {k: v for k, v in image.items() if k != 'regex'}
+    assert any(p.startswith('diffusers') and 'regex' in p for p in wheels.closure(meta, no_regex)[0])
+    old_hub = copy.deepcopy(image); old_hub['huggingface-hub']['version'] = '1.20.0'
+    assert any('huggingface-hub' in p and '1.20.0' in p for p in wheels.closure(meta, old_hub)[0])
+    old_ao = [dict(w, version='0.17.0') if w['name'] == 'torchao' else w for w in meta]
+    assert any('torchao carried 0.17.0' in p for p in wheels.check(meta=old_ao, image=image, tree=0))
+    assert any('MiB >' in p for p in wheels.check(meta=meta, image=image, tree=60 * 2**20))
+
+
+def test_shadowed_image_packages_still_suit_the_image():
+    meta, image = wheels.load_meta(), wheels.read_image()
+    low = [dict(w, version='2.10.0') if wheels.norm(w['name']) == 'pygments' else w for w in meta]  # pytest there needs >= 2.15
+    assert any('shadows' in p and 'pygments' in p for p in wheels.closure(low, image)[0])
+
+
+def test_wheel_tags():
+    for py in (wheels.GPU_PYTHON, wheels.REHEARSAL_PYTHON):
+        assert wheels.tag_ok('py3-none-any', py) and wheels.tag_ok('cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64', py)
+    assert wheels.tag_ok('cp312-cp312-manylinux_2_28_x86_64', wheels.GPU_PYTHON)
+    assert not wheels.tag_ok('cp312-cp312-manylinux_2_28_x86_64', wheels.REHEARSAL_PYTHON)
+    assert not wheels.tag_ok('cp312-abi3-macosx_11_0_arm64', wheels.GPU_PYTHON)
+    # the same files serve the GPU's Python 3.12 and the rehearsal's 3.11: pure python or abi3 only
+    assert all(wheels.tag_ok(w['tags'], wheels.GPU_PYTHON) and wheels.tag_ok(w['tags'], wheels.REHEARSAL_PYTHON)
+               for w in wheels.load_meta())
+
+
+def test_image_list_and_rehearsal_requirements():
+    image = wheels.read_image()
+    assert image['torch']['version'] == '2.11.0+cu130' and image['transformers']['version'] == '5.17.0'
+    absent = {n for n, e in image.items() if e['source'] == 'absent'}
+    assert {'ipython', 'traitlets', 'comm', 'torchao', 'diffusers', 'ipywidgets', 'gguf'} <= absent
+    reqs = rehearsal.image_requirements(image)
+    assert 'transformers==5.17.0' in reqs and 'torch==2.13.0' in reqs and 'huggingface-hub==1.33.0' in reqs
+    assert not any(r.split('==')[0] in absent | {'torchvision'} for r in reqs)
+
+
+# ---------------------------------------------------------------------------------------------------- the stages
+def test_budgets_fit_eight_minutes():
+    assert stages.total_budget() <= stages.TOTAL_BUDGET_S == 480
+    assert set(stages.STAGE_FNS) == set(stages.RUN_STAGES) == set(stages.TABLES)
+    out = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets'], capture_output=True, text=True, check=True,
+                         env={**os.environ, 'GPU_BUDGET_headline': ''}).stdout
+    assert {l.split()[0]: int(l.split()[1]) for l in out.splitlines()} == stages.BUDGETS
+    assert '**total**' in stages.plan_table()
+
+
+def _script(tmp_path, **env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith('GPU_')}
+    e.update(OUT=str(tmp_path/'out'), GPU_WORK=str(tmp_path/'work'), GPU_PYTHON=sys.executable, GPU_SKIP_INSTALL='1',
+             GPU_FAKE='0', **env)
+    return subprocess.run(['bash', str(TOOLS/'gpu_check.sh'), '--dry-run'], cwd=REPO, env=e, capture_output=True, text=True,
+                          timeout=120)
+
+
+def test_a_killed_stage_keeps_the_rows_before_it(tmp_path):
+    r = _script(tmp_path, GPU_STAGES='probe headline gemm_eager', GPU_FAKE_headline='60', GPU_BUDGET_headline='2')
+    assert r.returncode == 1, r.stdout + r.stderr  # a stage did not finish: the run says so
+    out = tmp_path/'out'
+    files = sorted(p.name for p in out.rglob('*') if p.is_file())
+    assert files == ['results.tar.gz', 'run.log', 'summary.md'] and len(files) <= stages.MAX_OUT_FILES
+    with tarfile.open(out/'results.tar.gz') as tar:
+        names = set(tar.getnames())
+        status = tar.extractfile('status.tsv').read().decode()
+    assert {'results/fake_probe.csv', 'results/fake_gemm_eager.csv'} <= names  # before and after the killed stage
+    assert 'results/fake_headline.csv' not in names
+    st = {l.split('\t')[0]: l.split('\t')[4] for l in status.splitlines()}
+    assert st == {'install': 'skipped', 'probe': 'ok', 'headline': 'killed at its budget', 'gemm_eager': 'ok'}
+    summary = (out/'summary.md').read_text()
+    assert '| headline | 2 |' in summary and 'killed at its budget' in summary
+    assert r.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1])  # the summary is printed last
+
+
+# ---------------------------------------------------------------------------------------------------- the import
+def _gpu_work(tmp_path, dry=False):
+    work = tmp_path/'work'
+    (work/'results'/'plans').mkdir(parents=True)
+    prov = dict(dry_run=dry, python='3.12.3', device='cuda', device_name='NVIDIA H200', capability='9.0', git_sha='abc123def456',
+                code_matches_source=True, packages=dict(torch='2.11.0+cu130', torchao='0.18.0', diffusers='0.42.1',
+                                                        transformers='5.17.0'), utc='2026-12-02T10:00:00Z', host='gpu')
+    (work/'provenance.json').write_text(json.dumps(prov))
+    (work/'status.tsv').write_text('probe\t40\t12\t0\tok\ngemm_eager\t25\t9\t0\tok\n')
+    pd.DataFrame([dict(run='2026-12-02T10:01:00Z-aaaaaa', device='cuda', device_name='NVIDIA H200', capability='9.0',
+                       torch='2.11.0+cu130', git_sha=None, utc='2026-12-02T10:01:00Z', M=8192, K=8192, N=8192, scheme=s,
+                       median_s=t) for s, t in (('bf16', 1.4e-3), ('int8', 0.8e-3))]).to_csv(work/'results'/'gemm_bench.csv', index=False)
+    (work/'results'/'plans'/'0123456789ab.json').write_text('{}')
+    stages.pack(work, tmp_path/'out')
+    return tmp_path/'out'/'results.tar.gz'
+
+
+def test_import_brings_rows_home_once(tmp_path):
+    tarball = _gpu_work(tmp_path)
+    into = tmp_path/'results'
+    pd.DataFrame([dict(run='cpu-run', device='cpu', device_name='CPU AMD EPYC', git_sha='111', utc='2026-11-30T00:00:00Z',
+                       M=128, K=1024, N=1024, scheme='bf16', median_s=0.01)]).to_csv(into.mkdir() or into/'gemm_bench.csv', index=False)
+    added = gimport.import_tarball(tarball, into)
+    assert added == {'gemm_bench': 2, 'gpu_runs': 1, 'plans': 1}
+    g = pd.read_csv(into/'gemm_bench.csv')
+    assert list(g.device_name) == ['CPU AMD EPYC', 'NVIDIA H200', 'NVIDIA H200']  # GPU rows beside the CPU one, by device
+    assert list(g.git_sha.astype(str)) == ['111', 'abc123def456', 'abc123def456']  # the stamped sha fills the device's blank
+    runs = pd.read_csv(into/'gpu_runs.csv')
+    assert runs.device_name.tolist() == ['NVIDIA H200'] and 'gemm_eager ok 9/25 s' in runs.stages[0]
+    assert (into/'plans'/'0123456789ab.json').exists()
+    assert gimport.import_tarball(tarball, into) == {'gemm_bench': 0, 'plans': 1}  # twice: nothing added
+    assert len(pd.read_csv(into/'gemm_bench.csv')) == 3 and len(pd.read_csv(into/'gpu_runs.csv')) == 1
+
+
+def test_import_refuses_what_is_not_a_gpu_run(tmp_path, capsys):
+    dry = _gpu_work(tmp_path/'dry', dry=True)
+    assert gimport.main([str(dry), '--into', str(tmp_path/'r')]) == 2
+    assert 'a dry run' in capsys.readouterr().err and not (tmp_path/'r'/'gemm_bench.csv').exists()
+    evil = tmp_path/'evil.tar.gz'
+    with tarfile.open(evil, 'w:gz') as tar:
+        info = tarfile.TarInfo('../escape.csv'); data = b'a\n1\n'; info.size = len(data)
+        tar.addfile(info, io.BytesIO(data))
+    assert gimport.main([str(evil), '--into', str(tmp_path/'r')]) == 2
+    assert 'unsafe member' in capsys.readouterr().err
+    assert gimport.main([str(tmp_path/'missing.tar.gz')]) == 2
+    assert not (tmp_path/'r').exists() or not any((tmp_path/'r').iterdir())
