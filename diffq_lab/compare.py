@@ -136,7 +136,7 @@ def compare_widget(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: st
     lay = lambda: widgets.Layout(width=f'{width}px')
     ref_image, image, heat = (widgets.Image(format='png', layout=lay()) for _ in range(3))
     ref_caption = widgets.HTML('<b>dense</b> (reference)')
-    caption, heat_caption = widgets.HTML(), widgets.HTML()
+    caption, heat_caption = widgets.HTML(layout=lay()), widgets.HTML(layout=lay())  # long captions wrap under their image
     view = CompareView(None, selector, ref_image, image, heat, caption, heat_caption, gain_w, frame_w)
 
     def update(*_):
