@@ -1,5 +1,5 @@
 "Quality metrics: SSIM against an independent implementation, exact PSNR, LPIPS availability paths, bootstrap statistics, the recorded pairs."
-import math, os, sys, types
+import importlib.util, math, os, sys, types
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import numpy as np
 import pytest
@@ -275,3 +275,47 @@ def test_quality_pairs_records_a_failing_scheme(monkeypatch):
 def test_quality_pairs_bad_input():
     with pytest.raises(ValueError, match='fp8'): Q.quality_pairs(schemes=('fp7',))
     with pytest.raises(ValueError, match='at least one seed'): Q.quality_pairs(schemes=('fp8wo',), seeds=())
+
+
+# ---- ST-LPIPS -----------------------------------------------------------------------------------------------------
+
+HAVE_STLPIPS = importlib.util.find_spec('stlpips_pytorch') is not None
+
+
+def _package_stlpips(monkeypatch):
+    "The package's own ST-LPIPS module, imported with its unused imports (torchvision, IPython, torchsummary) stubbed."
+    for name in ('torchvision', 'torchvision.models', 'IPython', 'torchsummary'):
+        stub = types.ModuleType(name)
+        stub.models, stub.embed, stub.summary = stub, (lambda *a, **k: None), (lambda *a, **k: None)
+        monkeypatch.setitem(sys.modules, name, stub)
+    for name in [n for n in sys.modules if n.startswith('stlpips_pytorch')]: monkeypatch.delitem(sys.modules, name)
+    from stlpips_pytorch import stlpips
+    return stlpips
+
+
+@pytest.mark.skipif(not HAVE_STLPIPS, reason='stlpips-pytorch is not installed (pip install --no-deps stlpips-pytorch)')
+@pytest.mark.parametrize('net', Q.ST_LPIPS_NETS)
+def test_st_lpips_equals_the_package_network(monkeypatch, net):
+    S = _package_stlpips(monkeypatch)
+    theirs = S.LPIPS(net=net, variant='shift_tolerant', verbose=False)
+    g = torch.Generator().manual_seed(11)
+    for shape in ((2, 3, 40, 56), (1, 3, 33, 29)):
+        a = torch.rand(shape, generator=g)
+        for b in (torch.rand(shape, generator=g), (a + 0.04 * torch.randn(shape, generator=g)).clamp(0, 1),
+                  torch.roll(a, 2, dims=-1), smooth_image(3, *shape[-2:], seed=3).float().expand(shape)):
+            with torch.no_grad(): want = theirs(a, b, normalize=True).flatten().double()
+            got = Q.st_lpips(a, b, net=net, device='cpu', per_frame=True)
+            assert torch.allclose(got, want, atol=1e-5, rtol=0), (net, shape, got, want)
+    assert Q.st_lpips(a, a, net=net) == 0.0
+
+
+def test_st_lpips_unavailable_says_why(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None if name == 'stlpips_pytorch' else real(name, *a))
+    Q._st_lpips_model.cache_clear()
+    with pytest.raises(Q.MetricUnavailable, match='pip install --no-deps stlpips-pytorch'): Q.st_lpips(smooth_image(), smooth_image())
+    m = Q.quality_metrics(smooth_image(seed=1), smooth_image(), with_lpips=False)
+    assert 'st_lpips' not in m and 'stlpips-pytorch' in m['st_lpips_unavailable'] and m['psnr'] > 0
+    Q._st_lpips_model.cache_clear()
+    with pytest.raises(ValueError, match="choose one of \\('alex', 'vgg'\\)"): Q.st_lpips_weights('squeeze')
+    assert 'RGB' in Q.quality_metrics(smooth_image(1), smooth_image(1), with_lpips=False)['st_lpips_unavailable']

