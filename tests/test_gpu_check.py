@@ -86,7 +86,9 @@ def test_budgets_fit_eight_minutes():
     assert set(stages.STAGE_FNS) == set(stages.RUN_STAGES) == set(stages.TABLES)
     out = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets'], capture_output=True, text=True, check=True,
                          env={**os.environ, 'GPU_BUDGET_headline': ''}).stdout
-    assert {l.split()[0]: int(l.split()[1]) for l in out.splitlines()} == stages.BUDGETS
+    lines = dict(l.split() for l in out.splitlines())
+    assert {k: int(v) for k, v in lines.items() if k in stages.BUDGETS} == stages.BUDGETS
+    assert lines['elastic'] == stages.ELASTIC == stages.RUN_STAGES[-1] and int(lines['limit']) == 480
     assert '**total**' in stages.plan_table()
 
 
@@ -114,6 +116,14 @@ def test_a_killed_stage_keeps_the_rows_before_it(tmp_path):
     summary = (out/'summary.md').read_text()
     assert '| headline | 2 |' in summary and 'killed at its budget' in summary
     assert r.stdout.rstrip().endswith(summary.rstrip().splitlines()[-1])  # the summary is printed last
+
+
+def test_the_last_stage_takes_what_is_left(tmp_path):
+    r = _script(tmp_path, GPU_STAGES='headline')
+    assert r.returncode == 0, r.stdout + r.stderr
+    took = [l for l in r.stdout.splitlines() if 'budgeted,' in l]
+    assert len(took) == 1 and int(took[0].split()[-1]) > stages.DRY_BUDGETS['headline']
+    assert int(took[0].split()[-1]) <= stages.DRY_LIMIT_S
 
 
 # ---------------------------------------------------------------------------------------------------- the import

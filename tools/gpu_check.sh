@@ -48,9 +48,12 @@ else
   record install "$(b install)" $((SECONDS - t0)) "$rc" "$st"; say "=== install: ${#wheels[@]} wheels, $st (rc $rc, $((SECONDS - t0)) s)"
 fi
 
-STAGES=${GPU_STAGES:-$(awk '$1 != "install" {print $1}' <<<"$budgets")}
+STAGES=${GPU_STAGES:-$(awk '$1 != "install" && $1 != "elastic" && $1 != "limit" {print $1}' <<<"$budgets")}
 for s in $STAGES; do
   bs=$(b "$s"); [[ -z "$bs" ]] && { say "unknown stage $s"; continue; }
+  if [[ "$s" == "$(b elastic)" ]]; then  # the last stage gets what the others left of the run's limit
+    left=$(( $(b limit) - (SECONDS - T_START) - 8 )); (( left > bs )) && { say "=== $s: $bs s budgeted, $left s left: takes $left"; bs=$left; }
+  fi
   fake=(); [[ -n "${GPU_FAKE:-}" ]] && { v="GPU_FAKE_$s"; fake=(--fake "${!v:-$GPU_FAKE}"); }  # tests of this script
   say "=== $s: starts, budget $bs s ($((SECONDS - T_START)) s into the run)"
   t0=$SECONDS

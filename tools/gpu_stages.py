@@ -20,19 +20,23 @@ MAX_OUT_FILES = 8          # what comes back from $OUT
 PACK_S = 3                 # the pack after each stage (tar + summary, no torch import)
 # (name, budget s on the GPU, budget s of the dry run on a CPU, what it brings home). Order = run order; 'install' is the
 # shell's wheel install. The dry run's budgets fit this 2-core CPU (shared) and add up to under the rehearsal's 10 minutes.
+# The headline runs last and is ELASTIC: its timeout is its budget or, when larger, what is left of the whole run's limit
+# (the stages before it donate what they did not use), so the run still ends within TOTAL_BUDGET_S.
 STAGES = (
     ('install', 20, 40, 'carried wheels installed --no-deps --target beside the image (no network there)'),
     ('probe', 30, 60, 'a. versions, every import the run needs, and every scheme\'s real smoke probe (capability table)'),
-    ('headline', 230, 80, 'b. Z-Image real dims, 1024 px, 8 steps: dense vs int8 vs fp8, all compiled, interleaved rounds'),
     ('gemm_eager', 20, 50, 'c. GEMM bf16 / int8 / fp8 at the DiT\'s real shapes and 8192^3, eager'),
     ('gemm_compiled', 50, 90, 'c. the same GEMMs compiled'),
     ('emulation', 20, 50, 'd. emulated numerics vs the real CUDA kernels (int8, int8wo, fp8, fp8wo) and the numerics table'),
     ('text_encoder', 40, 60, 'e. Qwen3-4B-shaped encoder (random weights) bf16 vs fp8 vs int8 at 128 and 512 tokens'),
     ('trained', 40, 100, 'f. the trained tiny pipeline with real kernels: PSNR and adherence vs dense'),
+    ('headline', 230, 80, 'b. Z-Image real dims, 1024 px, 8 steps: dense vs int8 vs fp8, compiled, interleaved rounds '
+                          '(last: it also gets what the stages before it left unused)'),
 )
 BUDGETS = {n: b for n, b, _, _ in STAGES}
 DRY_BUDGETS = {n: b for n, _, b, _ in STAGES}
 RUN_STAGES = tuple(n for n, *_ in STAGES if n != 'install')
+ELASTIC = 'headline'
 DRY_LIMIT_S = 600  # the rehearsal's whole dry run
 
 # The tables each stage appends to (the lab's results store, $DIFFQ_LAB_RESULTS): what the summary and import read.
@@ -40,8 +44,8 @@ TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager
               emulation=('agreement', 'numerics'), text_encoder=('te_bench',), trained=('trained_schemes',))
 SUMMARY_COLS = dict(
     capability=['scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick'],
-    transformer_bench=['config', 'backend', 'compile', 'quantized', 'median_s', 'vs_dense', 'vs_dense_lo', 'vs_dense_hi',
-                       'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'status', 'fallback_reason'],
+    transformer_bench=['config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s', 'vs_dense',
+                       'vs_dense_lo', 'vs_dense_hi', 'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'cosine', 'status', 'fallback_reason'],
     gemm_bench=['M', 'K', 'N', 'scheme', 'compiled', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo',
                 'speedup_hi', 'speed'],
     agreement=['scheme', 'M', 'K', 'N', 'reference', 'cosine', 'ulps', 'bit_exact', 'ok'],
@@ -237,7 +241,8 @@ def te_bench(device, config: dict, schemes=('fp8', 'int8'), tokens=(128, 512), r
     with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
         torch.manual_seed(seed)
         with torch.device(device): dense = cast_as_loaded(Qwen3Model(Qwen3Config(**config)).eval(), torch.bfloat16)
-    models, info = {'bf16': dense}, {'bf16': dict(backend='', quantized='0', status='ok', error='')}
+    n_linear = sum(isinstance(m, torch.nn.Linear) for m in dense.modules())
+    models, info = {'bf16': dense}, {'bf16': dict(backend='', quantized=f'0/{n_linear}', status='ok', error='')}
     for s in schemes:
         m = copy.deepcopy(dense)
         try:
@@ -377,6 +382,8 @@ def pack(work, out) -> list[Path]:
     "results.tar.gz (results/, provenance.json, status.tsv) and summary.md into `out`, each replaced atomically."
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
+    if not (work/'provenance.json').exists():  # the probe stage writes the full one; until then, what is known without torch
+        (work/'provenance.json').write_text(json.dumps(provenance(None, os.environ.get('GPU_DRY') == '1'), indent=1, default=str))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode='w:gz') as tar:
         for name in ('provenance.json', 'status.tsv'):
@@ -395,7 +402,11 @@ def main(argv=None) -> int:
     r.add_argument('--fake', type=float, default=None, help='tests: sleep this long and write one row instead')
     p = sub.add_parser('pack'); p.add_argument('--work', required=True); p.add_argument('--out', required=True)
     a = ap.parse_args(argv)
-    if a.cmd == 'budgets': print('\n'.join(f'{n} {budget(n, a.dry_run)}' for n, *_ in STAGES)); return 0
+    if a.cmd == 'budgets':  # for the shell: each stage's budget, the elastic one, and the whole run's limit
+        print('\n'.join(f'{n} {budget(n, a.dry_run)}' for n, *_ in STAGES))
+        print(f'elastic {ELASTIC if not os.environ.get(f"GPU_BUDGET_{ELASTIC}") else "none"}')
+        print(f'limit {DRY_LIMIT_S if a.dry_run else TOTAL_BUDGET_S}')
+        return 0
     if a.cmd == 'plan': print(plan_table(a.dry_run)); return 0
     if a.cmd == 'pack': pack(a.work, a.out); return 0
     if a.fake is not None: fake_stage(a.stage, a.fake); return 0
