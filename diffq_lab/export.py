@@ -4,22 +4,22 @@
 
 # %% ../nbs/10a_export.ipynb #ab5b2c3b
 from __future__ import annotations
-import errno, hashlib, importlib, json, shutil, tempfile
+import errno, hashlib, importlib, json, re, shutil, tempfile
 from types import SimpleNamespace
 from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, check_writable, package_version, resolve_device
-from .schemes import FakeQuantLinear, get_scheme, quantized_linears
-from .plan import QuantPlan
+from .schemes import FakeQuantLinear, get_scheme, make_filter_fn, quantized_linears, skip_reasons
+from .plan import ComponentPlan, LinearPlan, QuantPlan
 from .pipelines import get_family, family_of
 from .text_encoder import plan_text_encoders
-from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear
+from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, transformer_filter
 from .memory import real_dims_components
 
 # %% auto #0
-__all__ = ['SAVED_FORMAT', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'file_digests', 'save_quantized',
-           'DamagedFolder', 'allowed_class', 'load_quantized']
+__all__ = ['SAVED_FORMAT', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'counterpart', 'expand_plan',
+           'file_digests', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
 def plan_pipeline(pipe_or_family, scheme, te_scheme=None, *, min_features: int = 512, backend: str = 'auto', device=None,
@@ -35,6 +35,51 @@ def plan_pipeline(pipe_or_family, scheme, te_scheme=None, *, min_features: int =
     if not dens: raise ValueError(f'{fam} has no denoiser among {list(pipe.components)}')
     return QuantPlan({**te.components, **{a: plan_transformer(m, scheme, min_features=min_features, backend=backend, device=device)
                                           for a, m in dens.items()}})
+
+# %% ../nbs/10a_export.ipynb #4b57374b
+_BLOCK = re.compile(r'(.+?)\.(\d+)(?:\.(.+))?')  # 'layers.3.attention.to_q' -> ('layers', '3', 'attention.to_q')
+
+def _depths(fqns) -> dict[str, int]:
+    "How many blocks each indexed stack holds ('layers' -> 30), from Linear names."
+    out = {}
+    for f in fqns:
+        if m := _BLOCK.fullmatch(f): out[m[1]] = max(out.get(m[1], 0), int(m[2]) + 1)
+    return out
+
+def counterpart(fqn: str, measured: dict[str, int], real: dict[str, int]) -> str:
+    "The measured model's Linear in the same role and at the same relative depth as the real model's `fqn`."
+    m = _BLOCK.fullmatch(fqn)
+    if not m or not measured.get(m[1]): return fqn
+    i = min(measured[m[1]] - 1, int(m[2]) * measured[m[1]] // real[m[1]])
+    return f'{m[1]}.{i}' + (f'.{m[3]}' if m[3] else '')
+
+# %% ../nbs/10a_export.ipynb #eac9fdb9
+def _filter(module: nn.Module, component: str, scheme: str, min_features: int):
+    "The lab's rules for `scheme` on a real component: the denoiser's tiny-M skips, or the encoder's width floor."
+    return transformer_filter(module, scheme, min_features) if component in DENOISER_ATTRS else make_filter_fn(min_features=min_features)
+
+def _expand_component(p: ComponentPlan, module: nn.Module, component: str, min_features: int) -> ComponentPlan:
+    "`p`, measured on a small model, onto `module`'s Linears by role and relative depth; under the real model's rules."
+    shapes = {f: (m.in_features, m.out_features) for f, m in module.named_modules() if isinstance(m, nn.Linear)}
+    measured, real = _depths(p.linears), _depths(shapes)
+    want = {f: p.linears[c].scheme if (c := counterpart(f, measured, real)) in p.linears else False for f in shapes}
+    reasons = {s: skip_reasons(module, s, _filter(module, component, s, min_features)) for s in set(want.values()) if s}
+    lins = {}
+    for f, s in want.items():
+        why = 'no counterpart in the measured model' if s is False else 'dense in the measured plan' if s is None else reasons[s][f]
+        lins[f] = LinearPlan(None, None, why, shapes[f]) if why else LinearPlan(s, get_scheme(s).library, 'resolved where applied', shapes[f])
+    return ComponentPlan(lins, p.requested, f'expanded from a measured {len(p.linears)}-Linear plan by role and depth')
+
+# %% ../nbs/10a_export.ipynb #ed1135ac
+def expand_plan(plan: QuantPlan, # a plan measured on a small pipeline of `family` (the trained or tiny one)
+                family: str, # the family whose real dimensions the plan is for
+                min_features: int = 512, # the real model's width floor (tiny-M and narrow Linears stay dense)
+               ) -> QuantPlan:
+    "`plan` carried onto `family`'s real Linears (built on meta, nothing downloaded): what a user's model will get."
+    comps = real_dims_components(get_family(family).name, 'meta')
+    missing = sorted(set(plan.components) - set(comps))
+    if missing: raise ValueError(f'{family} at real dims has no component {missing}; it has {sorted(comps)}')
+    return QuantPlan({c: _expand_component(p, comps[c], c, min_features) for c, p in plan.components.items()})
 
 # %% ../nbs/10a_export.ipynb #095819df
 SAVED_FORMAT = 'diffq_lab.quantized/2'  # /2: every file's sha256 in diffq_saved.json, checked before anything loads

@@ -4,14 +4,14 @@
 
 # %% ../nbs/04_plan.ipynb #3f1094a9
 from __future__ import annotations
-import hashlib, json, logging, re, warnings
+import hashlib, json, logging, re, shutil, tempfile, warnings
 from collections import Counter
 from dataclasses import dataclass, field, asdict
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, atomic_write_text, check_writable, module_device, resolve_device, results_dir
+from .core import append_rows, atomic_write_text, record_tables, check_writable, module_device, resolve_device, results_dir
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
@@ -20,7 +20,7 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['PLAN_BACKENDS', 'APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears',
+__all__ = ['PLAN_BACKENDS', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears',
            'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
            'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows',
            'run_schemes']
@@ -370,48 +370,81 @@ def to_pipeline_config(plan: QuantPlan):
     if not mapping: raise ValueError('the plan quantises nothing: there is no config to export')
     return PipelineQuantizationConfig(quant_mapping=mapping)
 
-# %% ../nbs/04_plan.ipynb #9ae148f0
-def export_snippet(plan: QuantPlan, model: str = 'MODEL_ID_OR_FOLDER') -> str:
+# %% ../nbs/04_plan.ipynb #dac6b46e
+SNIPPET_MARK = '# Written by diffq-lab: loads a pipeline with a diffq_lab plan applied.'  # how the lab knows its own .py files
+
+def _hook_lines(c: str, p: ComponentPlan) -> list[str]:
+    "The layerwise-casting hook for `p`'s quantised Linears: named when they are few, else every Linear but the dense ones."
+    cast = '    apply_layerwise_casting_hook(m, torch.float8_e4m3fn, m.weight.dtype, non_blocking=False)'
+    if len(p.quantized) <= len(p.skipped):
+        return [f'for name in {p.quantized!r}:', f'    m = pipe.{c}.get_submodule(name)', cast]
+    return [f'dense = {sorted(p.skipped)!r}', f'for name, m in pipe.{c}.named_modules():',
+            "    if not isinstance(m, torch.nn.Linear) or name in dense: continue", cast]
+
+# %% ../nbs/04_plan.ipynb #c6dc16e7
+def export_snippet(plan: QuantPlan, # the plan to carry
+                   model: str = 'MODEL_ID_OR_FOLDER', # the hub id or folder the code loads
+                  ) -> str:
     "Python code that loads `model` with `plan` applied: a PipelineQuantizationConfig, and layerwise-casting hooks where the plan uses them."
-    lines = ['import torch', 'from diffusers import DiffusionPipeline, PipelineQuantizationConfig',
-             'from diffusers import TorchAoConfig as DiffusersTorchAoConfig',
-             'from transformers import TorchAoConfig as TransformersTorchAoConfig',
-             'from torchao.quantization import FqnToConfig  # per-Linear configs, for plans that mix schemes',
-             'from diffq_lab.schemes import make_config  # the lab\'s version-tolerant torchao configs', '']
-    mapping, hooks = [], []
+    mapping, hooks, used = [], [], set()
     for c, p in plan.components.items():
         schemes = {l.scheme for l in p.linears.values() if l.scheme}
-        if schemes and all(get_scheme(s).config is None for s in schemes):
-            hooks.append((c, p.quantized)); continue
+        if schemes and all(get_scheme(s).config is None for s in schemes): hooks.append((c, p)); continue
         if component_config(p, _library(c), c) is None: continue  # checks the plan is expressible; dense needs nothing
         cls = 'TransformersTorchAoConfig' if _library(c) == 'transformers' else 'DiffusersTorchAoConfig'
+        used.add(cls)
         if len(schemes) == 1 and _expressible(p, _library(c)):
             mapping.append(f'    {c!r}: {cls}(make_config({p.scheme!r}), modules_to_not_convert={_skip_keys(p, _library(c))!r}),')
         else:  # per Linear: exact names, each with its scheme's config
+            used.add('FqnToConfig')
             per = ''.join(f'\n        {f!r}: make_config({x!r}),' for f, x in _per_linear(p).items())
             mapping.append(f'    {c!r}: {cls}(FqnToConfig({{{per}\n    }}), modules_to_not_convert=[]),')
-    if mapping: lines += ['quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
-    else: lines.append('quant = None  # nothing torchao quantises in this plan')
+    lines = [SNIPPET_MARK, 'import torch', 'from diffusers import DiffusionPipeline' + (', PipelineQuantizationConfig' if mapping else '')]
+    if 'DiffusersTorchAoConfig' in used: lines.append('from diffusers import TorchAoConfig as DiffusersTorchAoConfig')
+    if 'TransformersTorchAoConfig' in used: lines.append('from transformers import TorchAoConfig as TransformersTorchAoConfig')
+    if 'FqnToConfig' in used: lines.append('from torchao.quantization import FqnToConfig  # per-Linear configs, for plans that mix schemes')
+    if mapping: lines += ["from diffq_lab.schemes import make_config  # the lab's version-tolerant torchao configs", '',
+                          'quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
+    else: lines += ['', 'quant = None  # nothing torchao quantises in this plan']
     lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, dtype=torch.bfloat16)')
-    if hooks:
-        lines += ['from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer']
-        for c, fqns in hooks:
-            lines += [f'for name in {fqns!r}:', f'    m = pipe.{c}.get_submodule(name)',
-                      '    apply_layerwise_casting_hook(m, torch.float8_e4m3fn, m.weight.dtype, non_blocking=False)']
+    if hooks: lines.append('from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer')
+    for c, p in hooks: lines += _hook_lines(c, p)
     return '\n'.join(lines) + '\n'
 
-# %% ../nbs/04_plan.ipynb #a960c0b1
-def check_plan_out(out) -> Path:
-    "`out` as the path of a plan file in a folder that can be written; ValueError otherwise (checked before any work)."
-    if not str(out).strip() or Path(out).is_dir(): raise ValueError(f'--out must name a file, got {out!r}')
-    check_writable(Path(out).parent)
-    return Path(out)
+# %% ../nbs/04_plan.ipynb #c259f0c5
+def _ours(path: Path) -> bool:
+    "Whether `path` is a file the lab wrote: a plan that parses, or a snippet carrying the lab's first line."
+    try:
+        if path.suffix == '.py': return path.read_text(encoding='utf-8').startswith(SNIPPET_MARK)
+        QuantPlan.load(path); return True
+    except (OSError, ValueError, UnicodeDecodeError): return False
 
-def write_plan(plan: QuantPlan, out, model: str = 'MODEL_ID_OR_FOLDER') -> str:
-    "Write `plan` to `out` (JSON) and its `export_snippet` beside it (.py); the snippet, made first: a plan the libraries cannot express writes nothing."
+def check_plan_out(out) -> Path:
+    "`out` as a plan file (.json) to write, beside its snippet (.py), in a writable folder; never over a file the lab did not write."
+    if not str(out).strip() or Path(out).is_dir(): raise ValueError(f'--out must name a file, got {out!r}')
+    out = Path(out)
+    if out.suffix != '.json': raise ValueError(f'--out {out}: a plan file ends in .json (its snippet is written beside it as .py)')
+    check_writable(out.parent)
+    for f in (out, out.with_suffix('.py')):
+        if f.exists() and not (f.is_file() and _ours(f)):
+            raise ValueError(f'{f} exists and was not written by diffq-lab: choose another --out (nothing was written)')
+    return out
+
+# %% ../nbs/04_plan.ipynb #3be85084
+def write_plan(plan: QuantPlan, # the plan to write
+               out, # the plan file (.json), checked by `check_plan_out`; the snippet goes beside it as .py
+               model: str = 'MODEL_ID_OR_FOLDER', # what the snippet loads
+              ) -> str:
+    "Write `plan` (JSON) and its `export_snippet` (.py) beside it, both or neither; the snippet (made first: nothing is written for a plan the libraries cannot express)."
+    out = check_plan_out(out)
     snippet = export_snippet(plan, model)
-    plan.save(out)
-    atomic_write_text(Path(out).with_suffix('.py'), snippet)
+    stage = Path(tempfile.mkdtemp(prefix='.diffq-plan-', dir=out.parent))
+    try:
+        (stage/out.name).write_text(plan.to_json(), encoding='utf-8')
+        (stage/out.with_suffix('.py').name).write_text(snippet, encoding='utf-8')
+        for f in stage.iterdir(): f.chmod(0o644)
+        record_tables({}, report=(stage, out.parent))  # the store's journal: one commit moves both files, or neither
+    finally: shutil.rmtree(stage, ignore_errors=True)
     return snippet
 
 # %% ../nbs/04_plan.ipynb #26807ca6

@@ -21,7 +21,7 @@ def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
 @pytest.mark.parametrize('argv', [['study', '--schemes', 'fp7'], ['study', '--steps', '0'], ['study', '--family', 'sdxl-turbo'],
                                   ['study', '--prompts', '/no/such/prompts.txt'], ['study', '--model', 'not-a-model'],
                                   ['study', '--seeds', 'a,b'], ['study', '--schemes', 'auto'], ['crossover', '--gpu', 'x100'],
-                                  ['crossover', '--model', 'sdxl-turbo'], ['nonsense'], ['blocks', '--encoder', 'minilm', '--bar', '1.5'],
+                                  ['crossover', '--family', 'sdxl-turbo'], ['nonsense'], ['blocks', '--encoder', 'minilm', '--bar', '1.5'],
                                   ['blocks', '--encoder', 'no-such-family'], ['blocks', '--encoder', 'minilm', '--scheme', 'fp7']])
 def test_bad_arguments_exit_2_without_writing(argv, tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
@@ -75,7 +75,31 @@ def test_export_writes_the_plan_and_a_snippet(tmp_path, capsys):
     assert plan.components['transformer'].n_quantized == 239 and 'text_encoder' not in plan.components  # encoders dense by default
     snippet = out.with_suffix('.py').read_text()
     compile(snippet, 'snippet', 'exec')
-    assert "DiffusersTorchAoConfig(make_config('int8')" in snippet and snippet in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "DiffusersTorchAoConfig(make_config('int8')" in snippet and str(out.with_suffix('.py')) in printed
+    assert snippet not in printed and 'FqnToConfig' not in snippet  # the paths are printed, the code stays in its file
+    assert main(['export', '--family', 'z-image', '--scheme', 'fp8', '--out', str(out)]) == 0  # its own files: rewritten
+    assert QuantPlan.load(out).components['transformer'].scheme == 'fp8'
+
+
+def test_export_never_overwrites_a_users_file(tmp_path, capsys):
+    notes, code = tmp_path/'notes.json', tmp_path/'notes.py'
+    notes.write_text('my notes'); code.write_text('print("mine")')
+    for argv in (['--out', str(notes)], ['--out', str(tmp_path/'plan.py')], ['--out', str(tmp_path/'x.json'), '--model', str(code)],
+                 ['--out', str(tmp_path/'y.json'), '--model', str(tmp_path)]):
+        with pytest.raises(SystemExit) as e: main(['export', *argv])
+        assert e.value.code == 2, argv
+    assert notes.read_text() == 'my notes' and code.read_text() == 'print("mine")'
+    assert sorted(p.name for p in tmp_path.iterdir()) == ['notes.json', 'notes.py']  # nothing else written
+
+
+def test_bench_is_its_own_command(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
+    assert main(['bench', '--schemes', 'int8', '--gguf', 'none', '--runs', '1', '--device', 'cpu', '--no-record']) == 0
+    out = capsys.readouterr().out
+    assert '| dense' in out and '| int8' in out and not (tmp_path/'results').exists()
+    with pytest.raises(SystemExit) as e: main(['study', '--transformer-quant', 'int8'])  # the two jobs no longer share flags
+    assert e.value.code == 2
 
 
 @pytest.mark.parametrize('argv', [['export', '--family', 'z-image', '--scheme', 'int8', '--te-scheme', 'fp8_layerwise', '--out', ''],
@@ -100,6 +124,9 @@ def test_recommend_writes_a_plan_that_clears_its_bar(tmp_path, capsys):
     from diffq_lab.plan import QuantPlan
     plan = QuantPlan.load(out)
     assert plan.components['transformer'].n_quantized > 0 and 'nvfp4' not in {l.scheme for l in plan.components['transformer'].linears.values()}
+    from diffq_lab.export import plan_pipeline
+    real = plan_pipeline('z-image', 'int8').components['transformer']
+    assert set(plan.components['transformer'].linears) == set(real.linears)  # the real Z-Image's 276 Linears, not the tiny one's
     compile(out.with_suffix('.py').read_text(), 'snippet', 'exec')
     assert '>= bar 30.0 dB' in capsys.readouterr().out
 
