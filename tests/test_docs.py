@@ -191,6 +191,7 @@ def test_failing_cells_are_one_line_each_and_the_old_site_stays(tmp_path):
 def test_nav_labels_progress_bars_search_banner_and_scrolling_tables():
     assert bd.nav_label('18_findings', 'Findings') == 'Findings' and bd.nav_label('19_main', '__main__') == 'Main'
     assert bd.nav_label('index', 'diffq_lab') == 'Home' and bd.nav_label('06_text_encoders', 'text_encoders') == 'Text encoders'
+    assert bd.nav_label('17_cli', 'cli') == 'CLI'
     bar = {'output_type': 'stream', 'name': 'stderr',
            'text': 'Loading pipeline components...:  40%|####      | 2/5 [00:00<00:00, 60.89it/s]\rLoading weights: 100%|#| 24/24 [00:00<00:00]\n'}
     assert bd._no_progress(bar) is None

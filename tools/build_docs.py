@@ -89,7 +89,9 @@ def nav_label(stem: str, title: str) -> str:
     "A sidebar label a reader can read: the title without its number or underscores ('__main__' -> 'Main')."
     if stem == 'index': return 'Home'
     t = re.sub(r'_+', ' ', title).strip() or stem
-    return t[0].upper() + t[1:]
+    return ACRONYMS.get(t.lower(), t[0].upper() + t[1:])
+
+ACRONYMS = {'cli': 'CLI', 'gguf': 'GGUF'}  # page titles that are names, not words
 
 def check_out(out: Path) -> Path:
     "`out` resolved, if the builder may (re)place a site there: else DocsError (exit 2) saying why, before any work."

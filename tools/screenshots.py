@@ -13,7 +13,7 @@ from file:// with networking disabled, so a screenshot shows what an offline rea
 screenshot comes back empty.
 """
 from __future__ import annotations
-import argparse, shutil, subprocess, sys, tempfile
+import argparse, contextlib, shutil, subprocess, sys, tempfile, time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -24,18 +24,6 @@ def find_browser() -> str:
         if path := shutil.which(b): return path
     sys.exit('screenshots.py: no headless Chromium found (looked for ' + ', '.join(BROWSERS) + ').\n'
              'Install Debian\'s package: apt-get update && apt-get install -y chromium')
-
-def screenshot(browser: str, page: Path, png: Path, width: int, height: int, timeout: int = 120, anchor: str = ''):
-    "One PNG of `page` (scrolled to `#anchor` if given) at width x height, from file:// with no network."
-    png.parent.mkdir(parents=True, exist_ok=True)
-    png.unlink(missing_ok=True)
-    with tempfile.TemporaryDirectory(prefix='shots-profile-') as profile:
-        cmd = [browser, '--headless', '--no-sandbox', '--disable-gpu', '--hide-scrollbars', '--no-first-run',
-               f'--user-data-dir={profile}', '--proxy-server=127.0.0.1:9', '--proxy-bypass-list=<-loopback>',
-               '--virtual-time-budget=5000', f'--window-size={width},{height}', f'--screenshot={png}', page.as_uri() + (f'#{anchor}' if anchor else '')]
-        r = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0 or not png.exists() or png.stat().st_size < 1000:
-        sys.exit(f'screenshots.py: chromium made no screenshot of {page} (exit {r.returncode}):\n{r.stderr[-2000:]}')
 
 def _cdp(ws_url: str):
     "A minimal DevTools-protocol client over tornado's websocket (a dependency of Jupyter): send(method, **params) -> result."
@@ -59,28 +47,62 @@ def _cdp(ws_url: str):
         return loop.run_sync(wait, timeout=timeout)
     return send
 
-def lab_screenshot(browser: str, url: str, png: Path, width: int = 1400, height: int = 1100, timeout: int = 600):
-    "Open `url` (a JupyterLab notebook) in headless Chromium, Run All Cells from the command palette, wait, screenshot."
-    import base64, json, time, urllib.request
-    png.parent.mkdir(parents=True, exist_ok=True)
+@contextlib.contextmanager
+def devtools(browser: str, width: int, height: int, offline: bool = True):
+    "A headless Chromium driven over its DevTools protocol: yields (send, js), js(expr) -> the expression's value."
+    import json, urllib.request
     with tempfile.TemporaryDirectory(prefix='shots-profile-') as profile:
-        proc = subprocess.Popen([browser, '--headless', '--no-sandbox', '--disable-gpu', '--no-first-run', '--hide-scrollbars',
+        proc = subprocess.Popen([browser, '--headless', '--no-sandbox', '--disable-gpu', '--no-first-run',
+                                 *([] if offline else ['--hide-scrollbars']),  # a docs page shows its scrollbars, as a reader sees them
                                  '--disable-background-networking', f'--user-data-dir={profile}', '--remote-debugging-port=0',
+                                 *(['--proxy-server=127.0.0.1:9', '--proxy-bypass-list=<-loopback>'] if offline else []),
                                  f'--window-size={width},{height}', 'about:blank'], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             port_file = Path(profile)/'DevToolsActivePort'
             for _ in range(300):
                 if port_file.exists() and port_file.read_text().strip(): break
                 time.sleep(0.1)
+            else: sys.exit('screenshots.py: chromium did not open its DevTools port')
             port = port_file.read_text().split()[0]
             page = next(t for t in json.load(urllib.request.urlopen(f'http://127.0.0.1:{port}/json/list')) if t['type'] == 'page')
             send = _cdp(page['webSocketDebuggerUrl'])
-            js = lambda expr: send('Runtime.evaluate', expression=expr, returnByValue=True).get('result', {}).get('value')
-            def until(expr, what, limit):
-                t0 = time.time()
-                while not js(expr):
-                    if time.time() - t0 > limit: sys.exit(f'screenshots.py: JupyterLab: {what} within {limit} s')
-                    time.sleep(1)
+            yield send, lambda expr: send('Runtime.evaluate', expression=expr, returnByValue=True).get('result', {}).get('value')
+        finally:
+            proc.terminate(); proc.wait(timeout=30)
+
+def _until(js, expr, what, limit):
+    t0 = time.time()
+    while not js(expr):
+        if time.time() - t0 > limit: sys.exit(f'screenshots.py: {what} within {limit} s')
+        time.sleep(1)
+
+# Tables wider than their box, and whether each can scroll there (else it is clipped)
+TABLES = """(() => { let wide = 0, clipped = 0;
+  for (const t of document.querySelectorAll('.md-content table')) {
+    const over = [];
+    for (let e = t; e && !e.classList.contains('md-content'); e = e.parentElement)
+      if (e.scrollWidth > e.clientWidth + 1) over.push(getComputedStyle(e).overflowX);
+    if (over.length) { wide++; if (!over.some(o => o === 'auto' || o === 'scroll')) clipped++; } }
+  return {wide, clipped}; })()"""
+
+def page_screenshot(browser: str, page: Path, png: Path, width: int, height: int, anchor: str = '') -> dict:
+    "One PNG of a docs page (scrolled to `#anchor`), from file:// with no network; returns its wide-table counts."
+    import base64
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with devtools(browser, width, height) as (send, js):
+        send('Page.enable'); send('Page.navigate', url=page.as_uri())
+        _until(js, "document.readyState === 'complete'", f'{page.name} did not load', 60)
+        if anchor: js(f"(() => {{ const e = document.getElementById({anchor!r}); if (e) e.scrollIntoView({{block: 'start'}}); }})()")
+        time.sleep(1.5)
+        png.write_bytes(base64.b64decode(send('Page.captureScreenshot', format='png')['data']))
+        return js(TABLES) or {}
+
+def lab_screenshot(browser: str, url: str, png: Path, width: int = 1400, height: int = 1100, timeout: int = 600):
+    "Open `url` (a JupyterLab notebook) in headless Chromium, Run All Cells from the command palette, wait, screenshot."
+    import base64
+    png.parent.mkdir(parents=True, exist_ok=True)
+    with devtools(browser, width, height, offline=False) as (send, js):  # JupyterLab is on the loopback
+            until = lambda expr, what, limit: _until(js, expr, 'JupyterLab: ' + what, limit)
             send('Page.enable'); send('Page.navigate', url=url)
             until("!!document.querySelector('.jp-Notebook .jp-Cell') && "
                   "!!document.querySelector('.jp-Notebook-ExecutionIndicator, .jp-KernelStatus, .jp-Toolbar-kernelName')",
@@ -110,8 +132,6 @@ def lab_screenshot(browser: str, url: str, png: Path, width: int = 1400, height:
             clicked = png.with_name(png.stem + '-clicked.png')
             clicked.write_bytes(base64.b64decode(send('Page.captureScreenshot', format='png')['data']))
             return js("document.querySelectorAll('.jupyter-widgets').length"), before != after
-        finally:
-            proc.terminate(); proc.wait(timeout=30)
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
@@ -142,8 +162,8 @@ def main(argv=None):
         page = site/f'{name}.html'
         if not page.exists(): sys.exit(f'screenshots.py: {page} does not exist: build the site first (make docs)')
         png = out/(f'{name}-{anchor}.png' if anchor else f'{name}.png')
-        screenshot(browser, page, png, a.width, a.height, anchor=anchor)
-        print('wrote', png)
+        t = page_screenshot(browser, page, png, a.width, a.height, anchor=anchor)
+        print('wrote', png, f"({t.get('wide', '?')} table(s) wider than the page, {t.get('clipped', '?')} of them clipped)")
 
 if __name__ == '__main__':
     main()
