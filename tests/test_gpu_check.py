@@ -29,7 +29,7 @@ def test_carried_wheels_close_over_the_image():
     names = {wheels.norm(w['name']): w['version'] for w in meta}
     assert names['torchao'] == '0.18.0'  # the torchao the lab is tested with
     assert all(n in names for n in ('diffusers', 'ipywidgets', 'ipython', 'traitlets', 'comm', 'gguf'))
-    assert not {'nbdev', 'execnb', 'fastcore', 'ghapi'} & set(names)  # the run calls the lab's functions, not nbdev_test
+    assert not {'nbdev', 'execnb', 'fastcore', 'ghapi'} & set(names)  # the run calls the lab's functions: no nbdev_test
 
 
 def test_pins_match_the_metadata():
@@ -43,7 +43,8 @@ def test_pins_match_the_metadata():
 def test_closure_finds_what_is_missing():
     meta, image = wheels.load_meta(), wheels.read_image()
     no_traitlets = [w for w in meta if wheels.norm(w['name']) != 'traitlets']
-    assert any('traitlets' in p and 'neither on the image nor carried' in p for p in wheels.closure(no_traitlets, image)[0])
+    problems = wheels.closure(no_traitlets, image)[0]
+    assert any('traitlets' in p and 'neither on the image nor carried' in p for p in problems)
     no_regex = {k: v for k, v in image.items() if k != 'regex'}
     assert any(p.startswith('diffusers') and 'regex' in p for p in wheels.closure(meta, no_regex)[0])
     old_hub = copy.deepcopy(image); old_hub['huggingface-hub']['version'] = '1.20.0'
@@ -55,13 +56,14 @@ def test_closure_finds_what_is_missing():
 
 def test_shadowed_image_packages_still_suit_the_image():
     meta, image = wheels.load_meta(), wheels.read_image()
-    low = [dict(w, version='2.10.0') if wheels.norm(w['name']) == 'pygments' else w for w in meta]  # pytest there needs >= 2.15
+    low = [dict(w, version='2.10.0') if wheels.norm(w['name']) == 'pygments' else w for w in meta]  # pytest: >= 2.15
     assert any('shadows' in p and 'pygments' in p for p in wheels.closure(low, image)[0])
 
 
 def test_wheel_tags():
     for py in (wheels.GPU_PYTHON, wheels.REHEARSAL_PYTHON):
-        assert wheels.tag_ok('py3-none-any', py) and wheels.tag_ok('cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64', py)
+        assert wheels.tag_ok('py3-none-any', py)
+        assert wheels.tag_ok('cp310-abi3-manylinux_2_24_x86_64.manylinux_2_28_x86_64', py)
     assert wheels.tag_ok('cp312-cp312-manylinux_2_28_x86_64', wheels.GPU_PYTHON)
     assert not wheels.tag_ok('cp312-cp312-manylinux_2_28_x86_64', wheels.REHEARSAL_PYTHON)
     assert not wheels.tag_ok('cp312-abi3-macosx_11_0_arm64', wheels.GPU_PYTHON)
@@ -84,8 +86,8 @@ def test_image_list_and_rehearsal_requirements():
 def test_budgets_fit_eight_minutes():
     assert stages.total_budget() <= stages.TOTAL_BUDGET_S == 480
     assert set(stages.STAGE_FNS) == set(stages.RUN_STAGES) == set(stages.TABLES)
-    out = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets'], capture_output=True, text=True, check=True,
-                         env={**os.environ, 'GPU_BUDGET_headline': ''}).stdout
+    out = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets'], capture_output=True, text=True,
+                         check=True, env={**os.environ, 'GPU_BUDGET_headline': ''}).stdout
     lines = dict(l.split() for l in out.splitlines())
     assert {k: int(v) for k, v in lines.items() if k in stages.BUDGETS} == stages.BUDGETS
     assert lines['elastic'] == stages.ELASTIC == stages.RUN_STAGES[-1] and int(lines['limit']) == 480
@@ -96,8 +98,8 @@ def _script(tmp_path, **env):
     e = {k: v for k, v in os.environ.items() if not k.startswith('GPU_')}
     e.update(OUT=str(tmp_path/'out'), GPU_WORK=str(tmp_path/'work'), GPU_PYTHON=sys.executable, GPU_SKIP_INSTALL='1',
              GPU_FAKE='0', **env)
-    return subprocess.run(['bash', str(TOOLS/'gpu_check.sh'), '--dry-run'], cwd=REPO, env=e, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(['bash', str(TOOLS/'gpu_check.sh'), '--dry-run'], cwd=REPO, env=e, capture_output=True,
+                          text=True, timeout=120)
 
 
 def test_a_killed_stage_keeps_the_rows_before_it(tmp_path):
@@ -130,14 +132,15 @@ def test_the_last_stage_takes_what_is_left(tmp_path):
 def _gpu_work(tmp_path, dry=False):
     work = tmp_path/'work'
     (work/'results'/'plans').mkdir(parents=True)
-    prov = dict(dry_run=dry, python='3.12.3', device='cuda', device_name='NVIDIA H200', capability='9.0', git_sha='abc123def456',
-                code_matches_source=True, packages=dict(torch='2.11.0+cu130', torchao='0.18.0', diffusers='0.42.1',
-                                                        transformers='5.17.0'), utc='2026-12-02T10:00:00Z', host='gpu')
+    prov = dict(dry_run=dry, python='3.12.3', device='cuda', device_name='NVIDIA H200', capability='9.0',
+                git_sha='abc123def456', code_matches_source=True, utc='2026-12-02T10:00:00Z', host='gpu',
+                packages=dict(torch='2.11.0+cu130', torchao='0.18.0', diffusers='0.42.1', transformers='5.17.0'))
     (work/'provenance.json').write_text(json.dumps(prov))
     (work/'status.tsv').write_text('probe\t40\t12\t0\tok\ngemm_eager\t25\t9\t0\tok\n')
     pd.DataFrame([dict(run='2026-12-02T10:01:00Z-aaaaaa', device='cuda', device_name='NVIDIA H200', capability='9.0',
                        torch='2.11.0+cu130', git_sha=None, utc='2026-12-02T10:01:00Z', M=8192, K=8192, N=8192, scheme=s,
-                       median_s=t) for s, t in (('bf16', 1.4e-3), ('int8', 0.8e-3))]).to_csv(work/'results'/'gemm_bench.csv', index=False)
+                       median_s=t) for s, t in (('bf16', 1.4e-3), ('int8', 0.8e-3))]
+                 ).to_csv(work/'results'/'gemm_bench.csv', index=False)
     (work/'results'/'plans'/'0123456789ab.json').write_text('{}')
     stages.pack(work, tmp_path/'out')
     return tmp_path/'out'/'results.tar.gz'
@@ -146,13 +149,15 @@ def _gpu_work(tmp_path, dry=False):
 def test_import_brings_rows_home_once(tmp_path):
     tarball = _gpu_work(tmp_path)
     into = tmp_path/'results'
-    pd.DataFrame([dict(run='cpu-run', device='cpu', device_name='CPU AMD EPYC', git_sha='111', utc='2026-11-30T00:00:00Z',
-                       M=128, K=1024, N=1024, scheme='bf16', median_s=0.01)]).to_csv(into.mkdir() or into/'gemm_bench.csv', index=False)
+    into.mkdir()
+    pd.DataFrame([dict(run='cpu-run', device='cpu', device_name='CPU AMD EPYC', git_sha='111',
+                       utc='2026-11-30T00:00:00Z', M=128, K=1024, N=1024, scheme='bf16', median_s=0.01)]
+                 ).to_csv(into/'gemm_bench.csv', index=False)
     added = gimport.import_tarball(tarball, into)
     assert added == {'gemm_bench': 2, 'gpu_runs': 1, 'plans': 1}
     g = pd.read_csv(into/'gemm_bench.csv')
-    assert list(g.device_name) == ['CPU AMD EPYC', 'NVIDIA H200', 'NVIDIA H200']  # GPU rows beside the CPU one, by device
-    assert list(g.git_sha.astype(str)) == ['111', 'abc123def456', 'abc123def456']  # the stamped sha fills the device's blank
+    assert list(g.device_name) == ['CPU AMD EPYC', 'NVIDIA H200', 'NVIDIA H200']  # GPU rows beside the CPU one
+    assert list(g.git_sha.astype(str)) == ['111', 'abc123def456', 'abc123def456']  # the stamped sha fills the blank
     runs = pd.read_csv(into/'gpu_runs.csv')
     assert runs.device_name.tolist() == ['NVIDIA H200'] and 'gemm_eager ok 9/25 s' in runs.stages[0]
     assert (into/'plans'/'0123456789ab.json').exists()

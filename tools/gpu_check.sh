@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # The one prepared GPU run (see shared/PLATFORM.md): on the lent H200, from the repo root, with the wheels of
 # `make gpu-wheels` carried in .gpu_wheels/ (no network there). The stages and their budgets live in tools/gpu_stages.py
-# (their sum, installs and packing included, is at most 8 minutes); each stage runs in its own `python3` under its own
-# timeout and appends its rows to the lab's results store the moment it ends; after every stage the rows so far are packed
-# into $OUT, so a stage killed mid-way loses only its own rows. $OUT ends with three files (at most 8 come back):
+# (their sum, installs and packing included, is at most 8 minutes); each stage runs in its own `python3` under its
+# own timeout and appends its rows to the lab's results store the moment it ends; after every stage the rows so far are
+# packed into $OUT, so a stage killed mid-way loses only its own rows. $OUT ends with three files (at most 8 come back):
 # results.tar.gz (every table, the applied plans, provenance.json, status.tsv), run.log, and summary.md (printed last).
 #   bash tools/gpu_check.sh              # on the GPU machine (the run tool's $OUT)
 #   bash tools/gpu_check.sh --dry-run    # the same stages and files on a CPU at tiny dims (`make gpu-rehearsal`)
@@ -17,16 +17,20 @@ PY=${GPU_PYTHON:-python3}          # the image's interpreter: a bare `python` ma
 WORK=${GPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/diffq_gpu_run.XXXXXX")}   # outside $OUT: only the packed files land there
 DEPS=${GPU_DEPS:-$WORK/deps}
 mkdir -p "$WORK/results" "$WORK/cache"
-export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" DIFFQ_LAB_RESULTS="$WORK/results" DIFFQ_LAB_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 \
+export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" DIFFQ_LAB_RESULTS="$WORK/results" \
+  DIFFQ_LAB_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
-  PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}" TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/diffq_inductor}"
+  PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
+  TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/diffq_inductor}"
 LOG="$OUT/run.log"; : > "$LOG"; : > "$WORK/status.tsv"
 T_START=$SECONDS
 say() { echo "$*" | tee -a "$LOG"; }
 budgets=$("$PY" tools/gpu_stages.py budgets $DRY) || { say "cannot read the stage budgets with $PY"; exit 2; }
 b() { awk -v n="$1" '$1 == n {print $2}' <<<"$budgets"; }
 record() { printf '%s\t%s\t%s\t%s\t%s\n' "$@" >> "$WORK/status.tsv"; }
-pack() { timeout 20 "$PY" tools/gpu_stages.py pack --work "$WORK" --out "$OUT" >> "$LOG" 2>&1 || say "pack failed (rc $?)"; }
+pack() {
+  timeout 20 "$PY" tools/gpu_stages.py pack --work "$WORK" --out "$OUT" >> "$LOG" 2>&1 || say "pack failed (rc $?)"
+}
 "$PY" tools/gpu_stages.py plan $DRY | tee -a "$LOG"
 say "python: $(command -v "$PY") ($("$PY" -V 2>&1)); work folder $WORK; out $OUT; ${DRY:-real run}"
 
@@ -34,25 +38,30 @@ say "python: $(command -v "$PY") ($("$PY" -V 2>&1)); work folder $WORK; out $OUT
 t0=$SECONDS
 shopt -s nullglob; wheels=(.gpu_wheels/*.whl); shopt -u nullglob
 if [[ -n "${GPU_SKIP_INSTALL:-}" ]]; then record install "$(b install)" 0 0 skipped
-elif (( ${#wheels[@]} == 0 )); then say "no wheels in .gpu_wheels/: run 'make gpu-wheels' and carry .gpu_wheels"; record install "$(b install)" 0 1 "no wheels"
+elif (( ${#wheels[@]} == 0 )); then
+  say "no wheels in .gpu_wheels/: run 'make gpu-wheels' and carry .gpu_wheels"
+  record install "$(b install)" 0 1 "no wheels"
 else
   if "$PY" -m pip --version >/dev/null 2>&1; then
     timeout -k 3 "$(b install)" "$PY" -m pip install -q --disable-pip-version-check --no-index --no-deps --no-compile \
       --target "$DEPS" "${wheels[@]}" >> "$LOG" 2>&1; rc=$?
   else  # no pip in the image: a wheel is a zip, and --target installs are its files
     say "no pip for $PY: unzipping the wheels into $DEPS"
-    timeout -k 3 "$(b install)" "$PY" -c 'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
+    timeout -k 3 "$(b install)" "$PY" -c \
+      'import sys, zipfile; [zipfile.ZipFile(w).extractall(sys.argv[1]) for w in sys.argv[2:]]' \
       "$DEPS" "${wheels[@]}" >> "$LOG" 2>&1; rc=$?
   fi
   st=ok; (( rc == 124 || rc == 137 )) && st="killed at its budget"; (( rc != 0 && rc != 124 && rc != 137 )) && st=failed
-  record install "$(b install)" $((SECONDS - t0)) "$rc" "$st"; say "=== install: ${#wheels[@]} wheels, $st (rc $rc, $((SECONDS - t0)) s)"
+  record install "$(b install)" $((SECONDS - t0)) "$rc" "$st"
+  say "=== install: ${#wheels[@]} wheels, $st (rc $rc, $((SECONDS - t0)) s)"
 fi
 
 STAGES=${GPU_STAGES:-$(awk '$1 != "install" && $1 != "elastic" && $1 != "limit" {print $1}' <<<"$budgets")}
 for s in $STAGES; do
   bs=$(b "$s"); [[ -z "$bs" ]] && { say "unknown stage $s"; continue; }
   if [[ "$s" == "$(b elastic)" ]]; then  # the last stage gets what the others left of the run's limit
-    left=$(( $(b limit) - (SECONDS - T_START) - 8 )); (( left > bs )) && { say "=== $s: $bs s budgeted, $left s left: takes $left"; bs=$left; }
+    left=$(( $(b limit) - (SECONDS - T_START) - 8 ))
+    (( left > bs )) && { say "=== $s: $bs s budgeted, $left s left: takes $left"; bs=$left; }
   fi
   fake=(); [[ -n "${GPU_FAKE:-}" ]] && { v="GPU_FAKE_$s"; fake=(--fake "${!v:-$GPU_FAKE}"); }  # tests of this script
   say "=== $s: starts, budget $bs s ($((SECONDS - T_START)) s into the run)"

@@ -23,7 +23,7 @@ class BadTarball(ValueError):
 
 
 def read_tarball(path) -> dict:
-    "provenance, status rows, tables {kind: DataFrame} and plans {name: bytes} of a GPU run's tarball; BadTarball otherwise."
+    "provenance, status rows, tables {kind: DataFrame} and plans {name: bytes} of a GPU run's tarball, else BadTarball."
     import pandas as pd
     path = Path(path)
     if not path.is_file(): raise BadTarball(f'{path}: no such file')
@@ -46,8 +46,10 @@ def read_tarball(path) -> dict:
                 kind = Path(name).stem
                 if not KIND.fullmatch(kind): raise BadTarball(f'{path}: bad table name {name!r}')
                 tables[kind] = pd.read_csv(io.BytesIO(data)) if data.strip() else pd.DataFrame()
-            elif len(parts) == 3 and parts[:2] == ('results', 'plans') and name.endswith('.json'): plans[parts[2]] = data
-            elif parts[0] == 'results' and (name.endswith('.tmp') or Path(name).name.startswith('.')): continue  # staging leftovers
+            elif len(parts) == 3 and parts[:2] == ('results', 'plans') and name.endswith('.json'):
+                plans[parts[2]] = data
+            elif parts[0] == 'results' and (name.endswith('.tmp') or Path(name).name.startswith('.')):
+                continue  # a table's staging leftover (a stage killed mid-write)
             else: raise BadTarball(f'{path}: unexpected member {name!r}')
     if prov is None: raise BadTarball(f'{path}: no provenance.json (not packed by tools/gpu_check.sh)')
     return dict(provenance=prov, status=status, tables={k: v for k, v in tables.items() if not v.empty}, plans=plans)
@@ -69,7 +71,8 @@ def import_tarball(path, into=None, allow_dry_run: bool = False) -> dict:
     run = read_tarball(path)
     prov = run['provenance']
     if prov.get('dry_run') and not allow_dry_run:
-        raise BadTarball(f'{path}: a dry run ({prov.get("device_name")}): its rows are not GPU rows (--allow-dry-run to import anyway)')
+        raise BadTarball(f'{path}: a dry run ({prov.get("device_name")}): its rows are not GPU rows '
+                         '(--allow-dry-run to import anyway)')
     root = results_dir(into)
     new, added = {}, {}
     for kind, df in run['tables'].items():
@@ -83,16 +86,17 @@ def import_tarball(path, into=None, allow_dry_run: bool = False) -> dict:
     gpu_runs = load_table('gpu_runs', root)
     key = f"{prov.get('utc')}|{prov.get('device_name')}|{prov.get('host')}"
     if new or 'key' not in gpu_runs or key not in set(gpu_runs['key']):
+        pk = prov.get('packages') or {}
+        stages = '; '.join(f"{s['stage']} {s['status']} {s['elapsed_s']}/{s['budget_s']} s" for s in run['status'])
         new['gpu_runs'] = [dict(key=key, utc=prov.get('utc'), device='cuda' if prov.get('capability') else 'cpu',
-                                device_name=prov.get('device_name'), capability=prov.get('capability'), git_sha=prov.get('git_sha'),
-                                code_matches_source=prov.get('code_matches_source'), python=prov.get('python'),
-                                torch_cuda=prov.get('torch_cuda'), nvidia_smi=prov.get('nvidia_smi'),
-                                **{k: v for k, v in (prov.get('packages') or {}).items() if k in ('torch', 'torchao', 'diffusers', 'transformers')},
-                                packages=json.dumps(prov.get('packages') or {}), runs=' '.join(runs),
-                                stages='; '.join(f"{s['stage']} {s['status']} {s['elapsed_s']}/{s['budget_s']} s" for s in run['status']),
-                                tarball=Path(path).name)]
+                                device_name=prov.get('device_name'), capability=prov.get('capability'),
+                                git_sha=prov.get('git_sha'), code_matches_source=prov.get('code_matches_source'),
+                                python=prov.get('python'), torch_cuda=prov.get('torch_cuda'),
+                                nvidia_smi=prov.get('nvidia_smi'),
+                                **{k: pk.get(k) for k in ('torch', 'torchao', 'diffusers', 'transformers')},
+                                packages=json.dumps(pk), runs=' '.join(runs), stages=stages, tarball=Path(path).name)]
         added['gpu_runs'] = 1
-    if new: record_tables(new, root=root, allow_dirty=True)  # the rows carry where they were measured; this tree only files them
+    if new: record_tables(new, root=root, allow_dirty=True)  # each row says where it was measured; here it is filed
     plans = root/'plans'
     for name, data in run['plans'].items():
         if not (plans/name).exists():

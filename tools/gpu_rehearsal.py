@@ -75,7 +75,8 @@ def check_venv(py) -> list[str]:
     have = subprocess.run([py, '-c', 'import importlib.metadata as m, sys\n'
                            'for n in sys.argv[1:]:\n'
                            '    try: m.version(n); print(n)\n'
-                           '    except m.PackageNotFoundError: pass', *absent], capture_output=True, text=True, check=True)
+                           '    except m.PackageNotFoundError: pass', *absent],
+                          capture_output=True, text=True, check=True)
     return have.stdout.split()
 
 
@@ -121,7 +122,8 @@ def main() -> int:
     if extra: print(f'the rehearsal venv holds packages the image lacks: {extra}'); return 1
     tree = copy_tree()
     shutil.rmtree(OUT, ignore_errors=True)
-    env = {k: v for k, v in os.environ.items() if k not in ('PYTHONPATH', 'VIRTUAL_ENV', 'GPU_PYTHON', 'GPU_WORK', 'GPU_DEPS')}
+    drop = ('PYTHONPATH', 'VIRTUAL_ENV', 'GPU_PYTHON', 'GPU_WORK', 'GPU_DEPS')
+    env = {k: v for k, v in os.environ.items() if k not in drop}
     env.update(PATH=f"{py.parent}:{env.get('PATH', '')}", OUT=str(OUT), OMP_NUM_THREADS=env.get('OMP_NUM_THREADS', '1'))
     t1 = time.perf_counter()
     rc = subprocess.run(['bash', 'tools/gpu_check.sh', '--dry-run'], cwd=tree, env=env).returncode

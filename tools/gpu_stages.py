@@ -18,16 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 TOTAL_BUDGET_S = 480       # the whole run, install and packing included: 8 minutes of the machine's 15
 MAX_OUT_FILES = 8          # what comes back from $OUT
 PACK_S = 3                 # the pack after each stage (tar + summary, no torch import)
-# (name, budget s on the GPU, budget s of the dry run on a CPU, what it brings home). Order = run order; 'install' is the
-# shell's wheel install. The dry run's budgets fit this 2-core CPU (shared) and add up to under the rehearsal's 10 minutes.
-# The headline runs last and is ELASTIC: its timeout is its budget or, when larger, what is left of the whole run's limit
+# (name, budget s on the GPU, budget s of the dry run on a CPU, what it brings home), in run order; 'install' is the
+# shell's wheel install. The dry run's budgets fit this shared 2-core CPU and add up to under the rehearsal's 10 min.
+# The headline runs last and is ELASTIC: its timeout is its budget or, when larger, what is left of the run's limit
 # (the stages before it donate what they did not use), so the run still ends within TOTAL_BUDGET_S.
 STAGES = (
     ('install', 20, 40, 'carried wheels installed --no-deps --target beside the image (no network there)'),
-    ('probe', 30, 60, 'a. versions, every import the run needs, and every scheme\'s real smoke probe (capability table)'),
+    ('probe', 30, 60, 'a. versions, every import the run needs, every scheme\'s real smoke probe (capability table)'),
     ('gemm_eager', 20, 50, 'c. GEMM bf16 / int8 / fp8 at the DiT\'s real shapes and 8192^3, eager'),
     ('gemm_compiled', 50, 90, 'c. the same GEMMs compiled'),
-    ('emulation', 20, 50, 'd. emulated numerics vs the real CUDA kernels (int8, int8wo, fp8, fp8wo) and the numerics table'),
+    ('emulation', 20, 50, 'd. emulated numerics vs the real CUDA kernels (int8, int8wo, fp8, fp8wo); numerics table'),
     ('text_encoder', 40, 60, 'e. Qwen3-4B-shaped encoder (random weights) bf16 vs fp8 vs int8 at 128 and 512 tokens'),
     ('trained', 40, 100, 'f. the trained tiny pipeline with real kernels: PSNR and adherence vs dense'),
     ('headline', 230, 80, 'b. Z-Image real dims, 1024 px, 8 steps: dense vs int8 vs fp8, compiled, interleaved rounds '
@@ -40,20 +40,22 @@ ELASTIC = 'headline'
 DRY_LIMIT_S = 600  # the rehearsal's whole dry run
 
 # The tables each stage appends to (the lab's results store, $DIFFQ_LAB_RESULTS): what the summary and import read.
-TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager=('gemm_bench',), gemm_compiled=('gemm_bench',),
-              emulation=('agreement', 'numerics'), text_encoder=('te_bench',), trained=('trained_schemes',))
+TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager=('gemm_bench',),
+              gemm_compiled=('gemm_bench',), emulation=('agreement', 'numerics'), text_encoder=('te_bench',),
+              trained=('trained_schemes',))
 SUMMARY_COLS = dict(
     capability=['scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick'],
     transformer_bench=['config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s', 'vs_dense',
-                       'vs_dense_lo', 'vs_dense_hi', 'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'cosine', 'status', 'fallback_reason'],
+                       'vs_dense_lo', 'vs_dense_hi', 'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr',
+                       'cosine', 'status', 'fallback_reason'],
     gemm_bench=['M', 'K', 'N', 'scheme', 'compiled', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo',
                 'speedup_hi', 'speed'],
     agreement=['scheme', 'M', 'K', 'N', 'reference', 'cosine', 'ulps', 'bit_exact', 'ok'],
     numerics=['scheme', 'granularity', 'distribution', 'rel_err', 'cosine', 'finite'],
     te_bench=['scheme', 'backend', 'quantized', 'tokens', 'median_s', 'vs_bf16', 'vs_bf16_lo', 'vs_bf16_hi', 'speed',
               'weights_MiB', 'peak_MiB', 'cosine', 'status'],
-    trained_schemes=['requested', 'scheme', 'transformer_backend', 'renders', 'adherence', 'delta', 'delta_lo', 'delta_hi',
-                     'psnr', 'ssim', 'status', 'fallback_reason'],
+    trained_schemes=['requested', 'scheme', 'transformer_backend', 'renders', 'adherence', 'delta', 'delta_lo',
+                     'delta_hi', 'psnr', 'ssim', 'status', 'fallback_reason'],
 )
 
 
@@ -72,7 +74,8 @@ def plan_table(dry: bool = False) -> str:
     "The budget table, markdown."
     lines = [f"| stage | budget s{' (dry run)' if dry else ''} | brings home |", '|---|---:|---|']
     lines += [f'| {n} | {budget(n, dry)} | {what} |' for n, *_, what in STAGES]
-    lines.append(f'| pack x {len(RUN_STAGES)} | {PACK_S * len(RUN_STAGES)} | results tarball + summary after each stage |')
+    n = len(RUN_STAGES)
+    lines.append(f'| pack x {n} | {PACK_S * n} | results tarball + summary after each stage |')
     lines.append(f'| **total** | **{total_budget(dry)}** | limit {DRY_LIMIT_S if dry else TOTAL_BUDGET_S} s |')
     return '\n'.join(lines)
 
@@ -88,11 +91,11 @@ def _device(dry: bool):
 def _say(msg: str): print(f'[{time.strftime("%H:%M:%S")}] {msg}', flush=True)
 
 
-NEEDED_IMPORTS = ('torch', 'torchao', 'diffusers', 'transformers', 'accelerate', 'safetensors', 'tokenizers', 'numpy', 'pandas',
-                  'scipy', 'matplotlib', 'tabulate', 'tqdm', 'filelock', 'gguf', 'ipywidgets', 'IPython', 'traitlets', 'comm',
-                  'yaml', 'PIL', 'diffq_lab.core', 'diffq_lab.capability', 'diffq_lab.emulate', 'diffq_lab.crossover',
-                  'diffq_lab.quality', 'diffq_lab.pipelines', 'diffq_lab.text_encoder', 'diffq_lab.memory', 'diffq_lab.gguf',
-                  'diffq_lab.trained', 'diffq_lab.study')
+NEEDED_IMPORTS = ('torch', 'torchao', 'diffusers', 'transformers', 'accelerate', 'safetensors', 'tokenizers', 'numpy',
+                  'pandas', 'scipy', 'matplotlib', 'tabulate', 'tqdm', 'filelock', 'gguf', 'ipywidgets', 'IPython',
+                  'traitlets', 'comm', 'yaml', 'PIL', 'diffq_lab.core', 'diffq_lab.capability', 'diffq_lab.emulate',
+                  'diffq_lab.crossover', 'diffq_lab.quality', 'diffq_lab.pipelines', 'diffq_lab.text_encoder',
+                  'diffq_lab.memory', 'diffq_lab.gguf', 'diffq_lab.trained', 'diffq_lab.study')
 PROVENANCE_PACKAGES = ('torch', 'torchao', 'diffusers', 'transformers', 'accelerate', 'huggingface_hub', 'safetensors',
                        'tokenizers', 'numpy', 'pandas', 'scipy', 'gguf', 'ipywidgets', 'ipython', 'triton')
 
@@ -122,7 +125,8 @@ def source_stamp(root=REPO) -> dict:
         try: return json.loads(f.read_text())
         except ValueError: pass
     try:
-        sha = subprocess.run(['git', 'rev-parse', '--short=12', 'HEAD'], cwd=root, capture_output=True, text=True, timeout=10)
+        sha = subprocess.run(['git', 'rev-parse', '--short=12', 'HEAD'], cwd=root, capture_output=True, text=True,
+                             timeout=10)
         dirty = subprocess.run(['git', 'status', '--porcelain', '--untracked-files=no'], cwd=root, capture_output=True,
                                text=True, timeout=10)
         if sha.returncode == 0:
@@ -132,14 +136,14 @@ def source_stamp(root=REPO) -> dict:
 
 
 def provenance(device=None, dry: bool = False, imports=None) -> dict:
-    "Where this run's rows come from: device, capability, versions, the source sha and whether the code that ran matches it."
+    "Where this run's rows come from: device, capability, versions, the source sha, whether the code that ran is its."
     from importlib.metadata import version, PackageNotFoundError
     def v(n):
         try: return version(n)
         except PackageNotFoundError: return None
     src = source_stamp()
     digest = code_digest()
-    stale = bool(src.get('dirty')) or (src.get('code_digest') not in (None, digest))  # the code that ran is not the sha's
+    stale = bool(src.get('dirty')) or (src.get('code_digest') not in (None, digest))  # the code ran is not the sha's
     out = dict(dry_run=dry, python=platform.python_version(), executable=sys.executable, host=platform.node(),
                packages={n: v(n) for n in PROVENANCE_PACKAGES}, source=src, code_digest_run=digest,
                code_matches_source=src.get('code_digest') == digest if src.get('code_digest') else None,
@@ -149,13 +153,15 @@ def provenance(device=None, dry: bool = False, imports=None) -> dict:
         import torch
         from diffq_lab.core import fingerprint
         fp = fingerprint(device)
-        out.update(device=fp['device'], device_name=fp['device_name'], capability=fp['capability'], torch_cuda=torch.version.cuda,
+        out.update(device=fp['device'], device_name=fp['device_name'], capability=fp['capability'],
+                   torch_cuda=torch.version.cuda,
                    gpu_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
         if device.type == 'cuda':
             p = torch.cuda.get_device_properties(device)
             out.update(gpu_memory_GiB=round(p.total_memory / 2**30, 1), sm_count=p.multi_processor_count)
     try:
-        smi = subprocess.run(['nvidia-smi', '--query-gpu=name,driver_version,memory.total,clocks.max.sm', '--format=csv,noheader'],
+        query = '--query-gpu=name,driver_version,memory.total,clocks.max.sm'
+        smi = subprocess.run(['nvidia-smi', query, '--format=csv,noheader'],
                              capture_output=True, text=True, timeout=20)
         out['nvidia_smi'] = smi.stdout.strip() or smi.stderr.strip()
     except (OSError, subprocess.SubprocessError): out['nvidia_smi'] = None
@@ -183,13 +189,14 @@ def stage_probe(dry: bool):
 
 
 def stage_headline(dry: bool):
-    "b. The seed's B200 table's counterpart: Z-Image real dims, 1024 px, 8 steps; dense / int8 / fp8, compiled, interleaved."
+    "b. The seed's B200 table on this GPU: Z-Image real dims, 1024 px, 8 steps; dense, int8, fp8 compiled, interleaved."
     from diffq_lab.study import record_transformer_bench, BENCH_COLS
     device = _device(dry)
     # GGUF + compile is left out: writing the 6B DiT's Q8_0 file (6.5 GB, numpy on the CPU) alone would spend the budget
     # a dry run compiles only with GPU_DRY_COMPILE=1: inductor on a shared 2-core CPU takes minutes per configuration
-    kw = (dict(steps=2, size=32, runs=3, dims='tiny', min_features=0, threads=1, compile=os.environ.get('GPU_DRY_COMPILE') == '1')
-          if dry else dict(steps=8, size=1024, runs=5, dims='real', min_features=512, threads=None, compile=True))
+    kw = (dict(steps=2, size=32, runs=3, dims='tiny', min_features=0, threads=1,
+               compile=os.environ.get('GPU_DRY_COMPILE') == '1') if dry else
+          dict(steps=8, size=1024, runs=5, dims='real', min_features=512, threads=None, compile=True))
     df = record_transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), device=device, gguf=None, **kw)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
 
@@ -198,10 +205,11 @@ def _gemm(dry: bool, compile: bool):
     from diffq_lab.crossover import record_gemm_bench, GPU_SHAPES, BENCH_COLS
     device = _device(dry)
     # the Z-Image DiT's Linears at 1024 px (4096 image + 128 text tokens; dim 3840, FFN 10240) and the 8192^3 cube
-    shapes = ((128, 256, 256), (256, 512, 1024))[:1 if compile else 2] if dry else tuple(s for s in GPU_SHAPES if s == (8192,) * 3 or 3840 in s[1:])
+    real = tuple(s for s in GPU_SHAPES if s == (8192,) * 3 or 3840 in s[1:])
+    shapes = ((128, 256, 256), (256, 512, 1024))[:1 if compile else 2] if dry else real
     for shape in shapes:  # each shape's rows recorded as it ends: a kill keeps the shapes before it
-        df = record_gemm_bench(device=device, shapes=(shape,), schemes=('bf16', 'int8', 'fp8'), compile=compile, emulated=False,
-                               repeats=3 if dry else 20, warmup=1 if dry else 5)
+        df = record_gemm_bench(device=device, shapes=(shape,), schemes=('bf16', 'int8', 'fp8'), compile=compile,
+                               emulated=False, repeats=3 if dry else 20, warmup=1 if dry else 5)
         print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
 
 
@@ -226,11 +234,17 @@ def stage_emulation(dry: bool):
 
 
 TE_TINY = dict(vocab_size=1024, hidden_size=512, intermediate_size=1024, num_hidden_layers=2, num_attention_heads=8,
-               num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True, rms_norm_eps=1e-6)
+               num_key_value_heads=4, head_dim=64, max_position_embeddings=1024, tie_word_embeddings=True,
+               rms_norm_eps=1e-6)
 
 
-def te_bench(device, config: dict, schemes=('fp8', 'int8'), tokens=(128, 512), rounds: int = 20, seed: int = 0) -> list[dict]:
-    "A Qwen3 encoder built from `config` (random weights, bf16): per scheme and prompt length, seconds per forward (interleaved), peak memory, cosine vs bf16."
+def te_bench(device,
+             config: dict,  # a transformers Qwen3Config's fields (QWEN3_4B: the real dims)
+             schemes=('fp8', 'int8'),  # the lab's scheme names, each against bf16
+             tokens=(128, 512),  # prompt lengths
+             rounds: int = 20,  # interleaved timing rounds
+             seed: int = 0) -> list[dict]:
+    "A random-weight bf16 Qwen3 encoder per scheme and prompt length: seconds a forward, peak memory, cosine vs bf16."
     import copy, statistics, torch
     from transformers import Qwen3Config, Qwen3Model
     from diffq_lab.core import fidelity, memory_mark, peak_extra_bytes
@@ -267,16 +281,18 @@ def te_bench(device, config: dict, schemes=('fp8', 'int8'), tokens=(128, 512), r
         warm_up(calls, device)
         times = interleaved_times(calls, rounds, device)
         for k in ['bf16', *schemes]:
-            r = dict(encoder='Qwen3-4B shape' if config['hidden_size'] == 2560 else 'tiny Qwen3', layers=config['num_hidden_layers'],
-                     hidden=config['hidden_size'], scheme=k, tokens=n, rounds=rounds, **info[k])
+            r = dict(encoder='Qwen3-4B shape' if config['hidden_size'] == 2560 else 'tiny Qwen3',
+                     layers=config['num_hidden_layers'], hidden=config['hidden_size'], scheme=k, tokens=n,
+                     rounds=rounds, **info[k])
             if k in times:
                 sp = speed_vs(times['bf16'], times[k], emulated='emulate' in r['backend'])
                 f = fidelity(outs[k], outs['bf16'])
                 r.update(median_s=statistics.median(times[k]), vs_bf16=sp['ratio'], vs_bf16_lo=sp['ratio_lo'],
                          vs_bf16_hi=sp['ratio_hi'], speed='baseline' if k == 'bf16' else sp['verdict'],
                          weights_MiB=module_bytes(models[k]) / 2**20,
-                         peak_MiB=None if peaks[k] is None else peaks[k] / 2**20, cosine=f['cosine'], finite=f['finite'],
-                         timing=f'{rounds} interleaved rounds (ABBA); vs_bf16: median paired ratio with its BCa interval (95%)')
+                         peak_MiB=None if peaks[k] is None else peaks[k] / 2**20, cosine=f['cosine'],
+                         finite=f['finite'],
+                         timing=f'{rounds} interleaved rounds (ABBA); vs_bf16: median paired ratio, BCa interval (95%)')
             rows.append(r)
     return rows
 
@@ -287,7 +303,8 @@ def stage_text_encoder(dry: bool):
     from diffq_lab.core import append_rows
     from diffq_lab.pipelines import QWEN3_4B
     device = _device(dry)
-    rows = te_bench(device, TE_TINY if dry else QWEN3_4B, tokens=(16, 64) if dry else (128, 512), rounds=3 if dry else 20)
+    rows = te_bench(device, TE_TINY if dry else QWEN3_4B, tokens=(16, 64) if dry else (128, 512),
+                    rounds=3 if dry else 20)
     append_rows('te_bench', rows, device=device)
     print(pd.DataFrame(rows)[[c for c in SUMMARY_COLS['te_bench'] if c in rows[0] or c == 'median_s']]
           .to_markdown(index=False, floatfmt='.4g'))
@@ -304,14 +321,16 @@ def stage_trained(dry: bool):
     try:
         # the held-out prompts, 2 seeds (72 renders a scheme; the CPU table has 4 seeds, 144): the budget's share
         prompts, seeds = (T.heldout_prompts()[:3], (0,)) if dry else (None, (0, 1))
-        df = T.record_adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'nvfp4'), prompts=prompts,
+        df = T.record_adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'nvfp4'),
+                                          prompts=prompts,
                                           seeds=seeds)
     finally: T.load_trained_pipeline = load
     print(df[[c for c in SUMMARY_COLS['trained_schemes'] if c in df]].to_markdown(index=False, floatfmt='.4g'))
 
 
-STAGE_FNS = dict(probe=stage_probe, headline=stage_headline, gemm_eager=stage_gemm_eager, gemm_compiled=stage_gemm_compiled,
-                 emulation=stage_emulation, text_encoder=stage_text_encoder, trained=stage_trained)
+STAGE_FNS = dict(probe=stage_probe, headline=stage_headline, gemm_eager=stage_gemm_eager,
+                 gemm_compiled=stage_gemm_compiled, emulation=stage_emulation, text_encoder=stage_text_encoder,
+                 trained=stage_trained)
 
 
 def fake_stage(name: str, seconds: float):
@@ -352,8 +371,9 @@ def summary_md(work: Path) -> str:
     status = {r['stage']: r for r in _read_status(work)}
     dry = bool(prov.get('dry_run', os.environ.get('GPU_DRY') == '1'))
     lines = [f"# diffq_lab GPU run{' (dry run, CPU)' if prov.get('dry_run') else ''}", '',
-             f"device: {prov.get('device_name', '?')} (capability {prov.get('capability')}); python {prov.get('python', '?')}; "
-             f"git {prov.get('git_sha')}; code matches source: {prov.get('code_matches_source')}; {prov.get('utc', '')}", '',
+             f"device: {prov.get('device_name', '?')} (capability {prov.get('capability')}); "
+             f"python {prov.get('python', '?')}; git {prov.get('git_sha')}; "
+             f"code matches source: {prov.get('code_matches_source')}; {prov.get('utc', '')}", '',
              'packages: ' + ', '.join(f'{k} {v}' for k, v in (prov.get('packages') or {}).items() if v), '',
              '| stage | budget s | took s | rc | status |', '|---|---:|---:|---:|---|']
     for n, *_ in STAGES:
@@ -366,8 +386,9 @@ def summary_md(work: Path) -> str:
         lines.append(f'## {kind}')
         if isinstance(df, Exception): lines += [f'damaged: {df}', '']; continue
         cols = [c for c in SUMMARY_COLS.get(kind, df.columns[:12]) if c in df]
-        lines += [f'{len(df)} rows from {df["device_name"].dropna().unique().tolist() if "device_name" in df else "?"}', '',
-                  df[cols].astype(object).where(df[cols].notna(), None).to_markdown(index=False, floatfmt='.4g', missingval=''), '']
+        where = df['device_name'].dropna().unique().tolist() if 'device_name' in df else '?'
+        shown = df[cols].astype(object).where(df[cols].notna(), None)
+        lines += [f'{len(df)} rows from {where}', '', shown.to_markdown(index=False, floatfmt='.4g', missingval=''), '']
     return '\n'.join(lines) + '\n'
 
 
@@ -382,8 +403,9 @@ def pack(work, out) -> list[Path]:
     "results.tar.gz (results/, provenance.json, status.tsv) and summary.md into `out`, each replaced atomically."
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if not (work/'provenance.json').exists():  # the probe stage writes the full one; until then, what is known without torch
-        (work/'provenance.json').write_text(json.dumps(provenance(None, os.environ.get('GPU_DRY') == '1'), indent=1, default=str))
+    if not (work/'provenance.json').exists():  # the probe stage writes the full one; until then, what needs no torch
+        prov = provenance(None, os.environ.get('GPU_DRY') == '1')
+        (work/'provenance.json').write_text(json.dumps(prov, indent=1, default=str))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode='w:gz') as tar:
         for name in ('provenance.json', 'status.tsv'):
@@ -398,7 +420,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest='cmd', required=True)
     for c in ('budgets', 'plan'): sub.add_parser(c).add_argument('--dry-run', action='store_true')
-    r = sub.add_parser('run'); r.add_argument('stage', choices=RUN_STAGES); r.add_argument('--dry-run', action='store_true')
+    r = sub.add_parser('run')
+    r.add_argument('stage', choices=RUN_STAGES)
+    r.add_argument('--dry-run', action='store_true')
     r.add_argument('--fake', type=float, default=None, help='tests: sleep this long and write one row instead')
     p = sub.add_parser('pack'); p.add_argument('--work', required=True); p.add_argument('--out', required=True)
     a = ap.parse_args(argv)
@@ -411,7 +435,8 @@ def main(argv=None) -> int:
     if a.cmd == 'pack': pack(a.work, a.out); return 0
     if a.fake is not None: fake_stage(a.stage, a.fake); return 0
     t0 = time.perf_counter()
-    _say(f'stage {a.stage} starts ({"dry run, CPU, tiny dims" if a.dry_run else "CUDA, real dims"}; budget {budget(a.stage, a.dry_run)} s)')
+    how = 'dry run, CPU, tiny dims' if a.dry_run else 'CUDA, real dims'
+    _say(f'stage {a.stage} starts ({how}; budget {budget(a.stage, a.dry_run)} s)')
     STAGE_FNS[a.stage](a.dry_run)
     _say(f'stage {a.stage} done in {time.perf_counter() - t0:.1f} s')
     return 0

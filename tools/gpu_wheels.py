@@ -1,7 +1,7 @@
 """The wheels carried to the lent GPU machine: pinned with hashes, checked against that machine's image.
 
     python3 tools/gpu_wheels.py download [--dest .gpu_wheels]   # fetch the pinned wheels (hash-checked), check, stamp
-    python3 tools/gpu_wheels.py check [--wheels DIR]            # closure, tags, transfer size (from the committed metadata)
+    python3 tools/gpu_wheels.py check [--wheels DIR]            # closure, tags, transfer size (committed metadata)
     python3 tools/gpu_wheels.py stamp [--dest .gpu_wheels]      # the git sha + code digest the run will report
     python3 tools/gpu_wheels.py lock DIR                        # maintainers: rewrite the pins from the wheels in DIR
 
@@ -23,7 +23,7 @@ GPU_PYTHON = ('3.12', '3.12.3')  # the image's python3
 REHEARSAL_PYTHON = ('3.11', '3.11.7')  # this machine's: the rehearsal installs the very same files
 PLATFORM_ARGS = ['--python-version', '3.12', '--implementation', 'cp', '--platform', 'manylinux_2_28_x86_64',
                  '--platform', 'manylinux_2_17_x86_64', '--platform', 'manylinux2014_x86_64']
-RUN_NEEDS = ('torchao', 'diffusers', 'gguf', 'ipywidgets', 'ipython', 'traitlets', 'comm')  # absent there, imported by the run
+RUN_NEEDS = ('torchao', 'diffusers', 'gguf', 'ipywidgets', 'ipython', 'traitlets', 'comm')  # absent there; imported
 
 
 def norm(name: str) -> str:
@@ -55,7 +55,8 @@ def wheel_meta(path) -> dict:
         if len(info) != 1: raise ValueError(f'{path.name}: {len(info)} METADATA files')
         m = Parser().parsestr(z.read(info[0]).decode())
     tags = path.name[:-4].split('-')[-3:]
-    return dict(name=m['Name'], version=m['Version'], file=path.name, sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    return dict(name=m['Name'], version=m['Version'], file=path.name, sha256=digest,
                 size=path.stat().st_size, tags='-'.join(tags), requires_python=m.get('Requires-Python') or '',
                 requires_dist=m.get_all('Requires-Dist') or [])
 
@@ -70,8 +71,12 @@ def _base(v: str) -> str: return v.split('+')[0]
 
 
 def _packaging():
-    try: from packaging.requirements import Requirement; from packaging.specifiers import SpecifierSet
-    except ImportError: from pip._vendor.packaging.requirements import Requirement; from pip._vendor.packaging.specifiers import SpecifierSet
+    try:
+        from packaging.requirements import Requirement
+        from packaging.specifiers import SpecifierSet
+    except ImportError:  # a bare python3 with pip: pip's own copy
+        from pip._vendor.packaging.requirements import Requirement
+        from pip._vendor.packaging.specifiers import SpecifierSet
     return Requirement, SpecifierSet
 
 
@@ -95,11 +100,11 @@ def closure(wheels: list[dict], image: dict, py=GPU_PYTHON) -> tuple[list[str], 
             elif have is not None and have['source'] != 'absent':
                 if have['version'] is None:
                     if any(s.operator != '!=' for s in q.specifier):
-                        notes.append(f"{who} needs {q}: the image has {n} ({have['source']}), its version not read there")
+                        notes.append(f"{who} needs {q}: the image has {n} ({have['source']}), version not read")
                 elif not q.specifier.contains(_base(have['version']), prereleases=True):
                     problems.append(f"{who} needs {q}: the image has {have['version']}")
             else: problems.append(f'{who} needs {q}: neither on the image nor carried')
-    for n, v in carried.items():  # a carried wheel shadows the image's copy (PYTHONPATH first): it must suit the image too
+    for n, v in carried.items():  # a carried wheel shadows the image's copy (PYTHONPATH first): it must suit the image
         for dep, spec in (image.get(n) or {}).get('required_by', {}).items():
             if spec and not SpecifierSet(spec).contains(v, prereleases=True):
                 problems.append(f'carried {n} {v} shadows the image\'s, but {dep} there needs {n} {spec}')
@@ -111,8 +116,8 @@ def tag_ok(tags: str, py=GPU_PYTHON) -> bool:
     pyt, abi, plat = tags.split('-')
     major, minor = map(int, py[0].split('.'))
     pys = pyt.split('.')
-    py_ok = any(p in ('py3', f'py{major}', f'cp{major}{minor}') or (abi == 'abi3' and p.startswith('cp3') and int(p[3:]) <= minor)
-                or p == 'py2.py3' for p in pys) or 'py3' in pys
+    py_ok = any(p in ('py3', f'py{major}', f'cp{major}{minor}')
+                or (abi == 'abi3' and p.startswith('cp3') and int(p[3:]) <= minor) for p in pys)
     abi_ok = abi in ('none', 'abi3', f'cp{major}{minor}')
     plat_ok = plat == 'any' or all(p.endswith('x86_64') and (p.startswith('manylinux') or p == 'linux_x86_64')
                                    for p in plat.split('.'))
@@ -121,7 +126,8 @@ def tag_ok(tags: str, py=GPU_PYTHON) -> bool:
 
 def tree_bytes(root=REPO) -> int:
     "Bytes of what the device tool carries of the tree: tracked files and untracked ones git does not ignore."
-    out = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=root, capture_output=True, check=True).stdout
+    out = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=root, capture_output=True,
+                         check=True).stdout
     return sum((Path(root)/p).stat().st_size for p in out.decode().split('\0') if p and (Path(root)/p).is_file())
 
 
@@ -130,26 +136,30 @@ def load_meta(path=META) -> list[dict]:
 
 
 def check(wheels_dir=None, meta=None, image=None, tree=None) -> list[str]:
-    "Every problem with the carried set: closure on the GPU's Python and this one's, tags, torchao, what the run needs, size."
+    "Every problem with the carried set: closure on the GPU's Python and this one's, tags, torchao, run needs, size."
     wheels = meta if meta is not None else load_meta()
     image = image if image is not None else read_image()
     problems = []
     for py in (GPU_PYTHON, REHEARSAL_PYTHON):
         p, _ = closure(wheels, image, py)
         problems += [f'python {py[1]}: {x}' for x in p]
-        problems += [f"{w['file']}: tags {w['tags']} do not install on CPython {py[0]}" for w in wheels if not tag_ok(w['tags'], py)]
+        problems += [f"{w['file']}: tags {w['tags']} do not install on CPython {py[0]}"
+                     for w in wheels if not tag_ok(w['tags'], py)]
     names = {norm(w['name']): w['version'] for w in wheels}
-    if names.get('torchao') != TESTED_TORCHAO: problems.append(f"torchao carried {names.get('torchao')}, the lab is tested with {TESTED_TORCHAO}")
+    if names.get('torchao') != TESTED_TORCHAO:
+        problems.append(f"torchao carried {names.get('torchao')}, the lab is tested with {TESTED_TORCHAO}")
     problems += [f'{n} is not on the image and not carried' for n in RUN_NEEDS if n not in names]
     if wheels_dir is not None:
         files = {p.name: p for p in Path(wheels_dir).glob('*.whl')}
         for w in wheels:
             f = files.pop(w['file'], None)
             if f is None: problems.append(f"{w['file']} missing from {wheels_dir}")
-            elif hashlib.sha256(f.read_bytes()).hexdigest() != w['sha256']: problems.append(f"{w['file']}: sha256 differs from the pin")
+            elif hashlib.sha256(f.read_bytes()).hexdigest() != w['sha256']:
+                problems.append(f"{w['file']}: sha256 differs from the pin")
         problems += [f'{n} in {wheels_dir} is not pinned' for n in files]
     total = (tree if tree is not None else tree_bytes()) + sum(w['size'] for w in wheels)
-    if total > TRANSFER_LIMIT: problems.append(f'tree + wheels = {total / 2**20:.1f} MiB > {TRANSFER_LIMIT / 2**20:.0f} MiB')
+    if total > TRANSFER_LIMIT:
+        problems.append(f'tree + wheels = {total / 2**20:.1f} MiB > {TRANSFER_LIMIT / 2**20:.0f} MiB')
     return problems
 
 
@@ -159,7 +169,8 @@ def stamp(dest) -> dict:
     from gpu_stages import code_digest
     git = lambda *a: subprocess.run(['git', *a], cwd=REPO, capture_output=True, text=True, timeout=10).stdout.strip()
     s = dict(git_sha=git('rev-parse', '--short=12', 'HEAD') or None,
-             dirty=bool(git('status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)data')), code_digest=code_digest(REPO))
+             dirty=bool(git('status', '--porcelain', '--untracked-files=no', '--', '.', ':(exclude)data')),
+             code_digest=code_digest(REPO))
     Path(dest).mkdir(parents=True, exist_ok=True)
     (Path(dest)/'SOURCE').write_text(json.dumps(s) + '\n')
     return s
@@ -177,7 +188,8 @@ def download(dest) -> int:
     for p in problems: print('PROBLEM:', p, file=sys.stderr)
     s = stamp(dest)
     wheels = load_meta()
-    print(f"{len(wheels)} wheels, {sum(w['size'] for w in wheels) / 2**20:.1f} MiB in {dest}; tree {tree_bytes() / 2**20:.1f} MiB; "
+    print(f"{len(wheels)} wheels, {sum(w['size'] for w in wheels) / 2**20:.1f} MiB in {dest}; "
+          f"tree {tree_bytes() / 2**20:.1f} MiB; "
           f"source {s['git_sha']}{' +dirty' if s['dirty'] else ''}")
     return 1 if problems else 0
 
@@ -185,7 +197,7 @@ def download(dest) -> int:
 def lock(folder) -> int:
     "Rewrite wheels.txt and wheels.json from the wheels in `folder`."
     wheels = sorted((wheel_meta(p) for p in Path(folder).glob('*.whl')), key=lambda w: norm(w['name']))
-    PINS.write_text('# The wheels carried to the GPU machine (tools/gpu_wheels.py; `make gpu-wheels`), pinned with hashes.\n'
+    PINS.write_text('# The wheels carried to the GPU machine (tools/gpu_wheels.py; `make gpu-wheels`), with hashes.\n'
                     + ''.join(f"{w['name']}=={w['version']} --hash=sha256:{w['sha256']}\n" for w in wheels))
     META.write_text(json.dumps(wheels, indent=1) + '\n')
     print(f'{len(wheels)} wheels locked')
