@@ -22,6 +22,8 @@ export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" DIFFQ_LAB
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
   PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
   TORCHINDUCTOR_CACHE_DIR="${TORCHINDUCTOR_CACHE_DIR:-/tmp/diffq_inductor}"
+# one run id for the GEMM sweep's rows (both stages, every shape)
+export GPU_RUN_ID="${GPU_RUN_ID:-$(date -u +%Y-%m-%dT%H:%M:%SZ)-gpu$(printf '%04x' $RANDOM)}"
 LOG="$OUT/run.log"; : > "$LOG"; : > "$WORK/status.tsv"
 T_START=$SECONDS
 say() { echo "$*" | tee -a "$LOG"; }

@@ -202,14 +202,19 @@ def stage_headline(dry: bool):
 
 
 def _gemm(dry: bool, compile: bool):
-    from diffq_lab.crossover import record_gemm_bench, GPU_SHAPES, BENCH_COLS
+    from diffq_lab.core import append_rows, fingerprint
+    from diffq_lab.crossover import gemm_bench, GPU_SHAPES, BENCH_COLS
     device = _device(dry)
+    # one run id for every GEMM row of this GPU run (both stages, each shape): the Findings' latest_run(device=...)
+    # reads the whole sweep, while each shape is recorded the moment it ends (a kill keeps the shapes before it)
+    stamp = {'run': os.environ.get('GPU_RUN_ID') or f"{fingerprint(device)['utc']}-gemm", **fingerprint(device)}
     # the Z-Image DiT's Linears at 1024 px (4096 image + 128 text tokens; dim 3840, FFN 10240) and the 8192^3 cube
     real = tuple(s for s in GPU_SHAPES if s == (8192,) * 3 or 3840 in s[1:])
     shapes = ((128, 256, 256), (256, 512, 1024))[:1 if compile else 2] if dry else real
-    for shape in shapes:  # each shape's rows recorded as it ends: a kill keeps the shapes before it
-        df = record_gemm_bench(device=device, shapes=(shape,), schemes=('bf16', 'int8', 'fp8'), compile=compile,
-                               emulated=False, repeats=3 if dry else 20, warmup=1 if dry else 5)
+    for shape in shapes:
+        df = gemm_bench(device=device, shapes=(shape,), schemes=('bf16', 'int8', 'fp8'), compile=compile,
+                        emulated=False, repeats=3 if dry else 20, warmup=1 if dry else 5)
+        append_rows('gemm_bench', [{**stamp, **r} for r in df.to_dict('records')], device=device)  # stamped: kept as is
         print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
 
 
