@@ -321,7 +321,7 @@ def short_table(study: pd.DataFrame) -> str:
     level = study.ci_level.dropna().iloc[0] if 'ci_level' in study and study.ci_level.notna().any() else 0.95
     legend = [f'ran as: the backends that ran (emulate: fake-quant on this device, numerics only). DiT q: transformer Linears '
               f'quantised/total. MiB: encoder + transformer weights as stored. vs dense: dense time / scheme time (> 1 faster), '
-              f'median paired ratio with its {level * 100:g}% interval, and the verdict. PSNR / SSIM: renders vs dense '
+              f'median paired ratio with its {level * 100:.4g}% interval, and the verdict. PSNR / SSIM: renders vs dense '
               f'(same: identical).' + (' adher.: prompt adherence of the trained checker (0-1).' if trained else '')]
     notes = [f'{r["requested"]}: {str(r.get(k))[:300]}' for r in study.to_dict('records')
              for k in ('error', 'fallback_reason') if not _blank(r.get(k))]  # a failure's error, a fallback's reason
@@ -386,6 +386,7 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
         record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
                        'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty)  # all three or none
         log(recorded_note({'capability': len(cap), 'study_numerics': len(num), 'study': len(study)}, root))
+    else: log('not recorded (record=False, diffq-lab study --no-record): no results table changed')
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
     return dict(capability=cap, numerics=num, summary=summary, study=study)
 
