@@ -5,25 +5,26 @@
 # %% ../nbs/10b_loader.ipynb #cafc6559
 from __future__ import annotations
 import logging, time
+from dataclasses import dataclass
 from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
 from .capability import BACKENDS, SchemeUnavailableError, select_scheme
-from .plan import QuantPlan, QuantizationError, RestoreError, apply_plan, dense_plan
+from .plan import ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan, dense_plan
 from .pipelines import get_family, family_of, render, load_pipeline
 from .text_encoder import offload_probe, plan_text_encoders, text_encoders
-from .transformer import denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
+from .transformer import DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
 from .memory import free_memory, module_bytes, plan_memory
 from .gguf import load_gguf_transformer
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'ON_UNAVAILABLE', 'engaged', 'load_pipeline_quantized']
+__all__ = ['log', 'LoadReport', 'engaged', 'load_pipeline_quantized']
 
-# %% ../nbs/10b_loader.ipynb #0d4fee9b
+# %% ../nbs/10b_loader.ipynb #9ee9f582
 class _ForwardFailed(RuntimeError):
     "The validation render of a quantised transformer failed (the kernel, not the quantisation pass)."
 
@@ -43,8 +44,7 @@ def _gguf_paths(gguf, dens: dict) -> dict:
     if missing: raise ValueError(f'no GGUF file at {missing}')
     return {a: Path(p) for a, p in paths.items()}
 
-ON_UNAVAILABLE = ('dense', 'raise')
-
+# %% ../nbs/10b_loader.ipynb #aec6e5b6
 def _placement(pipe, device, free_bytes, reserve) -> tuple[str, str]:
     "Where `pipe` can run on `device`: 'device' (all of it fits), 'offload' (one component at a time), 'cpu' (not even that)."
     if free_bytes is None and device.type != 'cuda': return 'device', ''  # a CPU holds what it loaded
@@ -57,27 +57,84 @@ def _placement(pipe, device, free_bytes, reserve) -> tuple[str, str]:
     if largest <= budget: return 'offload', f'all components ({total / 2**30:.2f} GiB) exceed the {have}; the largest, {big}, fits alone'
     return 'cpu', f'{big} ({largest / 2**30:.2f} GiB) does not fit even alone in the {have}'
 
+# %% ../nbs/10b_loader.ipynb #c9454e58
+@dataclass
+class LoadReport:
+    "What the loader did: the applied `plan` (scheme, backend and counts are read from it), the path taken and why, placement, compile."
+    plan: QuantPlan                # every encoder and denoiser as applied (a dense fallback says why)
+    family: str
+    requested: str | None = None   # the transformer scheme asked for
+    path: str = 'dense'            # the transformer's path: 'quant', 'gguf' or 'dense'
+    fallback_reason: str = ''      # why the transformer is not quantised as asked
+    te_fallback_reason: str = ''   # why the encoders stay dense although asked
+    backend_note: str = ''         # why the backend is what it is (an emulation after a failed forward, an offload probe)
+    gguf: str = ''                 # the GGUF file(s) given
+    gguf_linears: int = 0          # Linears the GGUF transformer holds as GGUF blocks
+    memory: str = ''               # the memory preflight's verdict
+    placement: str = ''
+    compile: str = ''
+    device: str = ''
+    device_name: str = ''
+    dtype: str = ''
+    load_s: float = 0.0
+    mem_load_bytes: int = 0        # the denoisers' bytes as loaded
+    device_mem_bytes: int | None = None
+    mem_gen_peak_bytes: int | None = None  # the validation render's peak (CUDA)
+
+    def _dens(self) -> list[ComponentPlan]: return [p for a, p in self.plan.components.items() if a in DENOISER_ATTRS]
+    def _one(self, attr) -> str | None: return '+'.join(sorted({getattr(p, attr) for p in self._dens() if getattr(p, attr)})) or None
+    @property
+    def scheme(self) -> str | None: return self._one('scheme')
+    @property
+    def backend(self) -> str | None: return self._one('backend')
+    @property
+    def linears_quantized(self) -> int: return self.gguf_linears if self.path == 'gguf' else sum(p.n_quantized for p in self._dens())
+    @property
+    def linears_total(self) -> int: return sum(p.n_linear for p in self._dens())
+    @property
+    def quant_summary(self) -> str:
+        return ' | '.join(f'{a}: {p.summary()}' for a, p in self.plan.components.items() if a in DENOISER_ATTRS) if self.path == 'quant' else ''
+    @property
+    def quant_plan(self) -> QuantPlan: return self.plan
+    def __getitem__(self, key): return getattr(self, key)  # a view for callers that index it: every value lives once, here
+    def get(self, key, default=None): return getattr(self, key, default)
+    def summary(self) -> str:
+        why = self.fallback_reason or self.backend_note
+        return f'{self.family}: {self.path} {self.scheme or ""} {self.linears_quantized}/{self.linears_total}' + (f' ({why})' if why else '')
+
+# %% ../nbs/10b_loader.ipynb #91f384c2
 def engaged(pipe) -> dict[str, dict]:
     "Per denoiser and text encoder of `pipe`: the path the loader engaged (quant / gguf / dense), the scheme, the backend and why."
-    marks = getattr(pipe, '_diffq_engaged', None) or {}  # the runtime marker the loader leaves on the pipeline
-    unmarked = dict(path='dense', scheme=None, backend=None, reason='not loaded by the lab')
-    return {a: dict(marks.get(a, unmarked)) for a in {**text_encoders(pipe), **denoisers(pipe)}}
+    rep = getattr(pipe, '_diffq_report', None)  # the LoadReport the loader leaves on the pipeline
+    out = {}
+    for a in {**text_encoders(pipe), **denoisers(pipe)}:
+        p = rep.plan.components.get(a) if rep is not None else None
+        if rep is None: out[a] = dict(path='dense', scheme=None, backend=None, reason='not loaded by the lab')
+        elif a in DENOISER_ATTRS:
+            out[a] = dict(path=rep.path, scheme=rep.scheme, backend=rep.backend,
+                          reason=rep.fallback_reason or (rep.gguf if rep.path == 'gguf' else rep.backend_note))
+        else:
+            out[a] = dict(path='quant' if p is not None and p.quantized else 'dense', scheme=p.scheme if p is not None else None,
+                          backend=p.backend if p is not None else None,
+                          reason=rep.te_fallback_reason or (p.note if p is not None else 'dense requested'))
+    return out
 
-# %% ../nbs/10b_loader.ipynb #0ead8c35
-def _validate(pipe, status, device):
+# %% ../nbs/10b_loader.ipynb #374db418
+def _validate(pipe, report: LoadReport, device):
     "Render one step at 32 px: a quantised kernel that fails in the real forward fails here, not in the user's render."
     if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
     try:
         x = render(pipe, steps=1, size=32)  # as the user calls it: under the pipeline's no_grad, not inference_mode
         if not torch.isfinite(x).all(): raise FloatingPointError('the validation render is not finite')
     except Exception as e: raise _ForwardFailed(_describe(e)) from e
-    if device.type == 'cuda': status['mem_gen_peak_bytes'] = torch.cuda.max_memory_allocated(device)
+    if device.type == 'cuda': report.mem_gen_peak_bytes = torch.cuda.max_memory_allocated(device)
 
-def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate, offload=False, encoders=None) -> QuantPlan:
+def _quantize_all(pipe, dens, s, backend, policy, device, report, offload=False, encoders=None) -> QuantPlan:
     "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validation render inside."
-    plan = QuantPlan({a: plan_transformer(tr, s, min_features=min_features, backend=backend, device=device) for a, tr in dens.items()})
+    mf = policy.features(tiny=False)  # the loader's models are real unless the policy says otherwise
+    plan = QuantPlan({a: plan_transformer(tr, s, min_features=mf, backend=backend, device=device) for a, tr in dens.items()})
     if not any(p.quantized for p in plan.components.values()):
-        raise ValueError(f'no Linear qualifies for {s} (min_features={min_features})')
+        raise ValueError(f'no Linear qualifies for {s} (min_features={mf})')
     plan = QuantPlan({**(encoders.components if encoders else {}), **plan.components})
     offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under model offload
     for tr in dens.values(): tr.to(device)
@@ -87,7 +144,7 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
         try:
             if offload: pipe.enable_model_cpu_offload(device=device)
             else: pipe.to(device)
-            if validate: _validate(pipe, status, device)
+            if policy.validate: _validate(pipe, report, device)
         except BaseException:
             for a, home in homes.items(): getattr(pipe, a).to(home)  # the restore puts the planned Linears back there too
             raise
@@ -95,120 +152,137 @@ def _quantize_all(pipe, dens, s, backend, min_features, device, status, validate
             if offload: pipe.remove_all_hooks()  # compile comes before placement: the hooks go back on after it
     return apply_plan(pipe, plan, check=check)
 
-def load_pipeline_quantized(model_or_pipe, family=None, transformer_quant=None, gguf=None, compile: bool = True, device=None,
-                            dtype=torch.bfloat16, *, te_quant=None, min_features: int = 512, backend: str = 'auto',
-                            free_bytes: int | None = None, reserve: float = 0.1, validate: bool = True,
-                            compile_kwargs: dict | None = None, on_unavailable: str = 'dense', vocabulary: str = 'lab',
-                            **load_kwargs):
-    "Load (or take) a pipeline, quantise its text encoders (`te_quant`) and transformer (`transformer_quant`), compile; fall back to GGUF or dense with a reason. Returns (pipe, status)."
+# %% ../nbs/10b_loader.ipynb #26f768f5
+class _Fallback:
+    "The transformer's fallback: the reason noted in the report and the log, or a refusal under on_unavailable='raise'."
+    def __init__(self, report: LoadReport, policy: QuantPolicy, ggufs: dict): self.report, self.policy, self.ggufs = report, policy, ggufs
+    def __call__(self, reason: str):
+        if self.policy.on_unavailable == 'raise' and not self.ggufs:  # asked for this scheme or nothing: say why instead
+            raise SchemeUnavailableError(f'{self.report.family} transformer: {reason}')
+        self.report.fallback_reason = reason
+        log.warning('%s transformer: %s; falling back to %s', self.report.family, reason, 'GGUF' if self.ggufs else 'dense')
+
+def _plan_encoders(pipe, te_quant, fam, policy: QuantPolicy, device) -> tuple[QuantPlan | None, str]:
+    "The encoders' plan under the family's rules, or (the seed's default) none with the reason: the default path never regresses."
+    if te_quant is None: return None, ''
+    try: return plan_text_encoders(pipe, te_quant, family=fam, backend=policy.backend, device=device, keep=policy.keep), ''
+    except (ValueError, SchemeUnavailableError) as e:
+        if policy.on_unavailable == 'raise': raise
+        why = f'{te_quant}: {_describe(e)}'
+        log.warning('%s text encoders stay dense: %s', fam, why)
+        return None, why
+
+# %% ../nbs/10b_loader.ipynb #b83fd070
+def _transformer_scheme(requested, device, policy: QuantPolicy, fall_back) -> str | None:
+    "The concrete scheme the transformer gets here, or None (after `fall_back`) when none can run."
+    if requested is None: return None
+    try:
+        s = concrete_scheme(requested, device)
+        # a GPU runs the real kernel or refuses; only a CPU studies the emulated numerics
+        if s is not None and device.type == 'cuda' and policy.backend == 'auto': select_scheme(s, device)
+    except SchemeUnavailableError as e: fall_back(_describe(e)); return None
+    if s is None: fall_back(f'auto: no quantised scheme runs on {device_name(device)}')
+    return s
+
+def _fits(pipe, s, device, policy, report, ggufs, fall_back) -> tuple[str | None, str | None, str]:
+    "The memory preflight for `s`: (scheme or None, decision, a note on offload), with the fallback noted."
+    mem = plan_memory(pipe, s, device, free_bytes=policy.free_bytes, min_features=policy.features(tiny=False),
+                      gguf=bool(ggufs), reserve=policy.reserve)
+    report.memory = mem.summary()
+    if mem.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {mem.reason}'); return None, None, ''
+    if mem.decision == 'offload' and get_scheme(s).library == 'torchao':
+        probe = offload_probe(s, 'model', device, policy.backend)  # the seed skips torchao under offload; here, unless it survives
+        if not probe.ok: fall_back(f'{s} under model CPU offload: its offload probe failed here ({probe.reason})'); return None, None, ''
+        return s, mem.decision, f'model-offload probe passed ({probe.device_name})'
+    return s, mem.decision, ''
+
+# %% ../nbs/10b_loader.ipynb #7248a447
+def _apply_transformer(pipe, dens, s, policy, device, report, offload, encoders, note, fall_back) -> QuantPlan | None:
+    "Quantise the denoisers (and the encoders) all or nothing; on a CPU a kernel that fails in the forward is emulated instead."
+    tries = [policy.backend] + (['emulate'] if policy.backend == 'auto' and device.type == 'cpu' else [])
+    for i, be in enumerate(tries):
+        try: plan = _quantize_all(pipe, dens, s, be, policy, device, report, offload, encoders)
+        except Exception as e:  # noqa: BLE001 -- a transformer failure falls back; the dense Linears are back in place
+            if isinstance(e, RestoreError): raise  # never hand back a model that could not be put back
+            if isinstance(e, QuantizationError) and e.component not in dens: raise  # the encoders have no fallback
+            if device.type == 'cuda' and 'out of memory' in str(e).lower(): torch.cuda.empty_cache()
+            if isinstance(e, _ForwardFailed) and i + 1 < len(tries):
+                note.insert(0, f'{s} failed in the forward ({_describe(e, 160)}); emulated on the CPU')
+                log.warning('%s transformer: %s', report.family, note[0])
+                continue
+            fall_back(f'{s} ({be}): {_describe(e)}')
+            return None
+        parts = [plan.components[a] for a in dens]
+        report.path = 'quant'
+        report.backend_note = '; '.join(n for n in (*note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n)
+        return plan
+    return None
+
+# %% ../nbs/10b_loader.ipynb #3b924d01
+def _place_and_compile(pipe, device, policy, report):
+    "Placement from what was loaded (never onto a device it does not fit), then compile, then offload hooks."
+    where, why = _placement(pipe, device, policy.free_bytes, policy.reserve)
+    if where == 'device':
+        pipe.to(device)
+        if why: report.placement = f'on {device}: {why}'
+    elif where == 'cpu':
+        report.placement = f'left on the CPU: {why}'
+        log.warning('%s: %s', report.family, report.placement)
+    if policy.compile:
+        try:
+            reps = {a: compile_transformer(m, **(policy.compile_kwargs or {})) for a, m in denoisers(pipe).items()}
+            report.compile = ' | '.join(f'{a}: {r.summary()}' for a, r in reps.items())
+        except Exception as e:  # noqa: BLE001 -- an uncompiled transformer still renders the same images
+            report.compile = f'failed: {_describe(e)}'; log.warning('%s: compile failed: %s', report.family, report.compile)
+    if where == 'offload':
+        if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); report.placement = f'model CPU offload: {why}'
+        else: report.placement = f'model CPU offload planned, not applied on a CPU: {why}'
+
+# %% ../nbs/10b_loader.ipynb #43de0ef6
+def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pipelines.load_pipeline`), or a built pipeline
+                            transformer_quant=None, # the denoisers' scheme ('auto': the device ladder); None: dense
+                            te_quant=None, # the text encoders' scheme, under the family's rules; None: dense
+                            *, family=None, # the family, when the pipeline cannot tell
+                            gguf=None, # a .gguf file (or {denoiser: file}) to fall back to
+                            device=None, # where it runs (default: cuda if present)
+                            dtype=torch.bfloat16, # the dense weights' dtype
+                            policy: QuantPolicy | None = None, # min_features, backend, keep, compile, memory reserve, ...
+                            **kw, # QuantPolicy fields instead of `policy` (e.g. compile=True); the rest go to `load_pipeline`
+                           ) -> tuple[object, LoadReport]:
+    "Load (or take) a pipeline, quantise its text encoders and transformer, compile; fall back to GGUF or dense with a reason."
     t0 = time.perf_counter()
+    pol, load_kwargs = QuantPolicy.split(kw)
+    if policy is not None and pol != QuantPolicy(): raise ValueError('pass the settings in `policy` or as keywords, not both')
+    policy = policy or pol
     device, dtype = resolve_device(device), as_dtype(dtype)
     # an unknown name fails before anything loads; a seed's names (vocabulary='unsloth-te' or 'diffu') become the lab's
-    transformer_quant, te_quant = (normalize_scheme(x, vocabulary) for x in (transformer_quant, te_quant))
-    requested = transformer_quant
-    if backend not in BACKENDS: raise ValueError(f'unknown backend {backend!r}; choose one of {BACKENDS}')
-    if on_unavailable not in ON_UNAVAILABLE: raise ValueError(f'on_unavailable must be one of {ON_UNAVAILABLE}, got {on_unavailable!r}')
+    requested, te_quant = (normalize_scheme(x, policy.vocabulary) for x in (transformer_quant, te_quant))
     built = hasattr(model_or_pipe, 'components')
-    if built: pipe = model_or_pipe
-    else:  # the dense load goes to the CPU first: the transformer reaches the device alone, and is quantised there
-        pipe = load_pipeline(model_or_pipe, family=family, dtype=dtype, device='cpu' if requested or gguf else device, **load_kwargs)
+    if built and load_kwargs: raise TypeError(f'unexpected arguments for a built pipeline: {sorted(load_kwargs)}')
+    pipe = model_or_pipe if built else load_pipeline(  # the dense load goes to the CPU first: the transformer is quantised there
+        model_or_pipe, family=family, dtype=dtype, device='cpu' if requested or gguf else device, **load_kwargs)
     fam = get_family(family).name if family is not None else family_of(pipe)
     dens = denoisers(pipe)
     ggufs = _gguf_paths(gguf, dens)
-    # the encoders' plan comes first: a scheme their family denies is refused before anything changes, or (the seed's
-    # default) leaves the encoders dense with the reason: the default path can never regress
-    encoders, te_why = None, ''
-    if te_quant is not None:
-        try: encoders = plan_text_encoders(pipe, te_quant, family=fam, backend=backend, device=device)
-        except (ValueError, SchemeUnavailableError) as e:
-            if on_unavailable == 'raise': raise
-            te_why = f'{te_quant}: {_describe(e)}'
-            log.warning('%s text encoders stay dense: %s', fam, te_why)
-    status = dict(family=fam, requested=transformer_quant, scheme=None, path='dense', backend=None, fallback_reason='',
-                  linears_quantized=0, linears_total=sum(isinstance(m, nn.Linear) for d in dens.values() for m in d.modules()),
-                  backend_note='', quant_summary='', quant_plan=None, gguf=', '.join(map(str, ggufs.values())), memory='',
-                  compile='', placement='', te_fallback_reason=te_why, device=str(device), device_name=device_name(device),
-                  dtype=str(dtype).removeprefix('torch.'))
-    def fall_back(reason):
-        if on_unavailable == 'raise' and not ggufs:  # asked for this scheme or nothing: say why instead of running dense
-            raise SchemeUnavailableError(f'{fam} transformer: {reason}')
-        status['fallback_reason'] = reason
-        log.warning('%s transformer: %s; falling back to %s', fam, reason, 'GGUF' if ggufs else 'dense')
-    s = None
-    if requested is not None:
-        try:
-            s = concrete_scheme(requested, device)
-            # a GPU runs the real kernel or refuses; only a CPU studies the emulated numerics
-            if s is not None and device.type == 'cuda' and backend == 'auto': select_scheme(s, device)
-        except SchemeUnavailableError as e: fall_back(_describe(e)); s = None
-        if s is None and not status['fallback_reason']: fall_back(f'auto: no quantised scheme runs on {device_name(device)}')
-    mem, offload_note = None, ''
-    if s is not None:
-        mem = plan_memory(pipe, s, device, free_bytes=free_bytes, min_features=min_features, gguf=bool(ggufs), reserve=reserve)
-        status['memory'] = mem.summary()
-        if mem.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {mem.reason}'); s = None
-        elif mem.decision == 'offload' and get_scheme(s).library == 'torchao':
-            probe = offload_probe(s, 'model', device, backend)  # the seed skips torchao under offload; here, unless it survives
-            if not probe.ok: fall_back(f'{s} under model CPU offload: its offload probe failed here ({probe.reason})'); s = None
-            else: offload_note = f'model-offload probe passed ({probe.device_name})'
-    if s is not None:
-        # on a CPU a torchao kernel that fails in the real forward is swapped for the emulation: the CPU studies numerics
-        tries = [backend] + (['emulate'] if backend == 'auto' and device.type == 'cpu' else [])
-        note = ''
-        for i, be in enumerate(tries):
-            try: applied = _quantize_all(pipe, dens, s, be, min_features, device, status, validate, mem.decision == 'offload', encoders)
-            except Exception as e:  # noqa: BLE001 -- a transformer failure falls back; the dense Linears are back in place
-                if isinstance(e, RestoreError): raise  # never hand back a model that could not be put back
-                if isinstance(e, QuantizationError) and e.component not in dens: raise  # the encoders have no fallback
-                if device.type == 'cuda' and 'out of memory' in str(e).lower(): torch.cuda.empty_cache()
-                if isinstance(e, _ForwardFailed) and i + 1 < len(tries):
-                    note = f'{s} failed in the forward ({_describe(e, 160)}); emulated on the CPU'
-                    log.warning('%s transformer: %s', fam, note)
-                    continue
-                fall_back(f'{s} ({be}): {_describe(e)}'); s = None
-                break
-            parts = [applied.components[a] for a in dens]
-            status.update(scheme=s, path='quant', backend='+'.join(sorted({p.backend for p in parts if p.backend})) or None,
-                          backend_note='; '.join(n for n in (note, offload_note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n),
-                          linears_quantized=sum(p.n_quantized for p in parts), quant_plan=applied,
-                          quant_summary=' | '.join(f'{a}: {applied.components[a].summary()}' for a in dens))
-            break
-    if status['quant_plan'] is None:  # the transformer stays dense (or loads GGUF): the encoders alone, all or nothing
-        why = (f"GGUF {status['gguf']}" if ggufs else '') or status['fallback_reason'] or 'dense requested'
+    encoders, te_why = _plan_encoders(pipe, te_quant, fam, policy, device)
+    report = LoadReport(QuantPlan(), fam, requested, te_fallback_reason=te_why, gguf=', '.join(map(str, ggufs.values())),
+                        device=str(device), device_name=device_name(device), dtype=str(dtype).removeprefix('torch.'))
+    fall_back = _Fallback(report, policy, ggufs)
+    s = _transformer_scheme(requested, device, policy, fall_back)
+    decision, note = None, ''
+    if s is not None: s, decision, note = _fits(pipe, s, device, policy, report, ggufs, fall_back)
+    plan = _apply_transformer(pipe, dens, s, policy, device, report, decision == 'offload', encoders, [note],
+                              fall_back) if s is not None else None
+    if plan is None:  # the transformer stays dense (or loads GGUF): the encoders alone, all or nothing
+        why = (f'GGUF {report.gguf}' if ggufs else '') or report.fallback_reason or 'dense requested'
         applied = apply_plan(pipe, encoders) if encoders else QuantPlan()
-        status['quant_plan'] = QuantPlan({**applied.components, **{a: dense_plan(m, why) for a, m in dens.items()}})
-    if status['path'] == 'dense' and ggufs:
-        for a, p in ggufs.items():
-            setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))
-        status.update(path='gguf', linears_quantized=sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules()))
-    # placement from what was loaded: never move a transformer onto a device it does not fit (a dense fallback included)
-    where, why = _placement(pipe, device, free_bytes, reserve)
-    if where == 'device':
-        pipe.to(device)
-        if why: status['placement'] = f'on {device}: {why}'
-    elif where == 'cpu':
-        status['placement'] = f'left on the CPU: {why}'
-        log.warning('%s: %s', fam, status['placement'])
-    if compile:
-        try:
-            reps = {a: compile_transformer(m, **(compile_kwargs or {})) for a, m in denoisers(pipe).items()}
-            status['compile'] = ' | '.join(f'{a}: {r.summary()}' for a, r in reps.items())
-        except Exception as e:  # noqa: BLE001 -- an uncompiled transformer still renders the same images
-            status['compile'] = f'failed: {_describe(e)}'; log.warning('%s: compile failed: %s', fam, status['compile'])
-    if where == 'offload':
-        if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); status['placement'] = f'model CPU offload: {why}'
-        else: status['placement'] = f'model CPU offload planned, not applied on a CPU: {why}'
-    status.update(mem_load_bytes=sum(module_bytes(m) for m in denoisers(pipe).values()), device_mem_bytes=_device_bytes(device),
-                  load_s=round(time.perf_counter() - t0, 3))
-    status.setdefault('mem_gen_peak_bytes', None)
-    plan, marks = status['quant_plan'], {}
-    for a in denoisers(pipe):
-        marks[a] = dict(path=status['path'], scheme=status['scheme'], backend=status['backend'],
-                        reason=status['fallback_reason'] or (status['gguf'] if status['path'] == 'gguf' else status['backend_note']))
-    for a in text_encoders(pipe):
-        p = plan.components.get(a)
-        marks[a] = dict(path='quant' if p is not None and p.quantized else 'dense', scheme=p.scheme if p is not None else None,
-                        backend=p.backend if p is not None else None, reason=te_why or (p.note if p is not None else 'dense requested'))
-    pipe._diffq_engaged = marks
-    pipe._diffq_family = fam
-    return pipe, status
+        plan = QuantPlan({**applied.components, **{a: dense_plan(m, why) for a, m in dens.items()}})
+    report.plan = plan
+    if report.path == 'dense' and ggufs:
+        for a, p in ggufs.items(): setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))
+        report.path, report.gguf_linears = 'gguf', sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules())
+    _place_and_compile(pipe, device, policy, report)
+    report.mem_load_bytes = sum(module_bytes(m) for m in denoisers(pipe).values())
+    report.device_mem_bytes, report.load_s = _device_bytes(device), round(time.perf_counter() - t0, 3)
+    pipe._diffq_report, pipe._diffq_family = report, fam
+    return pipe, report

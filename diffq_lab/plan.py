@@ -20,10 +20,10 @@ from .capability import resolve_backend, select_scheme
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['PLAN_BACKENDS', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan', 'ComponentPlan', 'QuantPlan', 'dense_plan', 'plan_linears',
-           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
-           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows',
-           'run_schemes']
+__all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan',
+           'ComponentPlan', 'QuantPlan', 'QuantPolicy', 'dense_plan', 'plan_linears', 'QuantizationError',
+           'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config',
+           'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows', 'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -156,6 +156,47 @@ class QuantPlan:
             cols.update({f'{pre}scheme': p.scheme or 'dense', f'{pre}backend': p.backend or '',
                          f'{pre}quantized': f'{p.n_quantized}/{p.n_linear}'})
         return {**cols, 'plan': self.digest()}
+
+# %% ../nbs/04_plan.ipynb #be96f8bf
+ON_UNAVAILABLE = ('dense', 'raise')  # a scheme that cannot run: fall back to dense with the reason, or refuse
+TINY_MIN_FEATURES, REAL_MIN_FEATURES = 0, 512  # the lab's tiny models have 32-64-wide Linears; real ones skip < 512
+
+@dataclass(frozen=True)
+class QuantPolicy:
+    "The settings every layer of the lab needs, built once at the boundary, checked once, with one set of defaults."
+    min_features: int | None = None  # skip Linears narrower than this; None: decided by `features` (tiny 0, real 512)
+    backend: str = 'auto'            # who runs a kernel: 'auto' (the probe decides), 'torchao', 'emulate'
+    keep: tuple | None = None        # encoder blocks kept bf16, (first, last); None: the family's schedule
+    on_unavailable: str = 'dense'    # a scheme that cannot run here: 'dense' (with the reason) or 'raise'
+    vocabulary: str = 'lab'          # whose scheme names: the lab's, or a seed's ('unsloth-te', 'diffu')
+    compile: bool = False            # regional torch.compile after quantisation
+    compile_kwargs: dict | None = None  # passed to `compile_transformer`
+    validate: bool = True            # render one step after quantising: a kernel that fails in the forward falls back
+    reserve: float = 0.1             # the share of free device memory placement leaves unused
+    free_bytes: int | None = None    # free device memory to plan with (default: what the device reports)
+
+    def __post_init__(self):
+        from diffq_lab.capability import BACKENDS
+        from diffq_lab.schemes import VOCABULARIES
+        if self.backend not in BACKENDS: raise ValueError(f'unknown backend {self.backend!r}; choose one of {BACKENDS}')
+        if self.on_unavailable not in ON_UNAVAILABLE:
+            raise ValueError(f'on_unavailable must be one of {ON_UNAVAILABLE}, got {self.on_unavailable!r}')
+        if self.vocabulary != 'lab' and self.vocabulary not in VOCABULARIES:
+            raise ValueError(f"unknown vocabulary {self.vocabulary!r}; choose 'lab' or one of {list(VOCABULARIES)}")
+        if not 0 <= self.reserve < 1: raise ValueError(f'reserve must be in [0, 1), got {self.reserve!r}')
+        mf = self.min_features
+        if mf is not None and (isinstance(mf, bool) or not isinstance(mf, int) or mf < 0):
+            raise ValueError(f'min_features must be an integer >= 0 or None, got {mf!r}')
+
+    def features(self, tiny: bool) -> int:
+        "The width floor for a model: the one place the tiny-model exception is decided."
+        return self.min_features if self.min_features is not None else TINY_MIN_FEATURES if tiny else REAL_MIN_FEATURES
+
+    @classmethod
+    def split(cls, kw: dict) -> tuple[QuantPolicy, dict]:
+        "A policy from the policy fields among `kw`, and the rest of `kw`."
+        names = set(cls.__dataclass_fields__)
+        return cls(**{k: v for k, v in kw.items() if k in names}), {k: v for k, v in kw.items() if k not in names}
 
 # %% ../nbs/04_plan.ipynb #b8c1fb4e
 def _linear_shapes(module) -> dict[str, tuple[int, int]]:

@@ -79,7 +79,7 @@ def test_unsupported_scheme_falls_back_clean(pipes, dense_images):
 
 def test_loader_compiles_and_reports(pipes):
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['flux.1-schnell']), transformer_quant='int8wo', min_features=0,
-                                       compile_kwargs=dict(backend='eager'))
+                                       compile=True, compile_kwargs=dict(backend='eager'))  # the policy's default: no compile
     assert st['path'] == 'quant' and st['compile'].startswith('transformer: compile_repeated_blocks: 2 regions')
     assert torch.isfinite(render(pipe, steps=1)).all()
 
