@@ -566,8 +566,14 @@ def readme():
     c = Config(); c.TagRemovePreprocessor.remove_input_tags = {'remove_input'}; c.TagRemovePreprocessor.enabled = True
     body, _ = MarkdownExporter(config=c).from_notebook_node(nbformat.reads(json.dumps(d), as_version=4))
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
-    (ROOT/'README.md').write_text(body)
-    print('wrote README.md')
+    readme_md = ROOT/'README.md'
+    old = readme_md.read_text() if readme_md.exists() else ''
+    if old == body: return print('README.md unchanged')
+    readme_md.write_text(body)
+    import difflib
+    n = sum(1 for l in difflib.unified_diff(old.splitlines(), body.splitlines(), lineterm='', n=0)
+            if l[:1] in '+-' and not l.startswith(('+++', '---')))
+    print(f'wrote README.md: {n} line(s) changed in a tracked file (review: git diff README.md)')
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split('\n')[0])
