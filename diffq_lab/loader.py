@@ -11,9 +11,9 @@ import torch
 from torch import nn
 from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
-from .capability import BACKENDS, SchemeUnavailableError, select_scheme
+from .capability import SchemeUnavailableError, select_scheme
 from .plan import ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan, dense_plan
-from .pipelines import get_family, family_of, render, load_pipeline
+from .pipelines import get_family, family_of, render, load_pipeline, weights_digest
 from .text_encoder import offload_probe, plan_text_encoders, text_encoders
 from .transformer import DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
 from .memory import free_memory, module_bytes, plan_memory
@@ -80,6 +80,7 @@ class LoadReport:
     mem_load_bytes: int = 0        # the denoisers' bytes as loaded
     device_mem_bytes: int | None = None
     mem_gen_peak_bytes: int | None = None  # the validation render's peak (CUDA)
+    weights: str = ''                # `pipelines.weights_digest` of the pipeline as loaded, before quantisation
 
     def _dens(self) -> list[ComponentPlan]: return [p for a, p in self.plan.components.items() if a in DENOISER_ATTRS]
     def _one(self, attr) -> str | None: return '+'.join(sorted({getattr(p, attr) for p in self._dens() if getattr(p, attr)})) or None
@@ -266,6 +267,7 @@ def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pi
     ggufs = _gguf_paths(gguf, dens)
     encoders, te_why = _plan_encoders(pipe, te_quant, fam, policy, device)
     report = LoadReport(QuantPlan(), fam, requested, te_fallback_reason=te_why, gguf=', '.join(map(str, ggufs.values())),
+                        weights=weights_digest(pipe),  # the identity of what runs, before anything changes it
                         device=str(device), device_name=device_name(device), dtype=str(dtype).removeprefix('torch.'))
     fall_back = _Fallback(report, policy, ggufs)
     s = _transformer_scheme(requested, device, policy, fall_back)

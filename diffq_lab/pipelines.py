@@ -4,13 +4,14 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import inspect, logging, os, re, time, warnings
+import hashlib, inspect, logging, os, re, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 import pandas as pd
 import torch
+from torch import nn
 from .core import append_rows, as_dtype, compute_dtype, repo_root, resolve_device
 from .schemes import SCHEMES
 # diffusers and transformers take seconds to import: they are imported inside the functions that build or
@@ -21,7 +22,7 @@ __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FL
            'TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
            'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'tiny_generate', 'Family', 'get_family', 'families_table',
            'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer', 'load_tokenizer',
-           'cast_as_loaded', 'tiny_pipeline', 'render', 'load_pipeline', 'measure_tiny_pipeline',
+           'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'load_pipeline', 'measure_tiny_pipeline',
            'record_tiny_pipelines']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
@@ -596,6 +597,23 @@ def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_la
     pipe.set_progress_bar_config(disable=True)
     pipe._diffq_family = fam.name
     return pipe
+
+# %% ../nbs/05_pipelines.ipynb #9a24cd40
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    "The bytes of `t` as it is stored (bf16 and fp8 included), copied to the CPU when it lives elsewhere."
+    t = t.detach()
+    if t.device.type == 'meta': return b'meta'
+    return t.to('cpu').contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+def weights_digest(model) -> str:
+    "sha256 (16 hex digits) of every parameter and buffer of `model`, or of every module of a pipeline, names and shapes included."
+    mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)} if hasattr(model, 'components') else {'': model}
+    h = hashlib.sha256()
+    for a, m in sorted(mods.items()):
+        for name, t in sorted(m.state_dict().items()):
+            if not isinstance(t, torch.Tensor): continue
+            h.update(f'{a}.{name}:{t.dtype}:{tuple(t.shape)}'.encode()); h.update(_tensor_bytes(t))
+    return h.hexdigest()[:16]
 
 # %% ../nbs/05_pipelines.ipynb #1ac41228
 def _derived_kwargs(pipe) -> dict:
