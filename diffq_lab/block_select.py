@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, record_tables, repo_root
-from .core import resolve_device
+from .core import latest_run, load_table, resolve_device
 from .schemes import SCHEMES, normalize_scheme, quantized_linears
 from .capability import BACKENDS, resolve_backend
 from .plan import quantize, run_schemes
@@ -26,8 +26,8 @@ __all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'REAL_READ_LA
            'ToyStack', 'toy_stack', 'capture_calls', 'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule',
            'FamilySchedule', 'schedule_for_family', 'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks',
            'scheme_cosines', 'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff',
-           'measure_real_encoder', 'record_real_encoder_findings', 'deepened', 'measure_block_selection',
-           'record_block_selection']
+           'measure_real_encoder', 'record_real_encoder_findings', 'real_encoder_headline', 'deepened',
+           'measure_block_selection', 'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
 def block_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
@@ -753,6 +753,16 @@ def record_real_encoder_findings(name='smollm2-135m', root=None, allow_dirty: bo
     device = kwargs.get('device') or 'cpu'
     return record_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device=device,
                          allow_dirty=allow_dirty)
+
+# %% ../nbs/07_block_select.ipynb #0ccb8afe
+def real_encoder_headline(root=None) -> pd.DataFrame:
+    "The recorded SmolLM2 rows a summary leads with: per scheme (and int8 keep schedule), every Linear cast, cosine at -2."
+    tab = latest_run(load_table('real_encoder_schemes', root))
+    if tab.empty: return tab
+    t = tab[(tab.min_features.astype(str) == '0') & (tab.status == 'ok')]
+    cols = ['model', 'weights', 'requested', 'keep', 'backend', 'quantized', 'linears', 'cosine', 'cosine_min', 'prompts',
+            'device_name']
+    return t[cols].sort_values(['keep', 'cosine'], ascending=[True, False]).reset_index(drop=True)
 
 # %% ../nbs/07_block_select.ipynb #f9449287
 RECORD_SCHEMES = ('int8', 'fp8', 'nvfp4wo')
