@@ -128,6 +128,27 @@ def test_the_last_stage_takes_what_is_left(tmp_path):
     assert int(took[0].split()[-1]) <= stages.DRY_LIMIT_S
 
 
+def test_rehearsal_check_reads_the_out_folder(tmp_path):
+    work = tmp_path/'work'
+    (work/'results').mkdir(parents=True)
+    (work/'status.tsv').write_text(''.join(f'{s}\t1\t1\t0\tok\n' for s in ('install', *stages.RUN_STAGES)))
+    for kinds in stages.TABLES.values():
+        for k in kinds:
+            ok = pd.DataFrame([dict(run='r', utc='u', config='dense', status='ok', error='')])
+            ok.to_csv(work/'results'/f'{k}.csv', index=False)
+    stages.pack(work, tmp_path/'out')
+    assert rehearsal.check_out(tmp_path/'out') == []
+    pd.DataFrame([dict(run='r', utc='u', config='int8', status='failed', error='ValueError: boom')]
+                 ).to_csv(work/'results'/'transformer_bench.csv', index=False)
+    status = (work/'status.tsv').read_text()
+    (work/'status.tsv').write_text(status.replace('trained\t1\t1\t0\tok', 'trained\t1\t1\t124\tkilled'))
+    stages.pack(work, tmp_path/'out')
+    for i in range(8): (tmp_path/'out'/f'extra{i}').write_text('x')
+    problems = rehearsal.check_out(tmp_path/'out')
+    assert any('transformer_bench: int8 failed: ValueError: boom' in p for p in problems)
+    assert any(p == 'stage trained: killed' for p in problems) and any('10 files' in p for p in problems)
+
+
 # ---------------------------------------------------------------------------------------------------- the import
 def _gpu_work(tmp_path, dry=False):
     work = tmp_path/'work'

@@ -8,10 +8,11 @@
    .gpu_wheels/ carried.
 3. In that copy, with the venv's python3 first on PATH: `bash tools/gpu_check.sh --dry-run` (the wheels installed
    --no-deps --target, every stage at tiny dims on the CPU, the same files in $OUT).
-4. Checked: at most 8 files in $OUT, summary.md, every stage ok with its table in the tarball, under 10 minutes.
+4. Checked: at most 8 files in $OUT, summary.md, every stage ok with its table in the tarball and no row of it failed
+   (on a CPU every configuration runs, emulated where it must), under 10 minutes.
 """
 from __future__ import annotations
-import hashlib, json, os, shutil, subprocess, sys, tarfile, time
+import hashlib, io, os, shutil, subprocess, sys, tarfile, time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -104,6 +105,8 @@ def check_out(out: Path) -> list[str]:
         with tarfile.open(out/'results.tar.gz') as tar:
             names = set(tar.getnames())
             status = tar.extractfile('status.tsv').read().decode() if 'status.tsv' in names else ''
+            tables = {Path(n).stem: tar.extractfile(n).read() for n in names
+                      if n.endswith('.csv') and n.count('/') == 1}
     except (tarfile.TarError, OSError) as e: return problems + [f'results.tar.gz: {e}']
     if 'provenance.json' not in names: problems.append('no provenance.json in the tarball')
     st = {line.split('\t')[0]: line.split('\t')[4] for line in status.splitlines() if line.strip()}
@@ -111,6 +114,13 @@ def check_out(out: Path) -> list[str]:
         if st.get(s) != 'ok': problems.append(f'stage {s}: {st.get(s, "not run")}')
     for s in RUN_STAGES:
         problems += [f'stage {s}: no results/{t}.csv' for t in TABLES[s] if f'results/{t}.csv' not in names]
+    import pandas as pd
+    for kind, data in tables.items():
+        df = pd.read_csv(io.BytesIO(data))
+        if 'status' not in df: continue
+        for r in df[df.status.astype(str) == 'failed'].itertuples():
+            what = getattr(r, 'config', None) or getattr(r, 'requested', None) or getattr(r, 'scheme', '?')
+            problems.append(f'{kind}: {what} failed: {str(getattr(r, "error", "") or getattr(r, "reason", ""))[:160]}')
     return problems
 
 

@@ -47,15 +47,15 @@ SUMMARY_COLS = dict(
     capability=['scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick'],
     transformer_bench=['config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s', 'vs_dense',
                        'vs_dense_lo', 'vs_dense_hi', 'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr',
-                       'cosine', 'status', 'fallback_reason'],
+                       'cosine', 'status', 'fallback_reason', 'error'],
     gemm_bench=['M', 'K', 'N', 'scheme', 'compiled', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo',
                 'speedup_hi', 'speed'],
     agreement=['scheme', 'M', 'K', 'N', 'reference', 'cosine', 'ulps', 'bit_exact', 'ok'],
     numerics=['scheme', 'granularity', 'distribution', 'rel_err', 'cosine', 'finite'],
     te_bench=['scheme', 'backend', 'quantized', 'tokens', 'median_s', 'vs_bf16', 'vs_bf16_lo', 'vs_bf16_hi', 'speed',
-              'weights_MiB', 'peak_MiB', 'cosine', 'status'],
+              'weights_MiB', 'peak_MiB', 'cosine', 'status', 'error'],
     trained_schemes=['requested', 'scheme', 'transformer_backend', 'renders', 'adherence', 'delta', 'delta_lo',
-                     'delta_hi', 'psnr', 'ssim', 'status', 'fallback_reason'],
+                     'delta_hi', 'psnr', 'ssim', 'status', 'fallback_reason', 'error'],
 )
 
 
