@@ -16,17 +16,17 @@ from .capability import gpu_capability, hardware_gate
 from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
+from .memory import denoiser_kwargs
 from .quality import interleaved_times, speed_vs, time_once, warm_up
 
 # %% auto #0
 __all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS',
            'CALIBRATION_MAX_ERR', 'CUBE_SIZES', 'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES',
-           'EMULATED_LABEL', 'COMPILER_SETTINGS', 'BENCH_COLS', 'MODELS', 'PIXELS_PER_TOKEN', 'NVFP4_MARGIN',
-           'MIN_GAIN', 'EIGHT_BIT', 'gpu_specs', 'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff',
-           'predict_time', 'roofline', 'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover',
-           'same_compiler_settings', 'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'get_model',
-           'meta_transformer', 'latent_grid', 'model_linear_shapes', 'layer_policy', 'analyse_layers',
-           'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
+           'EMULATED_LABEL', 'COMPILER_SETTINGS', 'BENCH_COLS', 'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'gpu_specs',
+           'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
+           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'same_compiler_settings',
+           'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
+           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 SPEC_COLS = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
@@ -434,66 +434,10 @@ def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
     return out
 
 # %% ../nbs/12_crossover.ipynb #83af3be7
-MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
-PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
-
-def get_model(model) -> Family:
-    "The `Family` of `model` (a name or alias, e.g. 'flux', 'wan', 'zimage'), which must know its real denoiser dims."
-    try: fam = get_family(model)
-    except ValueError: fam = None
-    if fam is None or fam.denoiser_dims is None:
-        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
-    return fam
-
-def meta_transformer(model) -> nn.Module:
-    "The real-dimension transformer of `model`, built on the meta device (no memory) and cast as a bf16 load would."
-    import diffusers
-    m = get_model(model)
-    with torch.device('meta'): tr = getattr(diffusers, m.denoiser)(**m.denoiser_dims)
-    return cast_as_loaded(tr.eval(), torch.bfloat16)
-
-def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
-    "The token grid (frames, height, width) of `model` at a square `size` px (and `frames` for video models)."
-    m = get_model(model)
-    if isinstance(size, bool) or not isinstance(size, int) or size < PIXELS_PER_TOKEN or size % PIXELS_PER_TOKEN:
-        raise ValueError(f'size must be a positive multiple of {PIXELS_PER_TOKEN} px, got {size!r}')
-    frames = (m.frames if frames is None else frames) if m.video else 1
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (m.video and (frames - 1) % 4):
-        raise ValueError(f'frames must be 1 or 4k+1 for a video model (the VAE compresses time 4x), got {frames!r}')
-    f = (frames - 1) // 4 + 1 if m.video else 1
-    return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
+from .memory import MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, meta_transformer  # moved to 09_memory; importable here
 
 # %% ../nbs/12_crossover.ipynb #b22c72d9
-def _inputs(tr, grid, text_tokens, batch):
-    "Forward kwargs for transformer `tr` at token grid (f, h, w), on its device and dtype."
-    name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
-    if name not in known: raise ValueError(f'no input recipe for {name}; model_linear_shapes knows {", ".join(known)}')
-    p = next(tr.parameters())
-    dev, dt, c = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype, tr.config
-    t = lambda *s: torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta' else torch.empty(*s, device=dev, dtype=dt)
-    f, h, w = grid
-    n, T, B = f * h * w, text_tokens, batch
-    if name == 'ZImageTransformer2DModel':
-        ps, fs = c.all_patch_size[0], c.all_f_patch_size[0]
-        return dict(x=[t(c.in_channels, f * fs, h * ps, w * ps) for _ in range(B)], t=t(B), cap_feats=[t(T, c.cap_feat_dim) for _ in range(B)],
-                    return_dict=False)
-    if name == 'FluxTransformer2DModel':
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    pooled_projections=t(B, c.pooled_projection_dim), timestep=t(B), img_ids=t(n, 3), txt_ids=t(T, 3),
-                    guidance=t(B) if c.guidance_embeds else None, return_dict=False)
-    if name == 'Flux2Transformer2DModel':
-        a = len(c.axes_dims_rope)
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim), timestep=t(B),
-                    img_ids=t(B, n, a), txt_ids=t(B, T, a), guidance=t(B) if c.guidance_embeds else None, return_dict=False)
-    if name == 'QwenImageTransformer2DModel':
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    encoder_hidden_states_mask=None, timestep=t(B), img_shapes=[(f, h, w)] * B, return_dict=False)
-    if name == 'SD3Transformer2DModel':
-        return dict(hidden_states=t(B, c.in_channels, h * c.patch_size, w * c.patch_size), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    pooled_projections=t(B, c.pooled_projection_dim), timestep=t(B), return_dict=False)
-    pt, ph, pw = c.patch_size  # WanTransformer3DModel
-    return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
-                encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
+_inputs = denoiser_kwargs  # the forward-kwargs recipe lives in 09_memory
 
 def _as_grid(tokens) -> tuple[int, int, int]:
     if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool) and tokens > 0:

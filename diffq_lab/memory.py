@@ -4,20 +4,25 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import os
+import functools, math, os, weakref
 from dataclasses import dataclass
 from pathlib import Path
 import pandas as pd
 import torch
+import torch.nn.functional as F
 from torch import nn
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 from .core import as_dtype, resolve_device
 from .schemes import get_scheme, normalize_scheme
-from .pipelines import get_family, family_of, load_tokenizer, cast_as_loaded, FAMILIES
+from .pipelines import get_family, family_of, load_tokenizer, cast_as_loaded, FAMILIES, Family
 from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'linear_bytes', 'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline',
-           'free_memory', 'MemoryPlan', 'plan_memory']
+__all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LOAD_MODES', 'linear_bytes',
+           'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline', 'get_model',
+           'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'pipeline_trace',
+           'quantised_linears', 'MemoryEstimate', 'pipeline_memory', 'free_memory', 'MemoryPlan', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -102,6 +107,287 @@ def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0)
     pipe._diffq_family = fam.name
     return pipe
 
+# %% ../nbs/09_memory.ipynb #dac8e80e
+MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
+PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
+
+def get_model(model) -> Family:
+    "The `Family` of `model` (a name or alias, e.g. 'flux', 'wan', 'zimage'), which must know its real denoiser dims."
+    try: fam = get_family(model)
+    except ValueError: fam = None
+    if fam is None or fam.denoiser_dims is None:
+        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
+    return fam
+
+def meta_transformer(model) -> nn.Module:
+    "The real-dimension transformer of `model`, built on the meta device (no memory) and cast as a bf16 load would."
+    import diffusers
+    m = get_model(model)
+    with torch.device('meta'): tr = getattr(diffusers, m.denoiser)(**m.denoiser_dims)
+    return cast_as_loaded(tr.eval(), torch.bfloat16)
+
+def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
+    "The token grid (frames, height, width) of `model` at a square `size` px (and `frames` for video models)."
+    m = get_model(model)
+    if isinstance(size, bool) or not isinstance(size, int) or size < PIXELS_PER_TOKEN or size % PIXELS_PER_TOKEN:
+        raise ValueError(f'size must be a positive multiple of {PIXELS_PER_TOKEN} px, got {size!r}')
+    frames = (m.frames if frames is None else frames) if m.video else 1
+    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (m.video and (frames - 1) % 4):
+        raise ValueError(f'frames must be 1 or 4k+1 for a video model (the VAE compresses time 4x), got {frames!r}')
+    f = (frames - 1) // 4 + 1 if m.video else 1
+    return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
+
+# %% ../nbs/09_memory.ipynb #5c786a10
+def denoiser_kwargs(tr, grid, text_tokens, batch):
+    "Forward kwargs for transformer `tr` at token grid (f, h, w), `text_tokens` and `batch`, on its device and dtype."
+    name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
+    if name not in known: raise ValueError(f'no input recipe for {name}; the recipes know {", ".join(known)}')
+    p = next(tr.parameters())
+    dev, dt, c = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype, tr.config
+    t = lambda *s: torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta' else torch.empty(*s, device=dev, dtype=dt)
+    f, h, w = grid
+    n, T, B = f * h * w, text_tokens, batch
+    if name == 'ZImageTransformer2DModel':
+        ps, fs = c.all_patch_size[0], c.all_f_patch_size[0]
+        return dict(x=[t(c.in_channels, f * fs, h * ps, w * ps) for _ in range(B)], t=t(B),
+                    cap_feats=[t(T, c.cap_feat_dim) for _ in range(B)], return_dict=False)
+    if name == 'FluxTransformer2DModel':
+        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                    pooled_projections=t(B, c.pooled_projection_dim), timestep=t(B), img_ids=t(n, 3), txt_ids=t(T, 3),
+                    guidance=t(B) if c.guidance_embeds else None, return_dict=False)
+    if name == 'Flux2Transformer2DModel':
+        a = len(c.axes_dims_rope)
+        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                    timestep=t(B), img_ids=t(B, n, a), txt_ids=t(B, T, a), guidance=t(B) if c.guidance_embeds else None,
+                    return_dict=False)
+    if name == 'QwenImageTransformer2DModel':
+        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                    encoder_hidden_states_mask=None, timestep=t(B), img_shapes=[(f, h, w)] * B, return_dict=False)
+    if name == 'SD3Transformer2DModel':
+        return dict(hidden_states=t(B, c.in_channels, h * c.patch_size, w * c.patch_size),
+                    encoder_hidden_states=t(B, T, c.joint_attention_dim), pooled_projections=t(B, c.pooled_projection_dim),
+                    timestep=t(B), return_dict=False)
+    pt, ph, pw = c.patch_size  # WanTransformer3DModel
+    return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
+                encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
+
+# %% ../nbs/09_memory.ipynb #e89645d9
+MATMUL_OPS = ('mm', 'addmm', 'bmm', 'baddbmm', '_int_mm', '_scaled_mm')
+_NO_KERNEL = ('detach', 'alias', 'lift_fresh', 'empty', 'empty_strided', 'zeros_like', 'empty_like')
+
+def _flat(x) -> list:
+    if isinstance(x, torch.Tensor): return [x]
+    if isinstance(x, (list, tuple)): return [t for v in x for t in _flat(v)]
+    if isinstance(x, dict): return [t for v in x.values() for t in _flat(v)]
+    return []
+
+def _nbytes(t) -> int: return t.numel() * t.element_size()
+
+def _op_flops(name, args, out) -> float:
+    "FLOPs of a matmul or convolution aten op (0 for the rest)."
+    if name in ('mm', 'addmm', '_int_mm', '_scaled_mm'):
+        a, b = (args[1], args[2]) if name == 'addmm' else (args[0], args[1])
+        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
+    if name in ('bmm', 'baddbmm'):
+        a, b = (args[1], args[2]) if name == 'baddbmm' else (args[0], args[1])
+        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
+    if name == 'convolution': return 2.0 * out.numel() * args[1].shape[1] * math.prod(args[1].shape[2:])
+    return 0.0
+
+# %% ../nbs/09_memory.ipynb #972146c8
+class _KernelCount(TorchDispatchMode):
+    "Every kernel of a forward on meta tensors: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
+    def __init__(self):
+        super().__init__()
+        self.rows, self.live, self.peak, self.group = [], 0, 0, 0
+        self.prod, self.seen, self.storages, self.group_bytes = {}, set(), set(), {}
+    def _free(self, key, n): self.live -= n; self.storages.discard(key)
+    def _alloc(self, t, kind):
+        s = t.untyped_storage()
+        self.prod[id(t)] = self.group if kind == 'other' else None
+        weakref.finalize(t, self.prod.pop, id(t), None)
+        if s._cdata in self.storages: return
+        self.storages.add(s._cdata); self.live += s.nbytes(); self.peak = max(self.peak, self.live)
+        weakref.finalize(s, self._free, s._cdata, s.nbytes())
+    def _read(self, t, kind):
+        "A fused kernel reads `t` once per group; the group that made `t` writes it once, when something else reads it."
+        key, g = id(t), self.prod.get(id(t))
+        if kind == 'other' and g == self.group: return
+        if (key, self.group) in self.seen: return
+        self.seen.add((key, self.group))
+        if kind == 'other': self.group_bytes[self.group] = self.group_bytes.get(self.group, 0) + _nbytes(t)
+        if g is not None and (key, 'w') not in self.seen:
+            self.seen.add((key, 'w')); self.group_bytes[g] = self.group_bytes.get(g, 0) + _nbytes(t)
+    def record(self, kind, name, ins, outs, flops=0.0, **extra):
+        if kind != 'other': self.group += 1
+        for t in ins: self._read(t, kind)
+        fresh = [o for o in outs if not any(o is i for i in ins)]
+        for o in fresh: self._alloc(o, kind)
+        self.rows.append(dict(kind=kind, op=name, flops=flops, bytes=sum(map(_nbytes, ins + fresh)), **extra))
+        if kind != 'other': self.group += 1
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        name = func.overloadpacket.__name__
+        if func.is_view or name in _NO_KERNEL: return out
+        kind = 'matmul' if name in MATMUL_OPS else 'conv' if name == 'convolution' else 'other'
+        outs = _flat(out)
+        self.record(kind, name, _flat(args) + _flat(kwargs or {}), outs, _op_flops(name, args, outs[0] if outs else None))
+        return out
+
+class _FlashAttention(TorchFunctionMode):
+    "scaled_dot_product_attention as one flash-style kernel: an empty output of its shape, its FLOPs and bytes recorded."
+    def __init__(self, counter): super().__init__(); self.counter = counter
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention: return func(*args, **kwargs)
+        q, k, v = (list(args) + [kwargs.get(n) for n in ('query', 'key', 'value')[len(args):]])[:3]
+        with torch.utils._python_dispatch._disable_current_modes():
+            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
+        B, H, Sq, D = math.prod(q.shape[:-3]), q.shape[-3], q.shape[-2], q.shape[-1]
+        self.counter.record('attention', 'sdpa', [q, k, v], [out], 4.0 * B * H * Sq * k.shape[-2] * D,
+                            B=B, H=H, Sq=Sq, Skv=k.shape[-2], D=D)
+        return out
+
+# %% ../nbs/09_memory.ipynb #fe197dc5
+@dataclass
+class OpTrace:
+    "The kernels one call runs (traced on meta tensors): per-kernel kind, FLOPs and bytes, fused traffic, activation peak."
+    ops: pd.DataFrame          # kind ('matmul', 'conv', 'attention', 'other'), op, flops, bytes (eager: every kernel on its own)
+    fused_bytes: float         # bytes of the 'other' kernels fused inductor-style (each run between matmuls is one kernel)
+    fused_kernels: int         # kernels of that fused form (fused groups + matmuls + convs + attention)
+    peak_bytes: int            # the most activation bytes alive at once (eager order; weights not counted)
+    def total(self, kind, col='bytes') -> float:
+        "Sum of `col` over the kernels of `kind`."
+        return float(self.ops.loc[self.ops.kind == kind, col].sum())
+    @property
+    def attention(self) -> pd.DataFrame: return self.ops[self.ops.kind == 'attention'].reset_index(drop=True)
+    @property
+    def eager_kernels(self) -> int: return len(self.ops)
+
+def trace_ops(fn) -> OpTrace:
+    "Run `fn()` (a forward on meta-device modules and inputs) and count its kernels, bytes, FLOPs and activation peak."
+    counter = _KernelCount()
+    with torch.no_grad(), _FlashAttention(counter), counter: fn()
+    ops = pd.DataFrame(counter.rows, columns=['kind', 'op', 'flops', 'bytes', 'B', 'H', 'Sq', 'Skv', 'D'])
+    fused = sum(counter.group_bytes.values())
+    n = len(counter.group_bytes) + int((ops.kind != 'other').sum())
+    return OpTrace(ops, float(fused), n, int(counter.peak))
+
+# %% ../nbs/09_memory.ipynb #111613e9
+CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
+
+@functools.lru_cache(maxsize=4)
+def _meta_parts(family) -> dict:
+    "The meta-device parts of `family` at real dims (the transformer alone when the registry has no other parts)."
+    m = get_model(family)
+    return real_dims_components(m.name, 'meta') if m.real_dims else {'transformer': meta_transformer(m.name)}
+
+def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
+    "The trace of one text encoder over `tokens` token ids (its language model alone when the wrapper needs images)."
+    ids = torch.zeros(batch, tokens, dtype=torch.long, device='meta')
+    for mod in (m, getattr(getattr(m, 'model', None), 'language_model', None), getattr(m, 'language_model', None)):
+        if mod is None: continue
+        try: return trace_ops(lambda: mod(input_ids=ids))
+        except Exception: continue  # noqa: BLE001 -- a multimodal wrapper that needs image inputs: try its text model
+    raise ValueError(f'cannot trace the text encoder {type(m).__name__} on token ids')
+
+def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
+    c = vae.config
+    ch = getattr(c, 'latent_channels', None) or getattr(c, 'z_dim', None)
+    h = size // 8
+    five_d = 'Qwen' in type(vae).__name__ or 'Wan' in type(vae).__name__
+    z = torch.empty(batch, ch, frames, h, h, device='meta', dtype=torch.bfloat16) if five_d else \
+        torch.empty(batch, ch, h, h, device='meta', dtype=torch.bfloat16)
+    return trace_ops(lambda: vae.decode(z))
+
+@functools.lru_cache(maxsize=64)
+def pipeline_trace(family, size: int = 1024, batch: int = 1, frames=None, text_tokens=None) -> dict[str, OpTrace]:
+    "Traces of one prompt's text encoders, one denoiser forward and one VAE decode of `family` at `size` px, `batch` images."
+    m = get_model(family)
+    grid = latent_grid(m, size, frames)
+    T = m.text_tokens if text_tokens is None else text_tokens
+    parts = _meta_parts(m.name)
+    out = {}
+    for attr, mod in parts.items():
+        if attr.startswith('text_encoder'):
+            out[attr] = _encoder_trace(mod, CLIP_TOKENS if 'CLIP' in type(mod).__name__ else T, batch)
+    tr = parts['transformer']
+    out['transformer'] = trace_ops(lambda: tr(**denoiser_kwargs(tr, grid, T, batch)))
+    if 'vae' in parts: out['vae'] = _vae_trace(parts['vae'], size, grid[0], batch)
+    return out
+
+# %% ../nbs/09_memory.ipynb #ba8bb7f9
+QUANT_RULES = ('lab', 'all', 'selective')  # the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
+
+def _selective(fqn, K, N) -> bool:
+    "torchao's FLUX benchmark recipe: skip embedders, norm_out / proj_out, the single blocks' norm.linear and Linears under 1024."
+    return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
+
+@functools.lru_cache(maxsize=64)
+def quantised_linears(family, scheme, rules: str = 'lab', min_features: int = 512) -> frozenset:
+    "Names of the denoiser Linears of `family` that take `scheme` under `rules` ('lab': the lab's plan, at `min_features`)."
+    if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
+    tr = _meta_parts(get_model(family).name)['transformer']
+    if scheme in (None, 'bf16', 'dense'): return frozenset()
+    if rules == 'lab': return frozenset(plan_transformer(tr, scheme, min_features=min_features, device='cpu').quantized)
+    lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
+    return frozenset(lin) if rules == 'all' else frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
+
+# %% ../nbs/09_memory.ipynb #f3fb560e
+LOAD_MODES = ('after-load', 'at-load', 'none')  # quantise_ the loaded dense pipeline; quantise while loading; a saved quantised model
+
+@dataclass
+class MemoryEstimate:
+    "Predicted resident and peak bytes of a whole pipeline (weights, activations at batch and size, the quantise-at-load spike)."
+    family: str
+    scheme: str | None
+    size: int
+    batch: int
+    weights: dict              # part -> resident bytes (transformer with the scheme, encoders, vae)
+    activations: dict          # phase -> peak activation bytes above the weights
+    load_peak: int             # the most bytes held while loading and quantising
+    load: str
+    @property
+    def resident_bytes(self) -> int: return sum(self.weights.values())
+    @property
+    def inference_peak(self) -> int: return self.resident_bytes + max(self.activations.values(), default=0)
+    @property
+    def peak_bytes(self) -> int: return max(self.inference_peak, self.load_peak)
+    @property
+    def resident_GiB(self) -> float: return self.resident_bytes / 2**30
+    @property
+    def peak_GiB(self) -> float: return self.peak_bytes / 2**30
+    def to_frame(self) -> pd.DataFrame:
+        "One row per part and phase with its GiB (a prediction from configs, not a measurement)."
+        rows = [(f'weights: {k}', v) for k, v in self.weights.items()] + [(f'activations: {k}', v) for k, v in self.activations.items()]
+        rows += [('resident', self.resident_bytes), (f'load peak ({self.load})', self.load_peak), ('peak', self.peak_bytes)]
+        return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
+
+def pipeline_memory(family, scheme=None, size: int = 1024, batch: int = 1, frames=None, text_tokens=None,
+                    min_features: int = 512, load: str = 'after-load', rules: str = 'lab') -> MemoryEstimate:
+    "Predicted resident and peak memory of `family`'s pipeline with its transformer in `scheme`, at `batch` images of `size` px."
+    if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1: raise ValueError(f'batch must be an int >= 1, got {batch!r}')
+    m = get_model(family)
+    s = None if scheme in (None, 'bf16', 'dense') else scheme
+    parts = _meta_parts(m.name)
+    tr, picked = parts['transformer'], quantised_linears(m.name, s, rules, min_features)
+    size_of = lambda mod: sum(t.numel() * 2 for t in mod.parameters())   # bf16 as loaded
+    lin = {id(t) for mod in tr.modules() if isinstance(mod, nn.Linear) for t in mod.parameters()}
+    quant = sum(linear_bytes(mod.in_features, mod.out_features, s if f in picked else None, mod.bias is not None)
+                for f, mod in tr.named_modules() if isinstance(mod, nn.Linear))
+    quant += sum(t.numel() * 2 for t in tr.parameters() if id(t) not in lin)
+    weights = {'transformer': quant, **{a: size_of(mod) for a, mod in parts.items() if a != 'transformer'}}
+    traces = pipeline_trace(m.name, size, batch, frames, text_tokens)
+    acts = {k: t.peak_bytes for k, t in traces.items()}
+    dense_total = sum(size_of(mod) for mod in parts.values())
+    biggest = max((linear_bytes(mod.in_features, mod.out_features, None) for mod in tr.modules()
+                   if isinstance(mod, nn.Linear)), default=0)
+    resident = sum(weights.values())
+    load_peak = {'after-load': dense_total + (biggest if s else 0), 'at-load': resident + (biggest if s else 0),
+                 'none': resident}[load]
+    return MemoryEstimate(m.name, s, size, batch, weights, acts, int(load_peak), load)
+
 # %% ../nbs/09_memory.ipynb #5ab975b4
 def free_memory(device=None) -> int:
     "Free bytes on `device`: `torch.cuda.mem_get_info` on a GPU, the kernel's MemAvailable (else free pages) on a CPU."
@@ -133,8 +419,9 @@ class MemoryPlan:
     reserve: float
     decision: str = ''
     reason: str = ''
+    activation_bytes: int = 0   # the activation peak at a batch and size (`pipeline_memory`'s model; 0: not asked)
     @property
-    def rest_bytes(self) -> int: return sum(self.encoder_bytes.values()) + self.vae_bytes + self.other_bytes
+    def rest_bytes(self) -> int: return sum(self.encoder_bytes.values()) + self.vae_bytes + self.other_bytes + self.activation_bytes
     @property
     def budget(self) -> int: return int(self.free_bytes * (1 - self.reserve))
     def summary(self) -> str:
@@ -144,7 +431,7 @@ class MemoryPlan:
         "One row per part with its resident GiB."
         rows = [('transformer (dense bf16)', self.dense_bytes), (f'transformer ({self.scheme or "dense"})', self.quant_bytes),
                 (f'transformer (GGUF {self.gguf_type})', self.gguf_bytes),
-                *((f'{a}', b) for a, b in self.encoder_bytes.items()), ('vae', self.vae_bytes), ('other', self.other_bytes),
+                *((f'{a}', b) for a, b in self.encoder_bytes.items()), ('vae', self.vae_bytes), ('other', self.other_bytes), ('activations', self.activation_bytes),
                 ('free on device', self.free_bytes), (f'budget (free - {self.reserve:.0%})', self.budget)]
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
     def __repr__(self): return f'MemoryPlan({self.summary()})'
@@ -202,7 +489,8 @@ def _components(target, dtype=torch.bfloat16) -> tuple[str | None, dict[str, nn.
     return None, _meta_from_folder(str(target), dtype)
 
 def plan_memory(target, scheme=None, device=None, *, free_bytes: int | None = None, min_features: int = 512,
-                gguf_type: str = 'Q8_0', gguf: bool = True, reserve: float = 0.1, dtype=torch.bfloat16) -> MemoryPlan:
+                gguf_type: str = 'Q8_0', gguf: bool = True, reserve: float = 0.1, dtype=torch.bfloat16,
+                size: int | None = None, batch: int = 1) -> MemoryPlan:
     "Resident bytes of `target`'s transformer (dense, `scheme`, GGUF), encoders and VAE vs free memory on `device`, and the decision."
     device = resolve_device(device)
     if gguf_type not in GGUF_TYPES: raise ValueError(f'unknown gguf_type {gguf_type!r}; choose one of {list(GGUF_TYPES)}')
@@ -227,11 +515,14 @@ def plan_memory(target, scheme=None, device=None, *, free_bytes: int | None = No
         rest = sum(t.numel() * db for t in tr.parameters() if id(t) not in lin_params)
         dense, quant, gg = dense + rest, quant + rest, gg + rest
         params += sum(t.numel() for t in tr.parameters())
-    size = lambda m: sum(t.numel() * db for t in m.parameters())
-    enc = {a: size(m) for a, m in comps.items() if a.startswith('text_encoder')}
-    vae = sum(size(m) for a, m in comps.items() if a == 'vae')
-    other = sum(size(m) for a, m in comps.items() if a not in dens and a not in enc and a != 'vae')
+    nbytes = lambda m: sum(t.numel() * db for t in m.parameters())
+    enc = {a: nbytes(m) for a, m in comps.items() if a.startswith('text_encoder')}
+    vae = sum(nbytes(m) for a, m in comps.items() if a == 'vae')
+    other = sum(nbytes(m) for a, m in comps.items() if a not in dens and a not in enc and a != 'vae')
     p = MemoryPlan(fam, s, str(device), params, nlin, nq, dense, quant, gg, gguf_type, enc, vae, other,
                    int(free_memory(device) if free_bytes is None else free_bytes), reserve)
+    if size is not None:  # the activations of the phase that needs most, from the whole-pipeline memory model
+        if fam is None: raise ValueError('size needs a family with real dims (the activations are traced from its configs)')
+        p.activation_bytes = max(t.peak_bytes for t in pipeline_trace(fam, size, batch).values())
     p.decision, p.reason = _decide(p, gguf)
     return p

@@ -18,7 +18,8 @@ from .pipelines import family_of, render
 from .text_encoder import plan_text_encoders
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
-from .crossover import analyse_layers, gpu_spec, gpu_schemes, latent_grid, layer_pattern, model_linear_shapes
+from .crossover import gpu_spec, gpu_schemes, latent_grid, layer_pattern, model_linear_shapes
+from .speed import COMPILE_MODES, default_path, linear_time, pipeline_time
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'capture_denoiser_inputs', 'linear_sensitivity', 'pattern_times', 'linear_times',
@@ -89,12 +90,16 @@ def linear_sensitivity(tr: nn.Module, inputs, schemes, min_features: int = 0, ba
     return pd.DataFrame(rows, columns=['fqn', 'scheme', 'backend', 'rel_err'])
 
 # %% ../nbs/16_recommend.ipynb #r0000015
-def pattern_times(family, gpu, size: int = 1024, frames=None, eff=None) -> pd.DataFrame:
-    "Per layer pattern of `family`'s real-dims denoiser at `size` px: how many real Linears, and their summed roofline time per format on `gpu`."
-    shapes = model_linear_shapes(family, latent_grid(family, size, frames))
-    layers = analyse_layers(shapes, gpu, eff).assign(pattern=lambda d: d.fqn.map(layer_pattern), n=1)
-    cols = [c for c in layers if c.startswith('t_') and c != 't_policy']
-    return layers.groupby('pattern')[['n', *cols]].sum().rename(columns=lambda c: c.removeprefix('t_'))
+def pattern_times(family, gpu, size: int = 1024, frames=None, compile: str = 'inductor', batch: int = 1) -> pd.DataFrame:
+    "Per layer pattern of `family`'s real-dims denoiser at `size` px: how many real Linears and their summed predicted seconds per format."
+    if compile not in COMPILE_MODES: raise ValueError(f'unknown compile {compile!r}; choose one of {", ".join(COMPILE_MODES)}')
+    spec = gpu_spec(gpu)
+    shapes = model_linear_shapes(family, latent_grid(family, size, frames), batch=batch)
+    m, k, n = (shapes[c].to_numpy(float) for c in 'MKN')
+    cols = {s: linear_time(spec, m, k, n, 'bf16' if s == 'bf16' else default_path(s, compile), compiled=compile != 'none')
+            for s in ('bf16', *gpu_formats(spec))}
+    layers = shapes.assign(pattern=shapes.fqn.map(layer_pattern), n=1, **cols)
+    return layers.groupby('pattern')[['n', *cols]].sum()
 
 def linear_times(tr: nn.Module, patterns: pd.DataFrame) -> dict[str, dict[str, float]]:
     "Per Linear of the denoiser `tr`: the seconds per format it stands for (its pattern's real time shared among the tiny Linears of it)."
@@ -165,8 +170,8 @@ class Recommendation:
     def summary(self) -> str:
         "One line: the GPU, the formats chosen, the predicted time, the measured PSNR against the bar."
         n = Counter(self.choice.values())
-        return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s * 1e3:.3f} ms of "
-                f"Linear time per forward; measured PSNR {self.psnr:.2f} dB {'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})")
+        return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s for the "
+                f"whole pipeline (prediction); measured PSNR {self.psnr:.2f} dB {'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})")
 
 def _check_recommend_args(bar, pairs, steps, size):
     if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not math.isfinite(bar) or bar <= 0:
@@ -177,8 +182,9 @@ def _check_recommend_args(bar, pairs, steps, size):
 
 def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), steps: int = 2, size: int = 32, family=None,
                    real_size: int = 1024, te_scheme=None, min_features: int = 0, backend: str = 'auto', device=None,
-                   max_calls: int = 8, score=None, **render_kw) -> Recommendation:
-    "The fastest per-Linear denoiser plan for `gpu` (roofline at the real model's shapes) whose measured PSNR vs dense is >= `bar` dB; `score(images)` adds task metrics."
+                   max_calls: int = 8, score=None, real_steps: int = 28, forwards_per_step: int = 1, compile: str = 'inductor',
+                   **render_kw) -> Recommendation:
+    "The per-Linear denoiser plan for `gpu` fastest by whole-pipeline time (speed model, real shapes) whose measured PSNR vs dense is >= `bar` dB."
     pairs = [tuple(p) for p in pairs]
     _check_recommend_args(bar, pairs, steps, size)
     spec, formats = gpu_spec(gpu), gpu_formats(gpu)
@@ -188,7 +194,10 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
     tr = pipe.transformer
     inputs = capture_denoiser_inputs(pipe, pairs, steps, size, max_calls, **render_kw)
     sens = linear_sensitivity(tr, inputs, formats, min_features, backend, device)
-    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, real_size)))
+    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, real_size, compile=compile)))
+    dense_pipe = pipeline_time(spec, fam, real_size, 1, real_steps, forwards_per_step, 'bf16', compile)['seconds']
+    dense_lin = predicted({f: 'bf16' for f in opts}, opts)['time_s']
+    whole = lambda choice: dense_pipe + real_steps * forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
     te = plan_text_encoders(pipe, te_scheme, family=fam, backend=backend, device=device) if te_scheme else QuantPlan()
     full = lambda choice: QuantPlan({**te.components, 'transformer': _plan_for(tr, choice, backend, device)})
     refs = {k: render(pipe, k[1], steps=steps, size=size, seed=k[0], **render_kw) for k in pairs}
@@ -197,7 +206,8 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
         key = tuple(sorted(choice.items()))
         if key not in seen:
             m = measure_plan(pipe, full(choice), pairs, refs, steps, size, **render_kw)
-            seen[key] = dict(source=source, **predicted(choice, opts), psnr=m['psnr'], psnr_min=m['psnr_min'], clears=m['psnr'] >= bar,
+            lin = predicted(choice, opts)
+            seen[key] = dict(source=source, time_s=whole(choice), linear_s=lin['time_s'], pred_err=lin['pred_err'], psnr=m['psnr'], psnr_min=m['psnr_min'], clears=m['psnr'] >= bar,
                              formats=', '.join(f'{k} {v}' for k, v in Counter(choice.values()).most_common()),
                              **(score(m['images']) if score else {}))
             rows.append(seen[key])
@@ -213,7 +223,7 @@ def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), s
     for s in formats:                               # the uniform plans: every Linear that can take s, takes it
         uni = {f: (s if s in o else 'bf16') for f, o in opts.items()}
         r = measure(uni, f'uniform {s}')
-        if r['clears'] and r['time_s'] < predicted(best, opts)['time_s']: best, best_src = uni, f'uniform {s}'
+        if r['clears'] and r['time_s'] < whole(best): best, best_src = uni, f'uniform {s}'
     final = measure(best, best_src)
     plan = full(best)
     table = pd.DataFrame(rows).sort_values('time_s').reset_index(drop=True)
@@ -258,7 +268,7 @@ def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):
         for r in uni.itertuples(): ax.annotate(r.source.removeprefix('uniform '), (r.time_s * 1e3, y(uni).loc[r.Index]), fontsize=7)
         ax.scatter(best.time_s * 1e3, y(best), marker='*', s=160, color=c, label=f'{gpu}: recommended')
     if quality == 'psnr': ax.axhline(table.bar.iloc[0], ls='--', color='grey', lw=0.8, label=f'bar {table.bar.iloc[0]} dB')
-    ax.set_xlabel('predicted Linear time per forward, ms (real Z-Image shapes, roofline)'); ax.set_ylabel(f'measured {quality} vs dense')
+    ax.set_xlabel('predicted whole-pipeline time, ms (real Z-Image shapes, speed model)'); ax.set_ylabel(f'measured {quality} vs dense')
     ax.legend(fontsize=7); return ax
 
 # %% ../nbs/16_recommend.ipynb #r0000032

@@ -30,7 +30,7 @@ def test_spec_table_is_physically_consistent():
     assert (s.fp8_tflops[has8] >= s.bf16_tflops[has8]).all()           # fp8 never slower than bf16
     assert (s.int8_tops >= s.bf16_tflops).all()
     has4 = s.fp4_tflops.notna()
-    assert set(s.index[has4]) == {'b200', 'rtx5090'}                   # fp4 tensor cores: Blackwell only
+    assert set(s.index[has4]) == set(s.index[s.arch == 'Blackwell'])   # fp4 tensor cores: Blackwell only
     assert (s.fp4_tflops[has4] >= 2 * s.fp8_tflops[has4]).all()
     assert s.loc['b200', 'fp4_tflops'] == 2 * s.loc['b200', 'fp8_tflops'] == 4 * s.loc['b200', 'bf16_tflops']
     assert s.loc['h100', 'bf16_tflops'] == s.loc['h200', 'bf16_tflops'] and s.loc['h200', 'mem_bw_tbs'] > s.loc['h100', 'mem_bw_tbs']
@@ -361,3 +361,104 @@ def test_bench_speedups_are_paired_with_intervals(tiny_bench):
     real = ok[(ok.status == 'ok') & (ok.scheme != 'bf16')]
     assert real.speed.str.startswith('noise: 2 rounds').all()  # the fixture's 2 rounds: no claim either way
     assert (tiny_bench.timing.str.contains('interleaved')).all()
+
+
+# ---- the whole-pipeline speed model (diffq_lab.speed, nbs/12a_speed) ------------------------------
+
+from diffq_lab import speed as sp
+
+
+def test_kernel_tables_carry_sources_and_cover_every_scheme():
+    pts, paths, runs = sp.kernel_points(), sp.kernel_paths(), sp.published_runs()
+    assert pts.source.str.len().gt(3).all() and pts.url.str.len().gt(10).all()
+    assert paths.source.str.len().gt(40).all() and runs.url.str.len().gt(10).all()
+    assert set(sp.PREDICT_SCHEMES) <= set(paths.scheme)
+    for s in sp.PREDICT_SCHEMES:
+        for c in sp.COMPILE_MODES: assert sp.default_path(s, c) in set(paths.path)
+    assert set(runs.use) <= {'validate', 'old-path', 'excluded'} and runs.run.is_unique
+
+
+def test_calibration_never_reads_end_to_end_runs(monkeypatch):
+    base = sp.calibrate()
+    monkeypatch.setattr(sp, 'published_runs', lambda: (_ for _ in ()).throw(AssertionError('read a run')))
+    assert sp.calibrate() == base
+    assert all(v['points'] >= 5 for v in base.values())
+    dropped = sp.calibrate(drop_sources=('torchao-inference-doc',))
+    assert dropped == {}                                           # with its only source gone, nothing is fitted
+
+
+@pytest.mark.parametrize('scheme', ['int8', 'fp8'])
+def test_eager_paths_cost_more_than_compiled(scheme):
+    M, K, N = 4608, 3072, 12288
+    eager = float(sp.linear_time('h100', M, K, N, sp.default_path(scheme, 'none'), compiled=False))
+    comp = float(sp.linear_time('h100', M, K, N, sp.default_path(scheme, 'inductor')))
+    assert eager > comp
+
+
+def test_weight_only_is_memory_bound_at_small_m():
+    t = lambda p, M: float(sp.linear_time('h100', M, 3072, 12288, p))
+    assert t('int8wo', 1) < t('bf16', 1) and t('nvfp4wo', 1) < t('int8wo', 1)
+    assert t('int8wo', 4096) > t('bf16', 4096)                       # at DiT M the dequantise is extra work
+    Ms = np.array([1, 16, 256, 4096, 16384])
+    assert np.all(np.diff(sp.linear_time('b200', Ms, 3072, 3072, 'nvfp4_compiled')) > 0)
+
+
+def test_execution_modes_order_a_pipeline():
+    t = {c: sp.pipeline_time('h100', 'flux.1-dev', 1024, 1, 28, 1, 'bf16', c)['seconds'] for c in sp.COMPILE_MODES}
+    assert t['none'] > t['inductor'] >= t['cudagraphs'] > 0
+    f = sp.forward_time('h100', 'flux.1-dev', 1024, 1, 'bf16', 'inductor')
+    f8 = sp.forward_time('h100', 'flux.1-dev', 1024, 1, 'bf16', 'inductor', fp8_attention=True)
+    assert f8['attention_s'] < f['attention_s'] and f8['linear_s'] == f['linear_s']
+
+
+def test_steps_and_batch_scale_the_denoiser():
+    a = sp.pipeline_time('h100', 'z-image', 1024, 1, 8, 1, 'fp8', 'cudagraphs')
+    b = sp.pipeline_time('h100', 'z-image', 1024, 1, 16, 2, 'fp8', 'cudagraphs')
+    assert b['denoise_s'] == pytest.approx(4 * a['denoise_s']) and b['vae_s'] == a['vae_s']
+    assert b['text_encoder_s'] == pytest.approx(2 * a['text_encoder_s'])   # CFG encodes the negative prompt too
+
+
+def test_predict_records_and_intervals():
+    recs = sp.predict('b200', 'flux.1-dev', 1024, 2, 28, 1, 'bf16,fp8,mxfp8,nvfp4,int8wo,nvfp4wo', 'cudagraphs')
+    assert [r['scheme'] for r in recs] == ['bf16', 'fp8', 'mxfp8', 'nvfp4', 'int8wo', 'nvfp4wo']
+    keys = {'scheme', 'seconds', 'seconds_lo', 'seconds_hi', 'speedup', 'speedup_lo', 'speedup_hi', 'resident_GiB', 'peak_GiB'}
+    for r in recs:
+        assert keys <= set(r) and r['seconds_lo'] <= r['seconds'] <= r['seconds_hi']
+        assert r['speedup_lo'] <= r['speedup'] <= r['speedup_hi'] and r['peak_GiB'] >= r['resident_GiB'] > 0
+    by = {r['scheme']: r for r in recs}
+    assert by['bf16']['speedup'] == 1.0 and by['nvfp4']['resident_GiB'] < by['fp8']['resident_GiB'] < by['bf16']['resident_GiB']
+    assert 'prediction' in sp.format_predictions(recs) and 'nvfp4' in sp.format_predictions(recs)
+
+
+def test_predict_on_a_gpu_without_the_format_says_so():
+    r = {x['scheme']: x for x in sp.predict('a100', 'z-image', 1024, 1, 8, 1, ('bf16', 'fp8', 'int8wo'), 'inductor')}
+    assert math.isnan(r['fp8']['seconds']) and 'tensor cores' in r['fp8']['note'] and r['int8wo']['seconds'] > 0
+
+
+@pytest.mark.parametrize('gpu', ['l4', 'a10g', 'rtx6000ada', 'gb200', 'rtxpro6000'])
+def test_new_gpus_predict(gpu):
+    r = sp.predict(gpu, 'z-image', 1024, 1, 8, 1, ('bf16', 'int8'), 'cudagraphs', intervals=False)
+    assert all(x['seconds'] > 0 for x in r)
+
+
+@pytest.mark.parametrize('kw,match', [(dict(schemes=('fp4',)), 'nvfp4'), (dict(compile='jit'), 'cudagraphs'),
+                                      (dict(gpu='tpu'), 'h200'), (dict(model='sdxl'), 'z-image'), (dict(steps=0), 'steps'),
+                                      (dict(rules='some'), 'selective')])
+def test_predict_bad_inputs(kw, match):
+    args = dict(gpu='b200', model='z-image', size=1024, batch=1, steps=8, forwards_per_step=1, schemes=('bf16',),
+                compile='inductor', intervals=False) | kw
+    with pytest.raises(ValueError, match=match): sp.predict(**args)
+
+
+def test_recorded_validation_covers_the_runs_and_meets_its_bounds():
+    v, runs = sp.validation_table(), sp.published_runs()
+    assert set(v.run) == set(runs.run[runs.use != 'excluded'])
+    q = v[(v.use == 'validate') & (v.scheme != 'bf16')]
+    comp, eager = q[q['mode'] == 'compiled'], q[q['mode'] == 'eager']
+    assert comp.speedup_err.abs().median() < 0.10 and eager.speedup_err.abs().max() < 0.30
+    mem = v.dropna(subset=['published_resident'])
+    assert mem.resident_err.abs().max() < 0.02 and mem.peak_err.abs().max() < 0.15
+    fl = q[q.model.str.startswith('flux') & q.scheme.isin(['mxfp8', 'nvfp4'])].pivot_table(
+        index=['source', 'batch'], columns='scheme', values=['published_speedup', 'predicted_speedup'])
+    assert ((fl['published_speedup']['nvfp4'] > fl['published_speedup']['mxfp8'])
+            == (fl['predicted_speedup']['nvfp4'] > fl['predicted_speedup']['mxfp8'])).all()

@@ -84,3 +84,50 @@ def test_plan_bad_inputs():
     with pytest.raises(ValueError, match='no real-dims'): plan_memory('sana', 'int8')
     with pytest.raises(ValueError, match='choose one of'): plan_memory('z-image', 'int4')
     with pytest.raises(ValueError, match="'auto'"): linear_bytes(64, 64, 'auto')
+
+
+# ---- the whole-pipeline memory model (pipeline_memory, trace_ops) ----------------------------------
+
+from diffq_lab.memory import pipeline_memory, pipeline_trace, quantised_linears, trace_ops
+
+
+def test_trace_counts_a_known_forward_exactly():
+    lin = nn.Sequential(nn.Linear(256, 512), nn.SiLU(), nn.Linear(512, 256)).to('meta', torch.bfloat16)
+    x = torch.empty(64, 256, device='meta', dtype=torch.bfloat16)
+    t = trace_ops(lambda: lin(x))
+    assert t.total('matmul', 'flops') == 2 * 64 * 256 * 512 * 2
+    assert t.fused_kernels == 3                                   # two GEMMs and one fused elementwise group
+    assert t.fused_bytes <= t.total('other')                      # fusing never moves more bytes than eager
+    assert 64 * 512 * 2 <= t.peak_bytes <= 3 * 64 * 512 * 2
+
+
+def test_activations_grow_with_batch_and_size():
+    a = pipeline_trace('z-image', 512, 1)['vae'].peak_bytes
+    assert pipeline_trace('z-image', 512, 2)['vae'].peak_bytes == pytest.approx(2 * a, rel=0.01)
+    assert pipeline_trace('z-image', 1024, 1)['vae'].peak_bytes == pytest.approx(4 * a, rel=0.05)
+
+
+def test_resident_bytes_agree_with_plan_memory_under_the_lab_rules():
+    e = pipeline_memory('z-image', 'int8', 1024, 1)
+    p = plan_memory('z-image', 'int8', 'cpu', free_bytes=2**40)
+    assert e.weights['transformer'] == p.quant_bytes
+    assert e.resident_bytes == p.quant_bytes + p.rest_bytes
+
+
+def test_load_modes_order_the_peaks():
+    peaks = {m: pipeline_memory('z-image', 'nvfp4', 1024, 1, load=m).load_peak for m in ('after-load', 'at-load', 'none')}
+    assert peaks['after-load'] > peaks['at-load'] > peaks['none']
+    assert pipeline_memory('z-image', None, 1024, 1, load='after-load').load_peak == pipeline_memory('z-image').resident_bytes
+
+
+def test_rules_choose_the_linears():
+    lab, every = quantised_linears('flux.1-dev', 'fp8', 'lab'), quantised_linears('flux.1-dev', 'fp8', 'all')
+    assert lab < every and not any('norm1.linear' in f for f in lab) and 'proj_out' in every
+    assert pipeline_memory('flux.1-dev', 'fp8', rules='all').resident_bytes < pipeline_memory('flux.1-dev', 'fp8').resident_bytes
+
+
+@pytest.mark.parametrize('kw,match', [(dict(load='lazy'), 'after-load'), (dict(batch=0), 'batch'),
+                                      (dict(rules='some'), 'selective'), (dict(family='sdxl'), 'z-image')])
+def test_pipeline_memory_bad_inputs(kw, match):
+    args = dict(family='z-image', scheme='int8') | kw
+    with pytest.raises(ValueError, match=match): pipeline_memory(**args)
