@@ -211,7 +211,8 @@ def allowed_class(library, cls_name, where: str = 'model_index.json') -> type:
     if not (isinstance(cls_name, str) and cls_name.isidentifier() and not cls_name.startswith('_')):
         raise DamagedFolder(f'{where} names class {cls_name!r} of {library}, which is not a class name')
     cls = getattr(importlib.import_module(library), cls_name, None)  # the allow-listed library's own attribute: no import by path
-    if not (isinstance(cls, type) and issubclass(cls, _allowed_bases())):
+    import diffusers
+    if not (isinstance(cls, type) and issubclass(cls, _allowed_bases())) or issubclass(cls, diffusers.DiffusionPipeline):
         raise DamagedFolder(f'{where} names {library}.{cls_name}, which is not a {library} model, scheduler, tokenizer or processor')
     return cls
 

@@ -403,10 +403,13 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     return TorchAoConfig(FqnToConfig({f: get_scheme(x).make_config() for f, x in _per_linear(p).items()}), modules_to_not_convert=[])
 
 def _library(component: str) -> str: return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
+_QUANTISABLE = re.compile(r'(text_encoder|transformer|unet)(_\d+)?')  # the components a pipeline's quantisation config reaches
 
 def to_pipeline_config(plan: QuantPlan):
     "diffusers' `PipelineQuantizationConfig` that applies `plan` while loading: one TorchAoConfig per quantised component."
     from diffusers import PipelineQuantizationConfig
+    odd = [c for c in plan.components if not _QUANTISABLE.fullmatch(c)]
+    if odd: raise ValueError(f'the plan names {odd}: diffusers applies a quantisation config only to text_encoder*, transformer* or unet*')
     mapping = {c: cfg for c, p in plan.components.items() if (cfg := component_config(p, _library(c), c)) is not None}
     if not mapping: raise ValueError('the plan quantises nothing: there is no config to export')
     return PipelineQuantizationConfig(quant_mapping=mapping)
