@@ -61,9 +61,9 @@ gpu-wheels:
 # The GPU run rehearsed on this CPU (about 5-10 minutes; needs PyPI once to build its venv): a venv holding only the
 # image's packages (/tmp/gpu_rehearsal_venv; CPU torch 2.13.0 standing in for 2.11), the carried wheels installed the
 # script's way, and `tools/gpu_check.sh --dry-run` end to end in a copy of the tree as the device gets it. Run it before
-# a change to the CLI, the benches or the wheel list lands.
+# a change to the CLI, the benches or the wheel list lands. REHEARSAL_ARGS=--head rehearses the committed HEAD alone.
 gpu-rehearsal: gpu-wheels
-	python3 tools/gpu_rehearsal.py
+	python3 tools/gpu_rehearsal.py $(REHEARSAL_ARGS)
 
 # The GPU cells, on a machine with one (skipped by the plain test run). The GPU run itself is `bash tools/gpu_check.sh`.
 gpu-test: venv

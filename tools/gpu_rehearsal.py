@@ -5,14 +5,14 @@
    in for 2.11.0+cu130; rebuilt only when that list or this recipe changes. Checked: none of the image's absent packages
    (torchao, diffusers, IPython, ...) is in it.
 2. A copy of the tree as the device tool makes it (tracked files and untracked ones git does not ignore, no .git), with
-   .gpu_wheels/ carried.
+   .gpu_wheels/ carried; with --head, the committed HEAD alone (what a fresh clone has).
 3. In that copy, with the venv's python3 first on PATH: `bash tools/gpu_check.sh --dry-run` (the wheels installed
    --no-deps --target, every stage at tiny dims on the CPU, the same files in $OUT).
 4. Checked: at most 8 files in $OUT, summary.md, every stage ok with its table in the tarball and no row of it failed
    (on a CPU every configuration runs, emulated where it must), under 10 minutes.
 """
 from __future__ import annotations
-import hashlib, io, os, shutil, subprocess, sys, tarfile, time
+import csv, hashlib, io, os, shutil, subprocess, sys, tarfile, time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
@@ -81,9 +81,15 @@ def check_venv(py) -> list[str]:
     return have.stdout.split()
 
 
-def copy_tree() -> Path:
-    "The tree as the device tool carries it: tracked + untracked-not-ignored files, no .git; .gpu_wheels carried."
+def copy_tree(head: bool = False) -> Path:
+    "The tree as the device tool carries it (tracked, untracked-not-ignored; no .git), or HEAD alone; .gpu_wheels too."
     shutil.rmtree(TREE, ignore_errors=True)
+    if head:
+        TREE.mkdir(parents=True)
+        archive = subprocess.run(['git', 'archive', 'HEAD'], cwd=REPO, capture_output=True, check=True).stdout
+        tarfile.open(fileobj=io.BytesIO(archive)).extractall(TREE)
+        shutil.copytree(REPO/'.gpu_wheels', TREE/'.gpu_wheels')
+        return TREE
     files = subprocess.run(['git', 'ls-files', '-z', '-co', '--exclude-standard'], cwd=REPO, capture_output=True,
                            check=True).stdout.decode().split('\0')
     for f in filter(None, files):
@@ -114,13 +120,11 @@ def check_out(out: Path) -> list[str]:
         if st.get(s) != 'ok': problems.append(f'stage {s}: {st.get(s, "not run")}')
     for s in RUN_STAGES:
         problems += [f'stage {s}: no results/{t}.csv' for t in TABLES[s] if f'results/{t}.csv' not in names]
-    import pandas as pd
-    for kind, data in tables.items():
-        df = pd.read_csv(io.BytesIO(data))
-        if 'status' not in df: continue
-        for r in df[df.status.astype(str) == 'failed'].itertuples():
-            what = getattr(r, 'config', None) or getattr(r, 'requested', None) or getattr(r, 'scheme', '?')
-            problems.append(f'{kind}: {what} failed: {str(getattr(r, "error", "") or getattr(r, "reason", ""))[:160]}')
+    for kind, data in tables.items():  # plain csv: this runs on the machine's python3, which may lack pandas
+        for r in csv.DictReader(io.StringIO(data.decode())):
+            if r.get('status') != 'failed': continue
+            what = r.get('config') or r.get('requested') or r.get('scheme') or '?'
+            problems.append(f"{kind}: {what} failed: {(r.get('error') or r.get('reason') or '')[:160]}")
     return problems
 
 
@@ -130,7 +134,9 @@ def main() -> int:
     py = build_venv()
     extra = check_venv(py)
     if extra: print(f'the rehearsal venv holds packages the image lacks: {extra}'); return 1
-    tree = copy_tree()
+    head = '--head' in sys.argv[1:]  # a fresh clone's tree (the committed HEAD), not the working tree
+    tree = copy_tree(head)
+    print(f"rehearsing {'the committed HEAD' if head else 'the working tree'} in {tree}")
     shutil.rmtree(OUT, ignore_errors=True)
     drop = ('PYTHONPATH', 'VIRTUAL_ENV', 'GPU_PYTHON', 'GPU_WORK', 'GPU_DEPS')
     env = {k: v for k, v in os.environ.items() if k not in drop}
