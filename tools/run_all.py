@@ -30,7 +30,8 @@ def run_one(path: Path, timeout: int = 900, kernel: str = 'python3') -> tuple[bo
     from nbclient import NotebookClient
     from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
     nb = nbformat.read(path, as_version=4)
-    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={'metadata': {'path': str(path.parent)}})
+    client = NotebookClient(nb, timeout=timeout, kernel_name=kernel, resources={'metadata': {'path': str(path.parent)}},
+                            extra_arguments=['--IPKernelApp.log_level=ERROR'])  # not its TCP-transport notice per notebook
     try: client.execute()
     except CellTimeoutError: return False, f'a cell ran past {timeout} s (cell {_failed_cell(nb)})'
     except DeadKernelError as e: return False, f'the kernel died (cell {_failed_cell(nb)}): {str(e)[:200]}'
@@ -56,11 +57,14 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     os.environ.setdefault('HF_HUB_OFFLINE', '1'); os.environ.setdefault('OMP_NUM_THREADS', '1')
     os.environ.setdefault('TOKENIZERS_PARALLELISM', 'false')  # the kernels inherit these
+    from tqdm import tqdm
     nbs, failed, t0 = notebooks(a.names), [], time.time()
-    for p in nbs:
+    bar = tqdm(nbs, desc='Run All', unit='nb', disable=len(nbs) < 2)  # ~20 minutes for all of nbs/ on 2 cores: an estimate
+    for p in bar:
         t = time.time()
+        bar.set_postfix_str(p.name)
         ok, msg = run_one(p, a.timeout, a.kernel)
-        print(f'{"PASS" if ok else "FAIL"} {p.name} in {time.time() - t:.0f} s: {msg}', flush=True)
+        bar.write(f'{"PASS" if ok else "FAIL"} {p.name} in {time.time() - t:.0f} s: {msg}')
         if not ok: failed.append(p.name)
     print(f'{len(nbs) - len(failed)}/{len(nbs)} notebooks passed Run All in a real kernel in {time.time() - t0:.0f} s'
           + (f'; failed: {", ".join(failed)}' if failed else ''))
