@@ -378,7 +378,7 @@ def _recorded_before(tmp_path):
     return res, out, {k: (res/f'{k}.csv').read_bytes() for k in ('capability', 'study_numerics', 'study')}
 
 
-def _state(res, out) -> tuple:
+def _store_state(res, out) -> tuple:
     "(rows per table, files of out with their text), read through the store (which finishes a cut commit first)."
     rows = {k: len(load_table(k, res)) for k in ('capability', 'study_numerics', 'study')}
     return rows, {p.name: p.read_text() for p in sorted(out.iterdir())}
@@ -400,12 +400,12 @@ def test_a_signal_from_a_thread_mid_commit_records_all_or_nothing(tmp_path, sig,
         assert p.returncode == -9 and pending == (['.committed'] if point != 'staged' else ['.staging']), (pending, err[-800:])
         if point == 'mid':  # the raw files show the cut: one table moved, the others not yet
             assert (res/'capability.csv').read_bytes() != before['capability'] and (res/'study.csv').read_bytes() == before['study']
-        assert _state(res, out) == (NOTHING if point == 'staged' else ALL)
+        assert _store_state(res, out) == (NOTHING if point == 'staged' else ALL)
     else:  # held until the commit was whole, then delivered: the raw files are whole before any reader runs
         assert 'recorded' not in so and p.returncode in ((1, -2) if sig == signal.SIGINT else (-15,)), (p.returncode, err[-800:])
         assert sig != signal.SIGINT or 'KeyboardInterrupt' in err
         assert pending == [] and {k: (res/f'{k}.csv').read_bytes() != v for k, v in before.items()} == dict.fromkeys(before, True)
-        assert _state(res, out) == ALL
+        assert _store_state(res, out) == ALL
     assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results']  # no staged report, no journal, no .tmp
     assert sorted(q.name for q in res.iterdir()) == ['capability.csv', 'study.csv', 'study_numerics.csv']
 
@@ -479,5 +479,5 @@ def test_a_rename_failing_after_the_commit_point_puts_every_table_and_the_report
         record_tables({'capability': dict(scheme='fp8'), 'study_numerics': dict(scheme='fp8'), 'study': dict(scheme='fp8')},
                       root=res, device='cpu', report=(stage, out), report_files=('report.md', 'grid.png'))
     monkeypatch.setattr(os, 'replace', real)
-    assert {k: (res/f'{k}.csv').read_bytes() for k in before} == before and _state(res, out) == NOTHING
+    assert {k: (res/f'{k}.csv').read_bytes() for k in before} == before and _store_state(res, out) == NOTHING
     assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results'] and len(list(res.iterdir())) == 3
