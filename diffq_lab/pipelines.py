@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import hashlib, inspect, logging, os, re, time, warnings
+import hashlib, inspect, json, logging, os, re, time, warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,8 +22,8 @@ __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FL
            'TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
            'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'tiny_generate', 'Family', 'get_family', 'families_table',
            'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer', 'load_tokenizer',
-           'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'load_pipeline', 'measure_tiny_pipeline',
-           'record_tiny_pipelines']
+           'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'check_folder', 'load_pipeline',
+           'measure_tiny_pipeline', 'record_tiny_pipelines']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -643,12 +643,54 @@ def render(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int = 3
 
 tiny_generate = render  # the name the study's brief uses
 
+# %% ../nbs/05_pipelines.ipynb #f154e591
+def _file_keys(sub: Path) -> set[str] | None:
+    "The tensor names the safetensors files of component folder `sub` hold (None: no safetensors, left to the library)."
+    from safetensors import safe_open
+    files = sorted(sub.glob('*.safetensors'))
+    if not files: return None
+    keys = set()
+    for f in files:
+        with safe_open(str(f), 'pt') as s: keys |= set(s.keys())
+    return keys
+
+def _meta_keys(library: str, cls_name: str, sub: Path) -> set[str] | None:
+    "The tensor names a diffusers model built from the component's config holds, on meta (None: not a diffusers model)."
+    # transformers models rename checkpoint keys as they load (and tie some), so their names cannot be compared like this
+    import diffusers
+    from accelerate import init_empty_weights
+    cls = getattr(diffusers, cls_name, None) if library == 'diffusers' else None  # the library's own attribute
+    if not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin): return None
+    with init_empty_weights(): m = cls.from_config(cls.load_config(sub))
+    return set(m.state_dict())
+
+# %% ../nbs/05_pipelines.ipynb #a3bb38ae
+def check_folder(folder) -> Path:
+    "Before any weight loads: every diffusers component's config builds exactly the tensors its safetensors hold; one line otherwise."
+    folder = Path(folder)
+    try: index = json.loads((folder/'model_index.json').read_text(encoding='utf-8'))
+    except (OSError, ValueError) as e: raise ValueError(f"{folder/'model_index.json'}: not a pipeline index ({e})") from None
+    for a, v in index.items():
+        if a.startswith('_') or not (isinstance(v, list) and len(v) == 2 and v[0] in ('diffusers', 'transformers')): continue
+        sub = folder/a
+        if not sub.is_dir() or (keys := _file_keys(sub)) is None: continue
+        try: params = _meta_keys(*v, sub)
+        except Exception as e: raise ValueError(f'{sub/"config.json"}: does not build a {v[1]} ({type(e).__name__}: {e})'[:400]) from None
+        if params is None: continue
+        extra, missing = sorted(keys - params), sorted(params - keys)
+        if extra: raise ValueError(f'{sub}: its weights hold {len(extra)} tensors its config.json has no place for '
+                                   f'(e.g. {extra[0]}): the config and the weights disagree')
+        if missing: raise ValueError(f'{sub}: its config.json expects {len(missing)} tensors its weights lack '
+                                     f'(e.g. {missing[0]}): the config and the weights disagree')
+    return folder
+
 # %% ../nbs/05_pipelines.ipynb #be8e9e8c
 def load_pipeline(model, family=None, dtype=None, device=None, **kwargs):
     "Load a hub id or local folder with diffusers `from_pretrained`, cast to `dtype` and moved to `device`; the family is inferred when not given."
     import diffusers
     device = resolve_device(device)
     dtype = as_dtype(dtype) if dtype is not None else compute_dtype(device)
+    if Path(str(model)).is_dir(): check_folder(model)  # configs against weights, before any weight loads
     if family is not None: fam = get_family(family)
     else:  # check the class before fetching gigabytes of weights
         hub = {k: kwargs[k] for k in ('revision', 'token', 'cache_dir', 'local_files_only') if k in kwargs}
