@@ -228,7 +228,8 @@ def blank_reason(row: dict, col: str) -> str:
     if col in ('fallback_reason', 'error'): return 'none'
     if row.get('requested') == 'dense': return 'the dense reference itself: nothing quantised, nothing to compare'
     if col.endswith(('_backend', '_scheme')): return 'this part stays dense'
-    if col.endswith(('_lo', '_hi')) and row.get('pairs', 2) < 2: return 'an interval needs at least two (seed, prompt) pairs'
+    if col.endswith(('_lo', '_hi')) and row.get('pairs', 2) < 2:
+        return 'an interval needs at least two (seed, prompt) pairs'
     return 'not measured'
 
 def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
@@ -236,19 +237,22 @@ def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
     seen = {}
     for r in df.to_dict('records'):
         for col in (c for c in cols if c in df and _blank(r.get(c))):
-            cs, rs = seen.setdefault(reason(r, col), ({}, {})); cs[col] = rs[str(r.get('requested', r.get('scheme', '')))] = 1
+            cs, rs = seen.setdefault(reason(r, col), ({}, {}))
+            cs[col] = rs[str(r.get('requested', r.get('scheme', '')))] = 1
     return [f'{why}: {", ".join(cs)} ({", ".join(rs)})' for why, (cs, rs) in seen.items()]
 
 def html_table(df: pd.DataFrame, cols=None, reason=blank_reason) -> str:
-    "`df` as a scrolling HTML table: floats to 4 significant digits, a blank cell (never NaN) titled with why it is blank."
+    "`df` as a scrolling HTML table: floats to 4 significant digits, a blank cell (never NaN) titled with its reason."
     cols, esc = [c for c in (cols or list(df.columns)) if c in df], lambda s: html.escape(str(s), quote=True)
     def td(r, col):
         v = r.get(col)
         if _blank(v): return f'<td class="blank" title="{esc(reason(r, col))}"></td>'
         if isinstance(v, (float, np.floating)): return f'<td class="num">{v:.4g}</td>'
-        return f'<td class="num">{v}</td>' if isinstance(v, (int, np.integer)) and not isinstance(v, bool) else f'<td>{esc(v)}</td>'
+        if isinstance(v, (int, np.integer)) and not isinstance(v, bool): return f'<td class="num">{v}</td>'
+        return f'<td>{esc(v)}</td>'
     rows = ''.join('<tr>' + ''.join(td(r, col) for col in cols) + '</tr>' for r in df.to_dict('records'))
-    return f'<div class="scroll"><table><thead><tr>{"".join(f"<th>{esc(c)}</th>" for c in cols)}</tr></thead><tbody>{rows}</tbody></table></div>'
+    head = ''.join(f'<th>{esc(c)}</th>' for c in cols)
+    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
 
 REPORT_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:96em;padding:0 1em;color:#222}
 h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
@@ -260,20 +264,24 @@ td.blank{background:#f6f6f6}.prov,.notes{color:#555;font-size:12px}"""
 def _report_md(title, df, tables) -> str:
     secs = ''.join(f'## {name}\n\n{markdown_table(t, cols=cols)}\n\n' for name, (t, cols) in tables.items())
     notes = ''.join(f'- blank: {n}\n' for n in blank_notes(df, STUDY_COLS))
-    return f'# {title}\n\n{provenance(df)}\n\n{secs}## Per scheme\n\n{markdown_table(df, cols=STUDY_COLS)}\n\n{notes}\n![renders](grid.png)\n'
+    per = markdown_table(df, cols=STUDY_COLS)
+    return f'# {title}\n\n{provenance(df)}\n\n{secs}## Per scheme\n\n{per}\n\n{notes}\n![renders](grid.png)\n'
 
 def _report_html(title, df, tables, renders, ref, metrics) -> str:
     esc = html.escape
-    secs = ''.join(f'<h2>{esc(name)}</h2>{html_table(t, cols, lambda r, c: "not measured")}' for name, (t, cols) in tables.items())
+    other = lambda r, c: 'not measured'
+    secs = ''.join(f'<h2>{esc(name)}</h2>{html_table(t, cols, other)}' for name, (t, cols) in tables.items())
     notes = ''.join(f'<li>blank: {esc(n)}</li>' for n in blank_notes(df, STUDY_COLS))
     grid = compare_html(renders, ref, metrics) if renders else ''
-    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title><style>{REPORT_CSS}</style></head>'
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title>'
+            f'<style>{REPORT_CSS}</style></head>'
             f'<body><h1>{esc(title)}</h1><p class="prov">{esc(provenance(df))}</p><h2>Renders</h2>{grid}{secs}'
             f'<h2>Per scheme</h2>{html_table(df, STUDY_COLS)}<ul class="notes">{notes}</ul></body></html>\n')
 
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | None = None) -> Path:
-    "Write `report.md`, `report.html` (styled, every table) and the render grid `grid.png` of a `run_study` table under `out`."
-    out, tables = Path(out), {k: v if isinstance(v, tuple) else (v, None) for k, v in (tables or {}).items()}  # name: df or (df, cols)
+    "Write `report.md`, `report.html` (styled, every table) and the render grid `grid.png` of a study under `out`."
+    out = Path(out)
+    tables = {k: v if isinstance(v, tuple) else (v, None) for k, v in (tables or {}).items()}  # name: df or (df, cols)
     renders, ref = df.attrs.get('renders', {}), df.attrs.get('reference')
     metrics = {r['requested']: {k: r[k] for k in ('psnr', 'ssim') if k in r and pd.notna(r[k])}
                for r in df.to_dict('records') if r.get('requested') in renders}
@@ -286,7 +294,8 @@ def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | 
 # %% ../nbs/15_study.ipynb #b32097dc
 def _short_numerics(summary: pd.DataFrame) -> str:
     from tabulate import tabulate
-    short = summary.rename(columns=lambda c: c.replace('cosine_', 'cos_').replace('gaussian', 'gauss').replace('outliers', 'outl'))
+    name = lambda c: c.replace('cosine_', 'cos_').replace('gaussian', 'gauss').replace('outliers', 'outl')
+    short = summary.rename(columns=name)
     return tabulate(short, list(short.columns), tablefmt='simple', showindex=False, floatfmt='.4g')
 
 def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
@@ -310,19 +319,25 @@ def _short_speed(r: dict) -> str:
     return (f'{_fmt(v, ".2f")}{interval} ' + str(r.get('speed') or '').split(':')[0][:12]).strip()
 
 def short_table(study: pd.DataFrame) -> str:
-    "The study's terminal view: a row per scheme in at most 120 columns, a legend, and each failure or fallback in a line."
+    "The study's terminal view: a row per scheme in at most 120 columns, a legend, each failure or fallback in a line."
     from tabulate import tabulate
-    runs = lambda r: '+'.join(dict.fromkeys(b for b in (r.get('te_backend'), r.get('transformer_backend')) if not _blank(b))) or '-'
+    ran = lambda r: [b for b in (r.get('te_backend'), r.get('transformer_backend')) if not _blank(b)]
+    runs = lambda r: '+'.join(dict.fromkeys(ran(r))) or '-'
+    cell = lambda r, k, spec: _fmt(r.get(k), spec)
     trained = 'adherence' in study
-    rows = [[r.get('requested'), runs(r), r.get('transformer_quantized') if not _blank(r.get('transformer_quantized')) else '-',
-             _fmt((r.get('te_MiB') or 0) + (r.get('transformer_MiB') or 0), '.1f'), _short_speed(r), _fmt(r.get('psnr'), '.1f'),
-             _fmt(r.get('ssim'), '.3f'), *([_fmt(r.get('adherence'), '.2f')] if trained else [])] for r in study.to_dict('records')]
-    head = ['scheme', 'ran as', 'DiT q', 'MiB', 'vs dense [interval] verdict', 'PSNR dB', 'SSIM', *(['adher.'] if trained else [])]
+    mib = lambda r: _fmt((r.get('te_MiB') or 0) + (r.get('transformer_MiB') or 0), '.1f')
+    dit = lambda r: '-' if _blank(r.get('transformer_quantized')) else r['transformer_quantized']
+    rows = [[r.get('requested'), runs(r), dit(r), mib(r), _short_speed(r), cell(r, 'psnr', '.1f'),
+             cell(r, 'ssim', '.3f'), *([cell(r, 'adherence', '.2f')] if trained else [])]
+            for r in study.to_dict('records')]
+    head = ['scheme', 'ran as', 'DiT q', 'MiB', 'vs dense [interval] verdict', 'PSNR dB', 'SSIM']
+    head += ['adher.'] if trained else []
     level = study.ci_level.dropna().iloc[0] if 'ci_level' in study and study.ci_level.notna().any() else 0.95
-    legend = [f'ran as: the backends that ran (emulate: fake-quant on this device, numerics only). DiT q: transformer Linears '
-              f'quantised/total. MiB: encoder + transformer weights as stored. vs dense: dense time / scheme time (> 1 faster), '
-              f'median paired ratio with its {level * 100:.4g}% interval, and the verdict. PSNR / SSIM: renders vs dense '
-              f'(same: identical).' + (' adher.: prompt adherence of the trained checker (0-1).' if trained else '')]
+    legend = [f'ran as: the backends that ran (emulate: fake-quant on this device, numerics only). DiT q: '
+              f'transformer Linears quantised/total. MiB: encoder + transformer weights as stored. vs dense: dense '
+              f'time / scheme time (> 1 faster), median paired ratio with its {level * 100:.4g}% interval, and the '
+              f'verdict. PSNR / SSIM: renders vs dense (same: identical).'
+              + (' adher.: prompt adherence of the trained checker (0-1).' if trained else '')]
     notes = [f'{r["requested"]}: {str(r.get(k))[:300]}' for r in study.to_dict('records')
              for k in ('error', 'fallback_reason') if not _blank(r.get(k))]  # a failure's error, a fallback's reason
     table = tabulate(rows, head, tablefmt='simple', disable_numparse=True)
@@ -333,8 +348,8 @@ def short_capability(cap: pd.DataFrame) -> str:
     from tabulate import tabulate
     cols = [c for c in ('scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick') if c in cap]
     head = format_report(cap).split('\n\n')[0]
-    return _fill(head) + '\n\n' + tabulate(cap[cols].astype(object).where(cap[cols].notna(), ''), cols, tablefmt='simple',
-                                          showindex=False, floatfmt='.3g')
+    shown = cap[cols].astype(object).where(cap[cols].notna(), '')
+    return _fill(head) + '\n\n' + tabulate(shown, cols, tablefmt='simple', showindex=False, floatfmt='.3g')
 
 def changed_files(paths) -> list[str]:
     "`git status --porcelain` lines of `paths` (tracked files changed, new ones): [] where no git checkout holds them."
@@ -354,10 +369,12 @@ def recorded_note(counts: dict, root=None) -> str:
     if not lines: return _fill(f'recorded into {folder} (no git checkout tracks it): ' +
                                ', '.join(f'{k}.csv +{n} rows' for k, n in counts.items()))
     plans = [l for l in lines if '/plans/' in l]
-    tabs = [f'  {l}' + next((f' (+{n} rows)' for k, n in counts.items() if l.endswith(f'/{k}.csv')), '') for l in lines if l not in plans]
+    rows = lambda l: next((f' (+{n} rows)' for k, n in counts.items() if l.endswith(f'/{k}.csv')), '')
+    tabs = [f'  {l}{rows(l)}' for l in lines if l not in plans]
+    more = [f'  {len(plans)} plan file(s) in {folder / "plans"}'] if plans else []
     return '\n'.join([_fill('changed tracked files (the lab\'s findings: the docs and README render them; review and '
-                            'commit them, or `git checkout -- data/results` to drop this run; --no-record runs without '
-                            'recording):'), *tabs] + ([f'  {len(plans)} plan file(s) in {folder/"plans"}'] if plans else []))
+                             'commit them, or `git checkout -- data/results` to drop this run; --no-record '
+                             'runs without recording):'), *tabs, *more])
 
 def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
                   allow_dirty: bool = False, **study_kw) -> dict:
@@ -377,7 +394,7 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
     study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
     full = f'the full table ({len([c for c in STUDY_COLS if c in study])} columns) is in report.md and report.html'
     log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
-        f'{short_table(study)}\n' + _fill(full + (f' in {out}' if out is not None else ' (pass out= to write it)')) + '\n')
+        f'{short_table(study)}\n' + _fill(full + (' (pass out= to write it)' if out is None else f' in {out}')) + '\n')
     if out is not None:  # the report first: a failure there leaves no rows
         write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}',
                      tables={'Capability': cap, 'Scheme numerics on a bf16 MLP block': summary})
