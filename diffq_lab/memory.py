@@ -107,7 +107,7 @@ def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0)
     pipe._diffq_family = fam.name
     return pipe
 
-# %% ../nbs/09_memory.ipynb #c9623266
+# %% ../nbs/09_memory.ipynb #33fde1c4
 MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
 PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
 
@@ -137,14 +137,15 @@ def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
     f = (frames - 1) // 4 + 1 if m.video else 1
     return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
 
-# %% ../nbs/09_memory.ipynb #4139a27a
+# %% ../nbs/09_memory.ipynb #29bce8c6
 def denoiser_kwargs(tr, grid, text_tokens, batch):
     "Forward kwargs for transformer `tr` at token grid (f, h, w), `text_tokens` and `batch`, on its device and dtype."
     name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
     if name not in known: raise ValueError(f'no input recipe for {name}; the recipes know {", ".join(known)}')
     p = next(tr.parameters())
     dev, dt, c = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype, tr.config
-    t = lambda *s: torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta' else torch.empty(*s, device=dev, dtype=dt)
+    t = lambda *s: (torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta'
+                    else torch.empty(*s, device=dev, dtype=dt))
     f, h, w = grid
     n, T, B = f * h * w, text_tokens, batch
     if name == 'ZImageTransformer2DModel':
@@ -165,13 +166,14 @@ def denoiser_kwargs(tr, grid, text_tokens, batch):
                     encoder_hidden_states_mask=None, timestep=t(B), img_shapes=[(f, h, w)] * B, return_dict=False)
     if name == 'SD3Transformer2DModel':
         return dict(hidden_states=t(B, c.in_channels, h * c.patch_size, w * c.patch_size),
-                    encoder_hidden_states=t(B, T, c.joint_attention_dim), pooled_projections=t(B, c.pooled_projection_dim),
+                    encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                    pooled_projections=t(B, c.pooled_projection_dim),
                     timestep=t(B), return_dict=False)
     pt, ph, pw = c.patch_size  # WanTransformer3DModel
     return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
                 encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
 
-# %% ../nbs/09_memory.ipynb #91d4f17c
+# %% ../nbs/09_memory.ipynb #ac40412b
 MATMUL_OPS = ('mm', 'addmm', 'bmm', 'baddbmm', '_int_mm', '_scaled_mm')
 _NO_KERNEL = ('detach', 'alias', 'lift_fresh', 'empty', 'empty_strided', 'zeros_like', 'empty_like')
 
@@ -194,9 +196,9 @@ def _op_flops(name, args, out) -> float:
     if name == 'convolution': return 2.0 * out.numel() * args[1].shape[1] * math.prod(args[1].shape[2:])
     return 0.0
 
-# %% ../nbs/09_memory.ipynb #d03397af
+# %% ../nbs/09_memory.ipynb #c80c2414
 class _KernelCount(TorchDispatchMode):
-    "Every kernel of a forward on meta tensors: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
+    "Every kernel of a meta-tensor forward: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
     def __init__(self):
         super().__init__()
         self.rows, self.live, self.peak, self.group = [], 0, 0, 0
@@ -231,11 +233,12 @@ class _KernelCount(TorchDispatchMode):
         if func.is_view or name in _NO_KERNEL: return out
         kind = 'matmul' if name in MATMUL_OPS else 'conv' if name == 'convolution' else 'other'
         outs = _flat(out)
-        self.record(kind, name, _flat(args) + _flat(kwargs or {}), outs, _op_flops(name, args, outs[0] if outs else None))
+        flops = _op_flops(name, args, outs[0] if outs else None)
+        self.record(kind, name, _flat(args) + _flat(kwargs or {}), outs, flops)
         return out
 
 class _FlashAttention(TorchFunctionMode):
-    "scaled_dot_product_attention as one flash-style kernel: an empty output of its shape, its FLOPs and bytes recorded."
+    "scaled_dot_product_attention as one flash-style kernel: an empty output of its shape, FLOPs and bytes recorded."
     def __init__(self, counter): super().__init__(); self.counter = counter
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -248,12 +251,14 @@ class _FlashAttention(TorchFunctionMode):
                             B=B, H=H, Sq=Sq, Skv=k.shape[-2], D=D)
         return out
 
-# %% ../nbs/09_memory.ipynb #101aff9c
+# %% ../nbs/09_memory.ipynb #dfe5dc41
 @dataclass
 class OpTrace:
-    "The kernels one call runs (traced on meta tensors): per-kernel kind, FLOPs and bytes, fused traffic, activation peak."
-    ops: pd.DataFrame          # kind ('matmul', 'conv', 'attention', 'other'), op, flops, bytes (eager: every kernel on its own)
-    fused_bytes: float         # bytes of the 'other' kernels fused inductor-style (each run between matmuls is one kernel)
+    "The kernels one call runs (traced on meta tensors): kind, FLOPs and bytes, fused traffic, activation peak."
+    # kind ('matmul', 'conv', 'attention', 'other'), op, flops, bytes (eager: every kernel on its own)
+    ops: pd.DataFrame
+    # bytes of the 'other' kernels fused inductor-style (each run between matmuls is one kernel)
+    fused_bytes: float
     fused_kernels: int         # kernels of that fused form (fused groups + matmuls + convs + attention)
     peak_bytes: int            # the most activation bytes alive at once (eager order; weights not counted)
     def total(self, kind, col='bytes') -> float:
@@ -273,7 +278,7 @@ def trace_ops(fn) -> OpTrace:
     n = len(counter.group_bytes) + int((ops.kind != 'other').sum())
     return OpTrace(ops, float(fused), n, int(counter.peak))
 
-# %% ../nbs/09_memory.ipynb #dcddc68d
+# %% ../nbs/09_memory.ipynb #e86ae294
 CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
 
 @functools.lru_cache(maxsize=4)
@@ -302,7 +307,7 @@ def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
 
 @functools.lru_cache(maxsize=64)
 def pipeline_trace(family, size: int = 1024, batch: int = 1, frames=None, text_tokens=None) -> dict[str, OpTrace]:
-    "Traces of one prompt's text encoders, one denoiser forward and one VAE decode of `family` at `size` px, `batch` images."
+    "Traces of the text encoders (one prompt), one denoiser forward and one VAE decode of `family` at `size` px."
     m = get_model(family)
     grid = latent_grid(m, size, frames)
     T = m.text_tokens if text_tokens is None else text_tokens
@@ -316,29 +321,32 @@ def pipeline_trace(family, size: int = 1024, batch: int = 1, frames=None, text_t
     if 'vae' in parts: out['vae'] = _vae_trace(parts['vae'], size, grid[0], batch)
     return out
 
-# %% ../nbs/09_memory.ipynb #8204c5e8
-QUANT_RULES = ('lab', 'all', 'selective')  # the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
+# %% ../nbs/09_memory.ipynb #335feadf
+# the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
+QUANT_RULES = ('lab', 'all', 'selective')
 
 def _selective(fqn, K, N) -> bool:
-    "torchao's FLUX benchmark recipe: skip embedders, norm_out / proj_out, the single blocks' norm.linear and Linears under 1024."
+    "torchao's FLUX recipe: skip embedders, norm_out, proj_out, single-block norm.linear and Linears under 1024."
     return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
 
 @functools.lru_cache(maxsize=64)
 def quantised_linears(family, scheme, rules: str = 'lab', min_features: int = 512) -> frozenset:
-    "Names of the denoiser Linears of `family` that take `scheme` under `rules` ('lab': the lab's plan, at `min_features`)."
+    "Names of `family`'s denoiser Linears that take `scheme` under `rules` ('lab': the lab's plan at `min_features`)."
     if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
     tr = _meta_parts(get_model(family).name)['transformer']
     if scheme in (None, 'bf16', 'dense'): return frozenset()
     if rules == 'lab': return frozenset(plan_transformer(tr, scheme, min_features=min_features, device='cpu').quantized)
     lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
-    return frozenset(lin) if rules == 'all' else frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
+    if rules == 'all': return frozenset(lin)
+    return frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
 
-# %% ../nbs/09_memory.ipynb #310839be
-LOAD_MODES = ('after-load', 'at-load', 'none')  # quantise_ the loaded dense pipeline; quantise while loading; a saved quantised model
+# %% ../nbs/09_memory.ipynb #9e862da7
+# quantise_ the loaded dense pipeline; quantise while loading; a saved quantised model
+LOAD_MODES = ('after-load', 'at-load', 'none')
 
 @dataclass
 class MemoryEstimate:
-    "Predicted resident and peak bytes of a whole pipeline (weights, activations at batch and size, the quantise-at-load spike)."
+    "Predicted resident and peak bytes of a whole pipeline: weights, activations, the quantise-at-load spike."
     family: str
     scheme: str | None
     size: int
@@ -359,15 +367,18 @@ class MemoryEstimate:
     def peak_GiB(self) -> float: return self.peak_bytes / 2**30
     def to_frame(self) -> pd.DataFrame:
         "One row per part and phase with its GiB (a prediction from configs, not a measurement)."
-        rows = [(f'weights: {k}', v) for k, v in self.weights.items()] + [(f'activations: {k}', v) for k, v in self.activations.items()]
-        rows += [('resident', self.resident_bytes), (f'load peak ({self.load})', self.load_peak), ('peak', self.peak_bytes)]
+        rows = [(f'weights: {k}', v) for k, v in self.weights.items()]
+        rows += [(f'activations: {k}', v) for k, v in self.activations.items()]
+        rows += [('resident', self.resident_bytes), (f'load peak ({self.load})', self.load_peak),
+                 ('peak', self.peak_bytes)]
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
 
 def pipeline_memory(family, scheme=None, size: int = 1024, batch: int = 1, frames=None, text_tokens=None,
                     min_features: int = 512, load: str = 'after-load', rules: str = 'lab') -> MemoryEstimate:
-    "Predicted resident and peak memory of `family`'s pipeline with its transformer in `scheme`, at `batch` images of `size` px."
+    "Predicted resident and peak memory of `family`'s pipeline, transformer in `scheme`, `batch` images of `size` px."
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1: raise ValueError(f'batch must be an int >= 1, got {batch!r}')
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f'batch must be an int >= 1, got {batch!r}')
     m = get_model(family)
     s = None if scheme in (None, 'bf16', 'dense') else scheme
     parts = _meta_parts(m.name)
