@@ -504,15 +504,17 @@ def real_encoder(name, dtype=torch.bfloat16, device=None, refresh: bool = False)
     from filelock import FileLock
     import transformers as T
     e, target = get_real_encoder(name), encoder_cache_dir(name)
-    with FileLock(str(target.parent/f'{target.name}.lock'), timeout=600):  # two processes never build it twice
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # one build across processes; loads serialised too (concurrent from_pretrained in threads left lm_head on meta)
+    with FileLock(str(target.parent/f'{target.name}.lock'), timeout=600):
         if refresh or not (target/_MARK).exists():
             log.info('building %s from the %s package into %s (once, about a minute)', e.name, e.package, target)
             _build_cache(e, target)
-    bars = T.utils.logging.is_progress_bar_enabled()
-    T.utils.logging.disable_progress_bar()  # a cached load takes a second: no 'Loading weights' bar on stderr
-    try:
-        tok = T.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-        model = T.AutoModelForCausalLM.from_pretrained(str(target), dtype=as_dtype(dtype), local_files_only=True)
-    finally:
-        if bars: T.utils.logging.enable_progress_bar()
+        bars = T.utils.logging.is_progress_bar_enabled()
+        T.utils.logging.disable_progress_bar()  # a cached load takes a second: no 'Loading weights' bar on stderr
+        try:
+            tok = T.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
+            model = T.AutoModelForCausalLM.from_pretrained(str(target), dtype=as_dtype(dtype), local_files_only=True)
+        finally:
+            if bars: T.utils.logging.enable_progress_bar()
     return model.to(resolve_device(device)).eval(), tok
