@@ -756,12 +756,12 @@ def record_real_encoder_findings(name='smollm2-135m', root=None, allow_dirty: bo
 
 # %% ../nbs/07_block_select.ipynb #0ccb8afe
 def real_encoder_headline(root=None) -> pd.DataFrame:
-    "The recorded SmolLM2 rows a summary leads with: per scheme (and int8 keep schedule), every Linear cast, cosine at -2."
+    "The recorded SmolLM2 rows a summary leads with: per scheme and int8 keep schedule, all Linears cast, cosine at -2."
     tab = latest_run(load_table('real_encoder_schemes', root))
     if tab.empty: return tab
     t = tab[(tab.min_features.astype(str) == '0') & (tab.status == 'ok')]
-    cols = ['model', 'weights', 'requested', 'keep', 'backend', 'quantized', 'linears', 'cosine', 'cosine_min', 'prompts',
-            'device_name']
+    cols = ['model', 'weights', 'requested', 'keep', 'backend', 'quantized', 'linears', 'cosine', 'cosine_min',
+            'prompts', 'device_name']
     return t[cols].sort_values(['keep', 'cosine'], ascending=[True, False]).reset_index(drop=True)
 
 # %% ../nbs/07_block_select.ipynb #f9449287
