@@ -19,8 +19,8 @@ def _say(msg: str):
     print(' '.join(str(msg).split()), file=sys.stderr)
 
 # %% auto #0
-__all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'REPORT_FILES', 'check_model', 'command', 'parser', 'probe', 'study', 'bench',
-           'blocks', 'export', 'recommend', 'crossover', 'main']
+__all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'check_model', 'command', 'parser', 'probe', 'study', 'bench', 'blocks', 'export',
+           'recommend', 'crossover', 'main']
 
 # %% ../nbs/17_cli.ipynb #c3f4e228
 def _int_in(lo: int, hi: int, multiple: int = 1):
@@ -200,24 +200,32 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     return 0
 
 # %% ../nbs/17_cli.ipynb #732662d0
-REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into --out
-
 @contextlib.contextmanager
 def _staged_report(out):
     "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) only when the run finished."
-    from diffq_lab.core import check_writable
+    from diffq_lab.core import check_writable, record_tables, recover_commits
+    from diffq_lab.study import REPORT_FILES
     if not str(out).strip(): raise ValueError('--out must name a folder, got an empty path')
     out = Path(out)
     if out.exists() and not out.is_dir(): raise ValueError(f'--out {out}: it is a file, not a folder')
     if out.exists(): check_writable(out)
-    stage = Path(tempfile.mkdtemp(dir=check_writable(out.parent), prefix=f'.{out.name}.staging-'))
+    recover_commits(check_writable(out.parent))  # finish (or drop) a report commit a kill cut short
+    _drop_dead_stages(out)
+    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.staging-{os.getpid()}-'))
     try:
         yield stage
-        out.mkdir(exist_ok=True)
-        for name in REPORT_FILES:  # a report from an earlier run never sits beside this one
-            if (out/name).exists() and not (stage/name).exists(): (out/name).unlink()
-        for f in stage.iterdir(): os.replace(f, out/f.name)
+        # a recording study moved the report in with its rows (one commit); otherwise it is committed alone
+        if stage.exists(): record_tables({}, report=(stage, out), report_files=REPORT_FILES)
     finally: shutil.rmtree(stage, ignore_errors=True)
+
+def _drop_dead_stages(out: Path):
+    "Remove report stages beside `out` left by a process that no longer runs (killed before its commit)."
+    for d in out.parent.glob(f'.{out.name}.staging-*'):
+        pid = d.name.removeprefix(f'.{out.name}.staging-').split('-')[0]
+        if pid.isdigit() and int(pid) != os.getpid():
+            try: os.kill(int(pid), 0)
+            except ProcessLookupError: shutil.rmtree(d, ignore_errors=True)
+            except PermissionError: pass  # another user's live process
 
 # %% ../nbs/17_cli.ipynb #86aa79f7
 @command
@@ -243,8 +251,8 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     check_model(model)
     trained = model is None and get_family(family).name == 'z-image' and not random_weights
     with _staged_report(out) as stage:
-        default_study(device, schemes=schemes, out=stage, record=not no_record, family=family, model=model, trained=trained,
-                      steps=steps, size=size, seeds=seeds, prompts=prompts, compile=compile, te_quant='te' in parts,
+        default_study(device, schemes=schemes, out=stage, publish=Path(out), record=not no_record, family=family, model=model,
+                      trained=trained, steps=steps, size=size, seeds=seeds, prompts=prompts, compile=compile, te_quant='te' in parts,
                       transformer_quant='transformer' in parts, min_features=min_features, allow_dirty=allow_dirty,
                       log=lambda m: print(str(m).replace(str(stage), str(out))))
     return 0

@@ -669,7 +669,7 @@ def check_folder(folder) -> Path:
     "Before any weight loads: every diffusers component's config builds exactly the tensors its safetensors hold; one line otherwise."
     folder = Path(folder)
     try: index = json.loads((folder/'model_index.json').read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e: raise ValueError(f"{folder/'model_index.json'}: not a pipeline index ({e})") from None
+    except (OSError, ValueError) as e: raise ValueError(f"{folder/'model_index.json'}: not a valid JSON pipeline index ({e})") from None
     for a, v in index.items():
         if a.startswith('_') or not (isinstance(v, list) and len(v) == 2 and v[0] in ('diffusers', 'transformers')): continue
         sub = folder/a

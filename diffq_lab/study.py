@@ -19,7 +19,7 @@ from .core import fidelity
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, quantize, record_rows, run_schemes, save_plans
-from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders
+from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders, weights_digest
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf
@@ -30,10 +30,10 @@ from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
-__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'BENCH_COLS', 'probe_block', 'probe_tokens', 'scheme_numerics',
-           'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report', 'numerics_summary', 'short_table',
-           'short_capability', 'changed_files', 'recorded_note', 'default_study', 'image_quality', 'transformer_bench',
-           'record_transformer_bench', 'cli_transformer_bench']
+__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block', 'probe_tokens',
+           'scheme_numerics', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
+           'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note', 'default_study',
+           'image_quality', 'transformer_bench', 'record_transformer_bench', 'cli_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -192,7 +192,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
         ssim_ = summarise([m['ssim'] for m in q])
         if s is not None: renders[s] = imgs[pairs[0]]  # the control renders what dense renders
         return plan, dict(base, scheme='/'.join(dict.fromkeys(x for x in (cols['te_scheme'], cols['transformer_scheme']) if x)),
-                          **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
+                          **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
                           mem_load_MiB=_mib(st.get('mem_load_bytes')),
                           **_speed(t_dense, t_quant, '+'.join(filter(None, (cols['te_backend'], cols['transformer_backend']))), level),
                           peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q),
@@ -206,6 +206,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
         if r['requested'] == 'dense': r.update(requested='dense (control)', speed='control: two identical dense pipelines')
     dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
                      vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense), **(_adherence(ref, pairs) if trained else {}),
+                     weights=weights_digest(dense),  # the identity of the weights every row of this table ran from
                      status='ok')
     df = pd.DataFrame([dense_row, *rows])
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
@@ -376,8 +377,10 @@ def recorded_note(counts: dict, root=None) -> str:
                              'commit them, or `git checkout -- data/results` to drop this run; --no-record '
                              'runs without recording):'), *tabs, *more])
 
+REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into its report folder
+
 def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
-                  allow_dirty: bool = False, **study_kw) -> dict:
+                  allow_dirty: bool = False, publish=None, **study_kw) -> dict:
     "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
     device = resolve_device(device)
     _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
@@ -400,8 +403,10 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
                      tables={'Capability': cap, 'Scheme numerics on a bf16 MLP block': summary})
     if record:
         save_plans([*num.plan, *study.plan], root)  # each row's digest opens its applied plan
+        # all three tables, and the report staged in `out` moved into `publish`, in one commit: all of it or none
         record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
-                       'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty)  # all three or none
+                       'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty,
+                      report=(out, publish) if publish is not None and out is not None else None, report_files=REPORT_FILES)
         log(recorded_note({'capability': len(cap), 'study_numerics': len(num), 'study': len(study)}, root))
     else: log('not recorded (record=False, diffq-lab study --no-record): no results table changed')
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
@@ -473,7 +478,8 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                               runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=cs['first_call_s'],
                               frames_first_call=cs['frames_first_call'], recompiles=cs['recompiles'],
                               mem_load_MiB=st['mem_load_bytes'] / 2**20, peak_gen_MiB=_mib(peak_extra_bytes(mark, device)),
-                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'])
+                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
+                              weights=st.weights)
         rows = run_schemes([None], lambda s: one(None, glabel), progress, 'bench: GGUF') if gguf else []  # GGUF, dense, each scheme
         rows += run_schemes([None, *schemes], one, progress, 'bench: build + first call')
         rows = [{'config': r['requested'], **r} for r in rows]  # a failed scheme keeps its row

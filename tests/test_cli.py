@@ -43,7 +43,7 @@ def test_study_on_a_saved_pipeline_folder(tmp_path, monkeypatch, capsys):
     assert main(['study', '--device', 'cpu', '--model', str(tmp_path/'zimage'), '--schemes', 'int8wo', '--seeds', '0',
                  '--out', str(tmp_path/'out'), '--min-features', '0']) == 0
     out = capsys.readouterr().out
-    assert str(tmp_path/'zimage') in out and '| int8wo' in out
+    assert str(tmp_path/'zimage') in out and '\nint8wo ' in out
 
 
 def test_a_damaged_table_stops_the_study_before_any_work(tmp_path, monkeypatch, capsys):
