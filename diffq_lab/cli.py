@@ -20,7 +20,7 @@ def _say(msg: str):
 
 # %% auto #0
 __all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'check_model', 'command', 'parser', 'probe', 'study', 'bench', 'blocks', 'export',
-           'recommend', 'crossover', 'main']
+           'recommend', 'crossover', 'predict', 'main']
 
 # %% ../nbs/17_cli.ipynb #c3f4e228
 def _int_in(lo: int, hi: int, multiple: int = 1):
@@ -289,7 +289,7 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
 
 # %% ../nbs/17_cli.ipynb #d7575f38
 @command
-def blocks(encoder: str, # a family (its tiny encoder), 'minilm', a real encoder (smollm2-135m), or a folder with a transformers encoder
+def blocks(encoder: str, # a family (its tiny encoder), 'minilm', a real encoder (smollm2-135m, gemma3-270m) or a transformers folder
            scheme: _one_scheme() = 'int8', # the encoder's scheme
            bar: _float_in(0, 1) = 0.99, # mean per-token cosine the schedule must clear, in (0, 1]
            min_features: _nonneg = 0, # skip Linears narrower than this
@@ -375,6 +375,38 @@ def crossover(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (a100, h100,
     if frames is not None and not get_model(family).video:
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images (drop --frames, or pick a video model such as wan)')
     print(cli_crossover(gpu, family, size, frames=frames, text_tokens=text_tokens, group=not all_layers))
+    return 0
+
+# %% ../nbs/17_cli.ipynb #1698bf64
+def _scheme_or_dense(value: str) -> list[str]:
+    "An argparse type: a comma list of schemes, 'bf16' (dense) among them, or 'all'."
+    from diffq_lab.speed import PREDICT_SCHEMES
+    if value.strip().lower() == 'all': return list(PREDICT_SCHEMES)
+    parts = [v.strip() for v in value.split(',') if v.strip()]
+    out = ['bf16' if v.lower() in ('bf16', 'dense') else _one_scheme()(v) for v in parts]
+    if not out: raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
+    return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it
+
+@command
+def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, l4, a10g, rtx6000ada, gb200, ...)
+            family: str = 'z-image', # a family with real dims (z-image, flux.1-dev, qwen-image, sd3.5, wan, ...)
+            size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
+            batch: _int_in(1, LIMITS['batch']) = 1, # images per pipeline call
+            steps: _int_in(1, LIMITS['steps']) = 28, # denoising steps
+            forwards_per_step: _int_in(1, LIMITS['forwards']) = 1, # denoiser forwards per step (2 with classifier-free guidance)
+            schemes: _scheme_or_dense = 'int8,fp8', # comma list of schemes to predict beside dense bf16, or 'all'
+            compile: Param(choices=('none', 'inductor', 'cudagraphs')) = 'inductor', # eager, torch.compile, or compile + CUDA graphs
+            json: bool = False, # print a JSON list of records instead of the table
+           ) -> int:
+    "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, resident and peak GiB."
+    import json as _json
+    from diffq_lab.crossover import gpu_spec
+    from diffq_lab.memory import get_model
+    from diffq_lab.speed import format_predictions, predict as _predict
+    gpu_spec(gpu); fam = get_model(family).name  # names checked before the model is traced
+    recs = _predict(gpu, fam, size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step, schemes=tuple(schemes),
+                    compile=compile)
+    print(_json.dumps(recs, indent=1, default=str) if json else format_predictions(recs))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1faaabc1

@@ -417,7 +417,7 @@ def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -
     "PSNR, SSIM and LPIPS (where it can run) from `diffq_lab.quality`, plus the cosine of the mean-centred images, of `x` vs `ref`."
     q = quality_metrics(x, ref, with_lpips=with_lpips)
     cos = fidelity(x.double() - x.double().mean(), ref.double() - ref.double().mean())['cosine']  # the lab's one fidelity function
-    keep = ('psnr', 'ssim', 'lpips', 'lpips_unavailable')
+    keep = ('psnr', 'ssim', 'st_lpips', 'st_lpips_unavailable', 'lpips', 'lpips_unavailable')
     return {**{k: q[k] for k in keep if k in q}, 'cosine': cos}
 
 BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_dense', 'vs_dense_lo', 'vs_dense_hi',

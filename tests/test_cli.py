@@ -145,3 +145,15 @@ def test_python_dash_m_diffq_lab_is_the_command():
     assert ok.returncode == 0 and 'recommend' in ok.stdout
     bad = subprocess.run([sys.executable, '-m', 'diffq_lab', 'probe', '--device', 'gpu'], capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "unknown device 'gpu'" in bad.stderr
+
+
+def test_predict_prints_records_as_json(capsys):
+    import json
+    assert main(['predict', '--gpu', 'h100', '--family', 'flux.1-dev', '--schemes', 'int8', '--compile', 'inductor', '--json']) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [r['scheme'] for r in recs] == ['bf16', 'int8']
+    r = recs[1]
+    assert r['speedup_lo'] <= r['speedup'] <= r['speedup_hi'] and r['resident_GiB'] < recs[0]['resident_GiB']
+    for bad in (['predict', '--compile', 'jit'], ['predict', '--gpu', 'tpu'], ['predict', '--schemes', 'fp7'], ['predict', '--batch', '0']):
+        with pytest.raises(SystemExit) as e: main(bad)
+        assert e.value.code == 2
