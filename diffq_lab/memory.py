@@ -107,7 +107,7 @@ def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0)
     pipe._diffq_family = fam.name
     return pipe
 
-# %% ../nbs/09_memory.ipynb #9997bd60
+# %% ../nbs/09_memory.ipynb #7dd45be7
 MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
 PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
 
@@ -137,7 +137,7 @@ def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
     f = (frames - 1) // 4 + 1 if m.video else 1
     return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
 
-# %% ../nbs/09_memory.ipynb #ae862117
+# %% ../nbs/09_memory.ipynb #3647d787
 def denoiser_kwargs(tr, grid, text_tokens, batch):
     "Forward kwargs for transformer `tr` at token grid (f, h, w), `text_tokens` and `batch`, on its device and dtype."
     name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
@@ -173,7 +173,7 @@ def denoiser_kwargs(tr, grid, text_tokens, batch):
     return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
                 encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
 
-# %% ../nbs/09_memory.ipynb #18e1bb24
+# %% ../nbs/09_memory.ipynb #51b4e937
 MATMUL_OPS = ('mm', 'addmm', 'bmm', 'baddbmm', '_int_mm', '_scaled_mm')
 _NO_KERNEL = ('detach', 'alias', 'lift_fresh', 'empty', 'empty_strided', 'zeros_like', 'empty_like')
 
@@ -196,7 +196,7 @@ def _op_flops(name, args, out) -> float:
     if name == 'convolution': return 2.0 * out.numel() * args[1].shape[1] * math.prod(args[1].shape[2:])
     return 0.0
 
-# %% ../nbs/09_memory.ipynb #8ef163bd
+# %% ../nbs/09_memory.ipynb #01a70fb7
 class _KernelCount(TorchDispatchMode):
     "Every kernel of a meta-tensor forward: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
     def __init__(self):
@@ -251,7 +251,7 @@ class _FlashAttention(TorchFunctionMode):
                             B=B, H=H, Sq=Sq, Skv=k.shape[-2], D=D)
         return out
 
-# %% ../nbs/09_memory.ipynb #09c2322c
+# %% ../nbs/09_memory.ipynb #f1438f8f
 @dataclass
 class OpTrace:
     "The kernels one call runs (traced on meta tensors): kind, FLOPs and bytes, fused traffic, activation peak."
@@ -278,7 +278,7 @@ def trace_ops(fn) -> OpTrace:
     n = len(counter.group_bytes) + int((ops.kind != 'other').sum())
     return OpTrace(ops, float(fused), n, int(counter.peak))
 
-# %% ../nbs/09_memory.ipynb #8e5a47e4
+# %% ../nbs/09_memory.ipynb #bda500c9
 CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
 
 @functools.lru_cache(maxsize=4)
@@ -321,7 +321,7 @@ def pipeline_trace(family, size: int = 1024, batch: int = 1, frames=None, text_t
     if 'vae' in parts: out['vae'] = _vae_trace(parts['vae'], size, grid[0], batch)
     return out
 
-# %% ../nbs/09_memory.ipynb #eb9cf642
+# %% ../nbs/09_memory.ipynb #ad9971a3
 # the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
 QUANT_RULES = ('lab', 'all', 'selective')
 
@@ -340,7 +340,7 @@ def quantised_linears(family, scheme, rules: str = 'lab', min_features: int = 51
     if rules == 'all': return frozenset(lin)
     return frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
 
-# %% ../nbs/09_memory.ipynb #a450b002
+# %% ../nbs/09_memory.ipynb #001de9c6
 # quantise_ the loaded dense pipeline; quantise while loading; a saved quantised model
 LOAD_MODES = ('after-load', 'at-load', 'none')
 
