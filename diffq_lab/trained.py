@@ -11,14 +11,16 @@ import pandas as pd
 import torch
 from .core import append_rows, as_dtype, repo_root
 from .pipelines import cast_as_loaded, render, tiny_pipeline
+from .export import file_digests
 
 # %% auto #0
 __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TRAIN_ARGS',
            'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS', 'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL',
            'caption', 'layouts', 'draw_scene', 'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts',
-           'build_components', 'train_vae', 'train_dit', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading',
-           'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
-           'checks', 'adherence', 'evaluate', 'record_trained', 'adherence_by_scheme', 'record_adherence_by_scheme']
+           'build_components', 'train_vae', 'train_dit', 'trained_manifest', 'check_trained', 'trained_dir',
+           'save_trained', 'train_all', 'quiet_loading', 'load_trained_pipeline', 'render_trained', 'linear_counts',
+           'parse_prompt', 'analyse', 'relation_of', 'checks', 'adherence', 'evaluate', 'record_trained',
+           'adherence_by_scheme', 'record_adherence_by_scheme']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
@@ -176,6 +178,25 @@ def train_dit(pipe, images, captions, steps=2500, bs=16, lr=6e-4, warmup=100, em
     tr.load_state_dict(avg.state_dict()); tr.eval()
     return curve
 
+# %% ../nbs/14_trained.ipynb #d5d4426d
+def trained_manifest(root=None) -> Path:
+    "The committed sha256 of every file of `trained_dir(root)`, beside it (the folder itself stays a plain diffusers folder)."
+    return trained_dir(root).parent/'trained.sha256.json'
+
+def check_trained(root=None) -> Path:
+    "`trained_dir(root)` as committed: every file present and unchanged, nothing added; one line naming the first difference."
+    d, m = trained_dir(root), trained_manifest(root)
+    try: want = json.loads(m.read_text(encoding='utf-8'))
+    except (OSError, ValueError) as e: raise ValueError(f'{m}: cannot read the trained weights\' digests ({e})') from None
+    have = file_digests(d)
+    for name in sorted(set(want) | set(have)):
+        if name not in have: raise ValueError(f'{d/name} is missing: restore data/trained (git checkout) or retrain (train_all)')
+        if name not in want: raise ValueError(f'{d/name} is not part of the trained pipeline: remove it, or retrain (train_all)')
+        if have[name] != want[name]:
+            raise ValueError(f'{d/name} differs from the committed trained weights (sha256 {have[name][:12]}, committed '
+                             f'{want[name][:12]}): restore data/trained (git checkout) or retrain (train_all)')
+    return d
+
 # %% ../nbs/14_trained.ipynb #d606cecb
 def trained_dir(root=None) -> Path:
     "Where the trained weights live: data/trained of this checkout (or of `root`)."
@@ -188,6 +209,7 @@ def save_trained(pipe, log: dict, root=None):
     out.transformer.to(torch.bfloat16); out.vae.float(); out.text_encoder.float()  # the DiT is what is big: bf16 keeps it small
     out.save_pretrained(d, safe_serialization=True)
     (d/'training.json').write_text(json.dumps(log, indent=1))
+    trained_manifest(root).write_text(json.dumps(file_digests(d), indent=1, sort_keys=True) + '\n')  # what loads must match
 
 TRAIN_ARGS = dict(vae_steps=800, vae_bs=16, vae_lr=2e-3, dit_steps=2500, dit_bs=16, dit_lr=6e-4, warmup=100, ema=0.995, p_uncond=0.1)
 
@@ -232,6 +254,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     d = trained_dir(root)
     if not (d/'model_index.json').exists():
         raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
+    check_trained(root)  # a tampered or half-replaced folder never passes as the committed one
     with quiet_loading():  # a study loads it once per scheme: no bars repeated on stderr
         pipe = D.ZImagePipeline.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
     for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
