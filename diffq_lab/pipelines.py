@@ -602,6 +602,8 @@ def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_la
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     "The bytes of `t` as it is stored (bf16 and fp8 included), copied to the CPU when it lives elsewhere."
     t = t.detach()
+    if hasattr(t, '__tensor_flatten__'):  # a tensor subclass (torchao's quantised weights): its inner tensors, in order
+        return b''.join(_tensor_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
     if t.device.type == 'meta': return b'meta'
     return t.to('cpu').contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 

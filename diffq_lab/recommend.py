@@ -76,17 +76,22 @@ def _quantised_copy(lin: nn.Linear, scheme: str, backend: str, device) -> nn.Mod
 
 def linear_sensitivity(tr: nn.Module, inputs, schemes, min_features: int = 0, backend: str = 'auto', device=None) -> pd.DataFrame:
     "Per Linear of the denoiser `tr` and format in `schemes` its rules allow: the output's relative squared error with only it quantised."
+    from tqdm.auto import tqdm
     refs = _outputs(tr, inputs)
     named, rows = dict(tr.named_modules()), []
-    for s in schemes:
-        p = plan_transformer(tr, s, min_features=min_features, backend=backend, device=device)
+    plans = {s: plan_transformer(tr, s, min_features=min_features, backend=backend, device=device) for s in schemes}
+    bar = tqdm(total=sum(p.n_quantized for p in plans.values()), desc='sensitivity (one Linear quantised at a time)',
+               unit='Linear', disable=None)  # a terminal sees its progress and estimate; a log or a test does not
+    for s, p in plans.items():
         for f in p.quantized:
+            bar.update()
             parent, _, attr = f.rpartition('.')
             holder, orig = named[parent] if parent else tr, named[f]
             setattr(holder, attr, _quantised_copy(orig, s, p.linears[f].backend, device))
             try: err = _rel_err(_outputs(tr, inputs), refs)
             finally: setattr(holder, attr, orig)
             rows.append(dict(fqn=f, scheme=s, backend=p.linears[f].backend, rel_err=err))
+    bar.close()
     return pd.DataFrame(rows, columns=['fqn', 'scheme', 'backend', 'rel_err'])
 
 # %% ../nbs/16_recommend.ipynb #r0000015

@@ -160,9 +160,14 @@ def test_loading_shows_no_progress_bars_and_leaves_them_as_they_were(capfd):
     "A study loads the trained pipeline once per scheme: its loading bars were repeated on stderr each time."
     import diffusers.utils.logging as dl, transformers.utils.logging as tl
     from diffq_lab.trained import load_trained_pipeline
-    assert dl.is_progress_bar_enabled() and tl.is_progress_bar_enabled()
-    capfd.readouterr()
-    load_trained_pipeline()
-    err = capfd.readouterr().err
-    assert 'Loading' not in err and 'it/s' not in err, err[-2000:]
-    assert dl.is_progress_bar_enabled() and tl.is_progress_bar_enabled()   # the user's own loads still show theirs
+    was = dl.is_progress_bar_enabled(), tl.is_progress_bar_enabled()  # other test modules turn them off at import
+    dl.enable_progress_bar(); tl.enable_progress_bar()
+    try:
+        capfd.readouterr()
+        load_trained_pipeline()
+        err = capfd.readouterr().err
+        assert 'Loading' not in err and 'it/s' not in err, err[-2000:]
+        assert dl.is_progress_bar_enabled() and tl.is_progress_bar_enabled()   # the user's own loads still show theirs
+    finally:
+        if not was[0]: dl.disable_progress_bar()
+        if not was[1]: tl.disable_progress_bar()
