@@ -334,7 +334,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
               seeds: _int_list = '0,1', # comma list of seeds to render
               prompts: _prompt_file = None, # a text file, one prompt a line (default: held-out captions)
               te_scheme: _one_scheme(allow_auto=True) = None, # the text encoders' scheme (default: dense)
-              model: str = None, # hub id or folder the exported snippet loads (default: a placeholder to fill in)
+              model: str = None, # a hub id or folder to measure on and to load in the snippet (default: the family's small pipeline)
               out: str = 'out/recommend/plan.json', # the plan file (.json); its snippet goes beside it as .py
               device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
              ) -> int:
@@ -342,22 +342,24 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
     from diffq_lab.core import markdown_table
     from diffq_lab.crossover import gpu_spec
     from diffq_lab.export import expand_plan
-    from diffq_lab.pipelines import get_family, tiny_pipeline
+    from diffq_lab.pipelines import family_of, get_family, load_pipeline, tiny_pipeline
     from diffq_lab.plan import check_plan_out, write_plan
     from diffq_lab.recommend import recommend_plan
     from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, heldout_prompts, load_trained_pipeline
     spec, fam = gpu_spec(gpu), get_family(family).name  # names checked before any work
     out = check_plan_out(out); check_model(model)
-    trained = fam == 'z-image' and not random_weights
-    pipe = load_trained_pipeline() if trained else tiny_pipeline(fam)
+    trained = model is None and fam == 'z-image' and not random_weights
+    pipe = load_pipeline(model, device='cpu') if model else load_trained_pipeline() if trained else tiny_pipeline(fam)
+    if model: fam = family_of(pipe)  # measured on the model itself: its own Linears, nothing to carry over
     prompts = prompts or (heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background'])
     kw = dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE) if trained else dict(steps=2)
     rec = recommend_plan(pipe, spec, bar, pairs=[(s, p) for s in seeds for p in prompts], family=fam, te_scheme=te_scheme,
                          device=device, **kw)
-    plan = expand_plan(rec.plan, fam)  # measured on the small pipeline; the file names the real model's Linears
+    plan = rec.plan if model else expand_plan(rec.plan, fam)  # measured small: the file names the real model's Linears
     write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')
     table = markdown_table(rec.table, ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
-    print(f"{rec.summary()}\n\nsensitivity: {'trained' if trained else 'tiny random-weight'} {fam} (measured on this device); "
+    what = model or f"{'trained' if trained else 'tiny random-weight'} {fam}"
+    print(f"{rec.summary()}\n\nsensitivity: {what} (measured on this device); "
           f"speed: the model of {spec['gpu']} at the real {fam} shapes (a prediction)\n\n{table}\n\n{_wrote(plan, out)}")
     return 0
 

@@ -2,6 +2,7 @@
 import subprocess, sys
 from pathlib import Path
 import pytest
+import torch
 from diffq_lab.cli import main
 
 def test_probe_prints_report(capsys, tmp_path, monkeypatch):
@@ -157,3 +158,17 @@ def test_predict_prints_records_as_json(capsys):
     for bad in (['predict', '--compile', 'jit'], ['predict', '--gpu', 'tpu'], ['predict', '--schemes', 'fp7'], ['predict', '--batch', '0']):
         with pytest.raises(SystemExit) as e: main(bad)
         assert e.value.code == 2
+
+
+def test_recommend_on_a_model_folder_measures_that_model(tmp_path, capsys):
+    "--model: sensitivity measured on the model itself, and the plan names its own Linears (nothing carried over)."
+    from diffq_lab.pipelines import tiny_pipeline
+    from diffq_lab.plan import QuantPlan
+    from diffq_lab.transformer import denoisers
+    pipe = tiny_pipeline('z-image'); pipe.save_pretrained(tmp_path/'mine')
+    out = tmp_path/'rec'/'plan.json'
+    assert main(['recommend', '--model', str(tmp_path/'mine'), '--bar', '30', '--seeds', '0', '--device', 'cpu', '--out', str(out)]) == 0
+    plan = QuantPlan.load(out)
+    mine = {f for f, m in denoisers(pipe)['transformer'].named_modules() if isinstance(m, torch.nn.Linear)}
+    assert set(plan.components['transformer'].linears) == mine
+    assert str(tmp_path/'mine') in out.with_suffix('.py').read_text() and str(tmp_path/'mine') in capsys.readouterr().out
