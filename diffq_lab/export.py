@@ -226,6 +226,7 @@ def _check_index(path: Path, index: dict, quantized) -> dict[str, tuple[str, str
     comps = {}
     for a, v in index.items():
         if a.startswith('_') or not isinstance(v, list): continue  # config attributes, not components
+        if not a.isidentifier(): raise DamagedFolder(f"{path/'model_index.json'}: {a!r} is not a component name")  # no path
         if len(v) != 2: raise DamagedFolder(f"{path/'model_index.json'}: component {a!r} is {v!r}, not [library, class]")
         if v == [None, None]: continue
         allowed_class(*v, where=f"{path/'model_index.json'} ({a})"); comps[a] = tuple(v)

@@ -101,6 +101,14 @@ def test_quantized_names_only_components_of_the_index(saved, tmp_path, quantized
     assert '"quantized" must list components' in one_line(e)
 
 
+def test_a_component_named_as_a_path_is_refused(saved, tmp_path):
+    f = copy_of(saved, tmp_path)
+    idx = json.loads((f/'model_index.json').read_text()); idx['../../outside'] = idx['vae']
+    (f/'model_index.json').write_text(json.dumps(idx)); reforge(f)
+    with pytest.raises(DamagedFolder) as e: load_quantized(f)
+    assert 'is not a component name' in one_line(e)
+
+
 def test_forged_weights_that_do_not_fit_the_config_are_named(saved, tmp_path):
     f = copy_of(saved, tmp_path)
     cfg = json.loads((f/'transformer'/'config.json').read_text()); cfg['n_layers'] = cfg['n_layers'] + 1
