@@ -20,10 +20,10 @@ from .schemes import SCHEMES
 # %% auto #0
 __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FLUX_VAE', 'FAMILIES', 'ALIASES', 'TINY_FAMILIES',
            'TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
-           'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'tiny_generate', 'Family', 'get_family', 'families_table',
-           'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer', 'load_tokenizer',
-           'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'check_folder', 'load_pipeline',
-           'measure_tiny_pipeline', 'record_tiny_pipelines']
+           'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family',
+           'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer',
+           'load_tokenizer', 'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'check_folder',
+           'load_pipeline', 'measure_tiny_pipeline', 'record_tiny_pipelines']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -599,13 +599,21 @@ def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_la
     return pipe
 
 # %% ../nbs/05_pipelines.ipynb #9a24cd40
+EXACT_DIGEST_NUMEL = 1 << 22  # tensors up to this size are hashed byte for byte; bigger ones by a sample and their moments
+
 def _tensor_bytes(t: torch.Tensor) -> bytes:
-    "The bytes of `t` as it is stored (bf16 and fp8 included), copied to the CPU when it lives elsewhere."
+    "The bytes of `t` as it is stored (bf16 and fp8 included); a big tensor's strided sample and float64 moments instead."
     t = t.detach()
     if hasattr(t, '__tensor_flatten__'):  # a tensor subclass (torchao's quantised weights): its inner tensors, in order
         return b''.join(_tensor_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
     if t.device.type == 'meta': return b'meta'
-    return t.to('cpu').contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+    flat = t.contiguous().reshape(-1)
+    if flat.numel() > EXACT_DIGEST_NUMEL:  # a real model's 12 GB would take tens of seconds to copy and hash on each load
+        x = flat.double()
+        moments = torch.stack([x.sum(), (x * x).sum(), x[::7919].sum()]).cpu().numpy().tobytes()  # computed where it lives
+        flat = flat[::max(1, flat.numel() // EXACT_DIGEST_NUMEL)]
+        return moments + flat.to('cpu').contiguous().view(torch.uint8).numpy().tobytes()
+    return flat.to('cpu').view(torch.uint8).numpy().tobytes()
 
 def weights_digest(model) -> str:
     "sha256 (16 hex digits) of every parameter and buffer of `model`, or of every module of a pipeline, names and shapes included."
