@@ -19,7 +19,7 @@ from .memory import real_dims_components
 
 # %% auto #0
 __all__ = ['SAVED_FORMAT', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'counterpart', 'expand_plan',
-           'file_digests', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
+           'file_digests', 'digest_difference', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
 def plan_pipeline(pipe_or_family, scheme, te_scheme=None, *, min_features: int = 512, backend: str = 'auto', device=None,
@@ -134,6 +134,15 @@ def file_digests(folder: Path) -> dict[str, str]:
             out[p.relative_to(folder).as_posix()] = h.hexdigest()
     return out
 
+def digest_difference(folder: Path, want: dict) -> tuple[str, str] | None:
+    "The first file where `folder` differs from the digests `want`: ('missing' | 'added' | 'changed', name), or None."
+    have = file_digests(folder)
+    for name in sorted(set(want) | set(have)):
+        if name not in have: return 'missing', name
+        if name not in want: return 'added', name
+        if have[name] != want[name]: return 'changed', name
+    return None
+
 # %% ../nbs/10a_export.ipynb #b6c53e19
 def _dtype(m) -> str: return str(next(m.parameters()).dtype).removeprefix('torch.')
 
@@ -238,13 +247,9 @@ def _check_index(path: Path, index: dict, quantized) -> dict[str, tuple[str, str
 def _check_files(path: Path, files) -> None:
     "Every file of the folder as `save_quantized` wrote it (same names, same sha256), the first difference named."
     if not isinstance(files, dict): raise DamagedFolder(f'{path/SAVED_META} has no file digests: the file is damaged')
-    now = file_digests(path)
-    for name in sorted(set(files) | set(now)):
-        if name not in now: raise DamagedFolder(f'{path/name} is missing: the folder is damaged')
-        if name not in files: raise DamagedFolder(f'{path/name} was not written by save_quantized: remove it or save again')
-        if now[name] != files[name]:
-            raise DamagedFolder(f'{path/name} differs from what save_quantized wrote (sha256 {now[name][:12]}, saved '
-                                f'{str(files[name])[:12]}): the file was changed, swapped or damaged')
+    why = {'missing': 'is missing: the folder is damaged', 'added': 'was not written by save_quantized: remove it or save again',
+           'changed': 'differs from what save_quantized wrote: the file was changed, swapped or damaged'}
+    if d := digest_difference(path, files): raise DamagedFolder(f'{path/d[1]} {why[d[0]]}')
 
 # %% ../nbs/10a_export.ipynb #1145b79a
 def _load_component(folder: Path, library: str, cls_name: str, saved: dict) -> nn.Module:

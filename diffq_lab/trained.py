@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from .core import append_rows, as_dtype, repo_root
 from .pipelines import cast_as_loaded, render, tiny_pipeline
-from .export import file_digests
+from .export import digest_difference, file_digests
 
 # %% auto #0
 __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TRAIN_ARGS',
@@ -188,13 +188,10 @@ def check_trained(root=None) -> Path:
     d, m = trained_dir(root), trained_manifest(root)
     try: want = json.loads(m.read_text(encoding='utf-8'))
     except (OSError, ValueError) as e: raise ValueError(f'{m}: cannot read the trained weights\' digests ({e})') from None
-    have = file_digests(d)
-    for name in sorted(set(want) | set(have)):
-        if name not in have: raise ValueError(f'{d/name} is missing: restore data/trained (git checkout) or retrain (train_all)')
-        if name not in want: raise ValueError(f'{d/name} is not part of the trained pipeline: remove it, or retrain (train_all)')
-        if have[name] != want[name]:
-            raise ValueError(f'{d/name} differs from the committed trained weights (sha256 {have[name][:12]}, committed '
-                             f'{want[name][:12]}): restore data/trained (git checkout) or retrain (train_all)')
+    why = {'missing': 'is missing', 'added': 'is not part of the trained pipeline',
+           'changed': 'differs from the committed trained weights'}
+    if diff := digest_difference(d, want):
+        raise ValueError(f'{d/diff[1]} {why[diff[0]]}: restore data/trained (git checkout) or retrain (train_all)')
     return d
 
 # %% ../nbs/14_trained.ipynb #d606cecb

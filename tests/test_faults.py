@@ -1,6 +1,7 @@
 """Fault injection, one test per category of issue #15: bad arguments, concurrent writers, kills mid-run and mid-write,
 corrupted tables and caches, failures inside quantisation. Each asserts the outcome: a clear one-line error (exit 2, no
 traceback), nothing lost or half-written, the model restored. Tiny models, no network, well under two minutes on 2 cores."""
+import contextlib
 import copy, json, os, random, signal, subprocess, sys, textwrap, time, warnings
 from pathlib import Path
 import pytest
@@ -205,17 +206,23 @@ def test_a_table_that_is_a_folder_stops_the_study(tmp_path, monkeypatch, capsys)
     assert code == 2 and one_line_error(err) and 'is a folder' in err and not (tmp_path/'out').exists()
 
 
+@contextlib.contextmanager
+def disk_full_renaming(monkeypatch, name: str):
+    "Within the block, renaming a file onto a path ending in `name` fails as a full disk does."
+    real = os.replace
+    def full(src, dst):
+        if str(dst).endswith(name): raise OSError(28, 'No space left on device')
+        return real(src, dst)
+    monkeypatch.setattr(os, 'replace', full)
+    try: yield
+    finally: monkeypatch.setattr(os, 'replace', real)
+
+
 def test_a_full_disk_mid_recording_leaves_every_table_as_it_was(tmp_path, monkeypatch):
     append_rows('a', dict(x=1), root=tmp_path, device='cpu')
     before = (tmp_path/'a.csv').read_bytes()
-    real = os.replace
-    def full(src, dst):
-        if str(dst).endswith('b.csv'): raise OSError(28, 'No space left on device')
-        return real(src, dst)
-    monkeypatch.setattr(os, 'replace', full)
-    with pytest.raises(OSError, match='No space'):
+    with disk_full_renaming(monkeypatch, 'b.csv'), pytest.raises(OSError, match='No space'):
         record_tables({'b': [dict(x=2)], 'a': [dict(x=2)]}, root=tmp_path, device='cpu')
-    monkeypatch.setattr(os, 'replace', real)
     # the rename of the first table failed: the second was never renamed, and no staged file is left behind
     assert not (tmp_path/'b.csv').exists() and (tmp_path/'a.csv').read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.suffix == '.tmp']
@@ -471,14 +478,8 @@ def test_a_rename_failing_after_the_commit_point_puts_every_table_and_the_report
     "The report moved and one table renamed, then the disk fails: this process undoes it all, backups put back."
     res, out, before = _recorded_before(tmp_path)
     stage = tmp_path/'.out.staging'; stage.mkdir(); (stage/'report.md').write_text('new report')
-    real = os.replace
-    def full(src, dst):
-        if str(dst).endswith('study_numerics.csv'): raise OSError(28, 'No space left on device')
-        return real(src, dst)
-    monkeypatch.setattr(os, 'replace', full)
-    with pytest.raises(OSError, match='No space'):
+    with disk_full_renaming(monkeypatch, 'study_numerics.csv'), pytest.raises(OSError, match='No space'):
         record_tables({'capability': dict(scheme='fp8'), 'study_numerics': dict(scheme='fp8'), 'study': dict(scheme='fp8')},
                       root=res, device='cpu', report=(stage, out), report_files=('report.md', 'grid.png'))
-    monkeypatch.setattr(os, 'replace', real)
     assert {k: (res/f'{k}.csv').read_bytes() for k in before} == before and _store_state(res, out) == NOTHING
     assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results'] and len(list(res.iterdir())) == 3
