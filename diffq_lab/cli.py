@@ -67,6 +67,7 @@ def _scheme_list(allow_auto=False):
     parse.__name__ = 'scheme list'
     return parse
 
+# %% ../nbs/17_cli.ipynb #81f63fec
 def _one_scheme(allow_auto=False):
     "An argparse type: one scheme name, normalised."
     many = _scheme_list(allow_auto)
@@ -87,6 +88,7 @@ def _int_list(value: str) -> list[int]:
     if len(out) > LIMITS['seeds']: raise argparse.ArgumentTypeError(f"at most {LIMITS['seeds']} seeds, got {len(out)}")
     return out
 
+# %% ../nbs/17_cli.ipynb #59b9ed5b
 def _parts(value: str) -> tuple[str, ...]:
     "An argparse type: what a study quantises, 'te', 'transformer' or both ('te,transformer' or 'both')."
     v = value.strip().lower()
@@ -150,6 +152,7 @@ class _Parser(argparse.ArgumentParser):
 
 COMMANDS: dict[str, callable] = {}  # subcommand name -> the function that runs it; its docments are its flags
 
+# %% ../nbs/17_cli.ipynb #741748ae
 def command(fn):
     "Register `fn` as a `diffq-lab` subcommand named after it; its parameters, with their docments, become its flags."
     COMMANDS[fn.__name__] = fn
@@ -161,6 +164,7 @@ def _shown(v) -> str:
     if isinstance(v, (list, tuple)): return ','.join(map(str, v))
     return 'none' if v is None else str(v)
 
+# %% ../nbs/17_cli.ipynb #13e72bec
 def _add_flags(p: argparse.ArgumentParser, fn):
     "One flag per parameter of `fn`: its annotation is the argparse type (or a `Param`), its docment the help, its default shown."
     for name, d in docments(fn, full=True, returns=False, eval_str=True).items():
@@ -218,6 +222,7 @@ def _staged_report(out):
         if stage.exists(): record_tables({}, report=(stage, out), report_files=REPORT_FILES)
     finally: shutil.rmtree(stage, ignore_errors=True)
 
+# %% ../nbs/17_cli.ipynb #cbf86a74
 def _drop_dead_stages(out: Path):
     "Remove report stages beside `out` left by a process that no longer runs (killed before its commit)."
     for d in out.parent.glob(f'.{out.name}.staging-*'):
@@ -308,6 +313,7 @@ def _wrote(plan, out: Path) -> str:
     "What a command that wrote a plan prints: its summary and the two paths (the snippet stays in its file)."
     return f'{plan.summary()}\n\nplan:    {out}\nsnippet: {out.with_suffix(".py")}  (python {out.with_suffix(".py")} loads the model with it)'
 
+# %% ../nbs/17_cli.ipynb #037066b4
 @command
 def export(family: str = 'z-image', # a family with real-dims configs (z-image, flux.1-dev, qwen-image, ...)
            scheme: _one_scheme() = 'int8', # the denoisers' scheme
@@ -389,6 +395,7 @@ def _scheme_or_dense(value: str) -> list[str]:
     if not out: raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
     return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it
 
+# %% ../nbs/17_cli.ipynb #51938913
 @command
 def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, l4, a10g, rtx6000ada, gb200, ...)
             family: str = 'z-image', # a family with real dims (z-image, flux.1-dev, qwen-image, sd3.5, wan, ...)
@@ -420,6 +427,7 @@ def _expected(e: BaseException) -> bool:
     if type(e).__name__ == 'UnpicklingError': return True  # torch.load(weights_only=True) refusing a file: the file is bad
     return type(e).__name__ == 'SafetensorError'  # safetensors' error on a damaged weights file (an Exception, nothing more)
 
+# %% ../nbs/17_cli.ipynb #ab03172f
 def _dedupe(args):
     "Repeated schemes or seeds run once, said on stderr: a repeat would duplicate rows and narrow the intervals."
     for name in ('schemes', 'seeds'):

@@ -30,12 +30,14 @@ def _frame_indices(n: int, frame=None, max_frames: int = 4) -> list[int]:
     if max_frames < 1: raise ValueError(f'max_frames must be >= 1, got {max_frames}')
     return sorted({int(round(i)) for i in np.linspace(0, n - 1, min(n, max_frames))})
 
+# %% ../nbs/13_compare.ipynb #692577ad
 def _strip(frames: np.ndarray, sep: int = 2) -> np.ndarray:
     "(k,H,W,3) uint8 frames side by side with a white `sep`-pixel gap."
     if len(frames) == 1: return frames[0]
     gap = np.full((frames.shape[1], sep, 3), 255, np.uint8)
     return np.concatenate([p for f in frames for p in (f, gap)][:-1], axis=1)
 
+# %% ../nbs/13_compare.ipynb #06b31865
 def image_array(x, frame=None, max_frames: int = 4) -> np.ndarray:
     "RGB uint8 (H,W,3) of image/clip `x` in [0, 1]: frame `frame`, or a strip of up to `max_frames` frames."
     t = as_frames(x, 'render', finite=False)
@@ -48,11 +50,13 @@ def _colormap(cmap: str):
     try: return matplotlib.colormaps[cmap]
     except KeyError: raise ValueError(f'{cmap!r} is not a matplotlib colormap (e.g. inferno, magma, viridis, gray)') from None
 
+# %% ../nbs/13_compare.ipynb #017c1add
 def _check_gain(gain) -> float:
     if not isinstance(gain, (int, float)) or isinstance(gain, bool) or not math.isfinite(gain) or gain <= 0:
         raise ValueError(f'gain must be a positive number, got {gain!r}')
     return float(gain)
 
+# %% ../nbs/13_compare.ipynb #115fca12
 def diff_heatmap(x, ref, gain: float = 8.0, cmap: str = 'inferno', frame=None, max_frames: int = 4) -> np.ndarray:
     "RGB uint8 heat-map of |x - ref| (mean over channels) times `gain`, clipped to [0, 1] and colour-mapped; NaN shows at full scale."
     gain, cm = _check_gain(gain), _colormap(cmap)
@@ -76,6 +80,7 @@ _CAPTION = (('psnr', lambda v: 'PSNR ∞ (identical)' if v == math.inf else f'PS
             ('ssim', lambda v: f'SSIM {v:.4f}'), ('lpips', lambda v: f'LPIPS {v:.4f}'), ('cosine', lambda v: f'cos {v:.4f}'))
 _QUIET = {'frames', 'finite', 'lpips_unavailable', 'seed', 'steps', 'size', 'ssim_win'}
 
+# %% ../nbs/13_compare.ipynb #542d5808
 def metric_caption(metrics: dict | None) -> str:
     "One line of `metrics` (PSNR, SSIM, LPIPS, cosine, then other numbers) for under an image."
     if not metrics: return ''
@@ -122,6 +127,7 @@ class CompareView:
 
 CONTROLS = ('toggle', 'slider')
 
+# %% ../nbs/13_compare.ipynb #e6259bd7
 def compare_widget(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno',
                    control: str = 'toggle', width: int = 256) -> CompareView:
     "A JupyterLab widget: pick a scheme, see it beside the dense reference and its amplified difference, metrics underneath."
@@ -160,6 +166,7 @@ def compare_widget(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: st
 # %% ../nbs/13_compare.ipynb #220632ff
 def _wrap(caption: str) -> str: return caption.replace(' · ', '\n')
 
+# %% ../nbs/13_compare.ipynb #5fa178c2
 def compare_figure(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno',
                    max_frames: int = 4, title: str | None = None) -> Figure:
     "A matplotlib figure: dense and each scheme on top (metrics under each), each scheme's amplified |diff| below."
@@ -185,6 +192,7 @@ def compare_figure(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: st
     if title: fig.suptitle(title, fontsize=11)
     return fig
 
+# %% ../nbs/13_compare.ipynb #521009a2
 def compare_grid_png(renders: dict, ref, metrics=None, path=None, dpi: int = 100, **kwargs) -> bytes:
     "`compare_figure` as PNG bytes, also written to `path` (atomically) when given."
     buf = io.BytesIO()
@@ -207,10 +215,12 @@ def _img_tag(arr: np.ndarray, width: int, alt: str) -> str:
     return (f'<img src="data:image/png;base64,{b64}" width="{width}" alt="{html.escape(alt, quote=True)}" '
             f'style="image-rendering:pixelated;image-rendering:crisp-edges">')
 
+# %% ../nbs/13_compare.ipynb #72a1bae0
 def _metrics_frame(mets: dict) -> pd.DataFrame:
     rows = [{'scheme': k, **{c: v for c, v in m.items() if c != 'lpips_unavailable'}} for k, m in mets.items()]
     return pd.DataFrame(rows)
 
+# %% ../nbs/13_compare.ipynb #e0106ea8
 def compare_html(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno', max_frames: int = 4,
                  width: int = 160, title: str | None = None) -> str:
     "Self-contained HTML: dense, each scheme and its amplified |diff| as base64 PNGs with captions, then the metrics table."

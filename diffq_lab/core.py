@@ -29,6 +29,7 @@ def _as_torch_device(device) -> torch.device:
     try: return torch.device(device.strip() if isinstance(device, str) else device)
     except (RuntimeError, ValueError, TypeError): raise ValueError(f'unknown device {device!r}; choose {DEVICE_CHOICES}') from None
 
+# %% ../nbs/00_core.ipynb #4811ff35
 def resolve_device(device=None) -> torch.device:
     "`device` as a `torch.device`; `None` picks CUDA when present, else CPU; a name torch does not know raises ValueError."
     if device is None: return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
@@ -37,11 +38,13 @@ def resolve_device(device=None) -> torch.device:
         device = torch.device('cuda', torch.cuda.current_device())
     return device
 
+# %% ../nbs/00_core.ipynb #56cd438e
 def module_device(module) -> torch.device:
     "The device `module`'s weights are on: its first parameter's, or `resolve_device(None)` when it has none or they are on meta."
     p = next(module.parameters(), None)
     return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
 
+# %% ../nbs/00_core.ipynb #89b1ff8f
 def check_device(device=None) -> torch.device:
     "`device` resolved, and refused with ValueError unless it is a CPU or a CUDA GPU this machine has."
     d = resolve_device(device)
@@ -59,6 +62,7 @@ def device_name(device=None) -> str:
     if device.type == 'cuda': return torch.cuda.get_device_name(device)
     return _cpu_model() or platform.processor() or 'cpu'
 
+# %% ../nbs/00_core.ipynb #7cc0aec6
 def _cpu_model():
     try:
         for line in Path('/proc/cpuinfo').read_text().splitlines():
@@ -76,6 +80,7 @@ def as_dtype(dtype) -> torch.dtype:
     if key not in DTYPES: raise ValueError(f"unknown dtype {dtype!r}; choose one of {sorted(DTYPES)}")
     return DTYPES[key]
 
+# %% ../nbs/00_core.ipynb #b7be70e9
 def compute_dtype(device=None) -> torch.dtype:
     "The dtype dense reference runs use on `device`: bf16 where the device supports it, else fp16."
     device = resolve_device(device)
@@ -90,6 +95,7 @@ def _vm(field: str) -> int | None:
     except OSError: return None
     return None
 
+# %% ../nbs/00_core.ipynb #b62ef0b5
 def memory_mark(device=None) -> int | None:
     "Start measuring peak memory on `device`: reset its high-water mark; the resident bytes now (None: not measurable)."
     device = resolve_device(device)
@@ -100,6 +106,7 @@ def memory_mark(device=None) -> int | None:
     except OSError: return None
     return _vm('VmRSS')
 
+# %% ../nbs/00_core.ipynb #de606dc8
 def peak_extra_bytes(mark: int | None, device=None) -> int | None:
     "Bytes the peak rose above `mark` (from `memory_mark`) since: CUDA allocated bytes, or the process's resident set on a CPU."
     device = resolve_device(device)
@@ -128,11 +135,13 @@ def repo_root() -> Path:
     import diffq_lab
     return Path(diffq_lab.__file__).resolve().parent.parent
 
+# %% ../nbs/00_core.ipynb #8793a236
 def package_version(name: str) -> str | None:
     "Installed version of distribution `name`, or None when it is not installed."
     try: return _pkg_version(name)
     except PackageNotFoundError: return None
 
+# %% ../nbs/00_core.ipynb #587df299
 def git_sha(path=None) -> str | None:
     "Short git commit of the checkout holding `path` (default: this package), '+dirty' when its code (not `data/`) has local changes."
     cwd = Path(path or repo_root())
@@ -145,10 +154,12 @@ def git_sha(path=None) -> str | None:
         return sha.stdout.strip() + ('+dirty' if dirty else '')
     except (OSError, subprocess.SubprocessError): return None
 
+# %% ../nbs/00_core.ipynb #cf806a17
 def utc_now() -> str:
     "The current UTC time, ISO 8601 to the second."
     return datetime.datetime.now(datetime.timezone.utc).strftime('%Y-%m-%dT%H:%M:%SZ')
 
+# %% ../nbs/00_core.ipynb #4039ef5d
 def fingerprint(device=None) -> dict:
     "Where a measurement came from: device, compute capability, library versions, git sha and UTC time."
     device = resolve_device(device)
@@ -164,11 +175,13 @@ def results_dir(root=None) -> Path:
     root = root or os.environ.get('DIFFQ_LAB_RESULTS') or repo_root()/'data'/'results'
     return Path(root)
 
+# %% ../nbs/00_core.ipynb #83fed1aa
 def _table_path(kind, root=None) -> Path:
     if not re.fullmatch(r'[a-z0-9][a-z0-9_\-]*', str(kind)):
         raise ValueError(f"bad table kind {kind!r}: use lowercase letters, digits, '_' and '-'")
     return results_dir(root)/f'{kind}.csv'
 
+# %% ../nbs/00_core.ipynb #abc66784
 def _stage(path: Path, text: str) -> Path:
     "`text` written to a temp file beside `path`, with `path`'s mode (or the umask's default): ready to rename over it."
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -182,6 +195,7 @@ def _stage(path: Path, text: str) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
 
+# %% ../nbs/00_core.ipynb #585f3ec4
 def atomic_write_text(path, text: str):
     "Write `text` to `path` through a temp file in the same folder and a rename (keeping its mode), so readers never see half a file."
     path = Path(path)
@@ -192,6 +206,7 @@ def atomic_write_text(path, text: str):
         tmp.unlink(missing_ok=True)
         raise
 
+# %% ../nbs/00_core.ipynb #cdeef021
 def check_writable(folder) -> Path:
     "`folder`, created if needed, after proving a file can be written there: ValueError naming it otherwise."
     if isinstance(folder, str) and not folder.strip(): raise ValueError('an output folder must be named, got an empty path')
@@ -209,9 +224,11 @@ class DamagedTable(ValueError):
 
 STAMP_COLUMNS = ('run', *FINGERPRINT_KEYS)  # what the store adds to every row; `utc` is in every recorded row
 
+# %% ../nbs/00_core.ipynb #2bbdbed1
 def _damaged(path, line, what) -> DamagedTable:
     return DamagedTable(f'{path}, line {line}: {what}; the table was left as it is')
 
+# %% ../nbs/00_core.ipynb #3432de10
 def _check_header(path: Path, header: list, columns=()):
     "Refuse blank or repeated names, a header without the store's `utc`, or one sharing under half of `columns`."
     if not all(h.strip() for h in header): raise _damaged(path, 1, 'a blank column name in the header')
@@ -245,6 +262,7 @@ def _parse_strict(path: Path, columns=()) -> pd.DataFrame:
     _check_header(path, header, columns)
     return pd.read_csv(io.StringIO(text))
 
+# %% ../nbs/00_core.ipynb #827d45f9
 def load_table(kind, root=None) -> pd.DataFrame:
     "The results table `kind` as a DataFrame (empty when nothing was recorded yet); a damaged table raises `DamagedTable`."
     path = _table_path(kind, root)
@@ -258,6 +276,7 @@ def _commit_lock() -> FileLock:
     folder.mkdir(exist_ok=True)
     return FileLock(str(folder/'commit.lock'), timeout=120)
 
+# %% ../nbs/00_core.ipynb #b8c390f9
 @contextlib.contextmanager
 def _signals_deferred():
     "SIGINT, SIGTERM and SIGHUP, sent to any thread, held until the block ends and then delivered (main thread)."
@@ -280,10 +299,12 @@ def _fsync(path):
     try: os.fsync(fd)
     finally: os.close(fd)
 
+# %% ../nbs/00_core.ipynb #ab25189a
 def _paths(journal: Path, ops) -> list:
     "`ops` with their paths made absolute: a table's staged file and backup are named relative to the journal folder."
     return [[op, *(p if p is None else str(journal/p) for p in paths)] for op, *paths in ops]
 
+# %% ../nbs/00_core.ipynb #3097c957
 def _redo(journal: Path, ops):
     "Apply a committed journal's operations; each is idempotent, so running them again finishes a cut commit."
     for op, path, *rest in _paths(journal, ops):
@@ -292,6 +313,7 @@ def _redo(journal: Path, ops):
         elif Path(path).exists():  # 'move': a source already gone was moved already
             Path(rest[0]).parent.mkdir(parents=True, exist_ok=True); os.replace(path, rest[0])
 
+# %% ../nbs/00_core.ipynb #bc1dfaca
 def _undo(journal: Path, ops):
     "Put back what `_redo` applied of `ops` (in reverse), from the backups taken when the journal was staged."
     for op, path, *rest in reversed(_paths(journal, ops)):
@@ -302,6 +324,7 @@ def _undo(journal: Path, ops):
             os.replace(rest[0], path)  # the new file back into the journal, then the old one back in place
             if rest[1] and Path(rest[1]).exists(): os.replace(rest[1], rest[0])
 
+# %% ../nbs/00_core.ipynb #5c8252c1
 def _retire(journal: Path, state: str):
     "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its report."
     try: report = json.loads((journal/'journal.json').read_text())['report']
@@ -322,11 +345,13 @@ def _recover(folder: Path):
         elif j.suffix in ('.staging', '.committed'): _retire(j, 'abandoned')
         else: _retire(j, j.suffix[1:])
 
+# %% ../nbs/00_core.ipynb #b656606b
 def _recover_pending(folder: Path):
     "Recover `folder`'s journals under the commit lock, when it has any (a reader that finds none takes no lock)."
     if folder.is_dir() and any(folder.glob(_JOURNAL + '*')):
         with _commit_lock(): _recover(folder)
 
+# %% ../nbs/00_core.ipynb #b0f06f7f
 def recover_commits(folder):
     "Finish (or drop, if it never reached its commit point) each recording cut short in `folder`; their names."
     folder = Path(folder)
@@ -342,6 +367,7 @@ def _keep(path: Path, backup: Path) -> str | None:
     except OSError: shutil.copy2(path, backup)
     return str(backup)
 
+# %% ../nbs/00_core.ipynb #bfa6bc17
 def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
     "The journal's operations putting the files of `stage` (renamed `into`) into `out`, removing the stale `owns`."
     if out.exists() and not out.is_dir(): raise ValueError(f'cannot put a report into {out}: it is a file')
@@ -402,6 +428,7 @@ def _check_clean_tree(root, allow_dirty):
         raise ValueError(f'the code tree has uncommitted changes ({sha}): commit them before recording into data/results, '
                          'or allow it (allow_dirty=True, DIFFQ_LAB_ALLOW_DIRTY=1, `--allow-dirty`) and the rows will say +dirty')
 
+# %% ../nbs/00_core.ipynb #562b9525
 def check_recordable(kinds, root=None, allow_dirty: bool = False):
     "Before any work: the tree may record here, the results folder is writable, and every table `kinds` names parses."
     _check_clean_tree(root, allow_dirty)
@@ -435,12 +462,14 @@ def record_tables(tables: dict,               # {kind: a row or rows (dicts)}; m
         _commit(home, {paths[k]: df.to_csv(index=False) for k, df in out.items()}, report, tuple(report_files))
     return out
 
+# %% ../nbs/00_core.ipynb #ac5bcb8a
 def append_rows(kind, rows, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
     "Append `rows` (dicts) to table `kind`, each stamped with the fingerprint, under a lock; returns the whole table."
     rows = [dict(rows)] if isinstance(rows, dict) else [dict(r) for r in rows]
     if not rows: raise ValueError('append_rows needs at least one row')
     return record_tables({kind: rows}, root, device, allow_dirty)[kind]
 
+# %% ../nbs/00_core.ipynb #ab594ada
 def latest_run(table: pd.DataFrame, **where) -> pd.DataFrame:
     "The rows of `table` (filtered by `where` column=value pairs) from the last `append_rows` call that wrote any."
     for col, val in where.items(): table = table[table[col] == val] if col in table else table.iloc[:0]
@@ -454,6 +483,7 @@ def markdown_table(df: pd.DataFrame, cols=None, floatfmt='.4g') -> str:
     if cols is not None: df = df[[c for c in cols if c in df]]
     return df.astype(object).where(df.notna(), None).to_markdown(index=False, floatfmt=floatfmt, missingval='')  # blank, not nan
 
+# %% ../nbs/00_core.ipynb #00fdf25e
 def provenance(df: pd.DataFrame) -> str:
     "One line naming where the rows of `df` were measured: devices, capability, versions and dates."
     if df.empty: return 'no measurements recorded'

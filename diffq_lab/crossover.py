@@ -36,6 +36,7 @@ REQUIRED_GPUS = ('a100', 'h100', 'h200', 'l40s', 'rtx4090', 'rtx5090', 'b200')
 
 def _norm(name) -> str: return re.sub(r'[^a-z0-9]', '', str(name).lower().replace('nvidia', '').replace('geforce', ''))
 
+# %% ../nbs/12_crossover.ipynb #368b0904
 @functools.lru_cache(maxsize=4)
 def _load_specs(path: str) -> pd.DataFrame:
     df = pd.read_csv(path)
@@ -43,10 +44,12 @@ def _load_specs(path: str) -> pd.DataFrame:
     if bad: raise ValueError(f'{path}: GPUs without a source: {bad}')
     return df
 
+# %% ../nbs/12_crossover.ipynb #76e4a13f
 def gpu_specs(path=None) -> pd.DataFrame:
     "The committed GPU spec table (`data/gpu_specs.csv`): dense peaks per dtype, bandwidth, and each row's source."
     return _load_specs(str(path or repo_root()/'data'/'gpu_specs.csv')).copy()
 
+# %% ../nbs/12_crossover.ipynb #fde24710
 def gpu_spec(gpu) -> dict:
     "One GPU's spec as a dict, by table key, alias or `torch.cuda.get_device_name()` string; a dict passes through."
     if isinstance(gpu, dict):
@@ -60,6 +63,7 @@ def gpu_spec(gpu) -> dict:
         if key and key in {_norm(n) for n in names}: return row
     raise ValueError(f'unknown gpu {gpu!r}; choose one of {", ".join(specs.gpu)} (or a device name they list as alias)')
 
+# %% ../nbs/12_crossover.ipynb #b2e6cc39
 def gpu_schemes(gpu) -> tuple[str, ...]:
     "The roofline schemes `gpu` has tensor cores for (bf16 always; fp8 from Ada, fp4 and MX from Blackwell)."
     spec = gpu_spec(gpu)
@@ -73,11 +77,13 @@ def as_shape(shape) -> tuple[int, int, int]:
     if not ok: raise ValueError(f'a GEMM shape is (M, K, N) with positive ints (x: M x K, weight: N x K), got {shape!r}')
     return tuple(int(v) for v in shape)
 
+# %% ../nbs/12_crossover.ipynb #24afabf5
 def _check_scheme(scheme) -> str:
     if scheme not in ROOFLINE_SCHEMES:
         raise ValueError(f'the roofline models {", ".join(ROOFLINE_SCHEMES)}; got {scheme!r}')
     return scheme
 
+# %% ../nbs/12_crossover.ipynb #e1bc3473
 def _passes(M, K, N, scheme) -> list[tuple[str, str | None, object, object]]:
     "The kernels a `scheme` Linear runs: (name, math dtype or None for a memory pass, flops, bytes); arrays broadcast."
     mma = 2 * M * K * N
@@ -93,6 +99,7 @@ def _passes(M, K, N, scheme) -> list[tuple[str, str | None, object, object]]:
                                   ('rescale y', None, 0, 4*M*N)]
     raise AssertionError(scheme)  # unreachable: callers check the scheme
 
+# %% ../nbs/12_crossover.ipynb #552646b3
 def gemm_passes(shape, scheme) -> pd.DataFrame:
     "The passes (kernels) a `scheme` Linear of `shape` (M, K, N) runs: math dtype, FLOPs and bytes moved."
     M, K, N = as_shape(shape)
@@ -114,12 +121,14 @@ def as_eff(eff=None) -> dict:
         if k.endswith('_s') and not (arr >= 0).all(): raise ValueError(f'{k} must be >= 0 seconds, got {v}')
     return eff
 
+# %% ../nbs/12_crossover.ipynb #a7eff26a
 def _peak(spec, math_dtype) -> float:
     v = spec.get(SPEC_COLS[math_dtype])
     if v is None or pd.isna(v) or v <= 0:
         raise ValueError(f"{spec['gpu']} has no {math_dtype} tensor cores; its schemes: {', '.join(gpu_schemes(spec))}")
     return float(v) * 1e12
 
+# %% ../nbs/12_crossover.ipynb #6cf48ec9
 def _pass_times(spec, M, K, N, scheme, eff) -> list[tuple[str, object]]:
     "(name, seconds) per pass; `M, K, N` and the efficiency values may be numpy arrays (they broadcast)."
     bw = float(spec['mem_bw_tbs']) * 1e12
@@ -130,11 +139,13 @@ def _pass_times(spec, M, K, N, scheme, eff) -> list[tuple[str, object]]:
         out.append((name, t))
     return out
 
+# %% ../nbs/12_crossover.ipynb #f4a5bfcc
 def predict_time(gpu, M, K, N, scheme, eff=None):
     "Predicted seconds of a `scheme` Linear on `gpu` (vectorised: M, K, N may be numpy arrays)."
     spec, eff = gpu_spec(gpu), as_eff(eff)
     return sum(t for _, t in _pass_times(spec, M, K, N, _check_scheme(scheme), eff))
 
+# %% ../nbs/12_crossover.ipynb #dde5c2f4
 def roofline(gpu, shape, scheme, eff=None) -> dict:
     "Predicted time of a `scheme` Linear of `shape` on `gpu`, per pass, with achieved TFLOPS and the speedup over bf16."
     spec, eff, (M, K, N) = gpu_spec(gpu), as_eff(eff), as_shape(shape)
@@ -157,10 +168,12 @@ def published_ratios(path=None) -> pd.DataFrame:
     "The committed published speedups (`data/published_ratios.csv`): gpu, scheme, baseline, M, K, N, speedup, source."
     return pd.read_csv(path or repo_root()/'data'/'published_ratios.csv')
 
+# %% ../nbs/12_crossover.ipynb #8b4ae777
 def _predicted_speedups(pub, eff) -> list:
     return [predict_time(r.gpu, r.M, r.K, r.N, r.baseline, eff) / predict_time(r.gpu, r.M, r.K, r.N, r.scheme, eff)
             for r in pub.itertuples()]
 
+# %% ../nbs/12_crossover.ipynb #bc71c5f3
 def calibrate(eff=None, published=None) -> pd.DataFrame:
     "Published vs predicted speedups, side by side, with the relative error of each prediction."
     pub = published_ratios() if published is None else published
@@ -169,6 +182,7 @@ def calibrate(eff=None, published=None) -> pd.DataFrame:
     out['error'] = out.predicted / out.published - 1
     return out
 
+# %% ../nbs/12_crossover.ipynb #785c60a4
 def fit_efficiency(published=None, params=FIT_PARAMS, base=None) -> tuple[dict, pd.DataFrame]:
     "Grid-fit `params` (one or two of `EFFICIENCY`) to the published speedups; returns the fitted parameters and `calibrate`'s table."
     params = tuple(params)
@@ -200,6 +214,7 @@ class Crossover:
         where = f'from {self.cube}^3' if self.cube else f'never up to {CUBE_SIZES[-1]}^3'
         return f'Crossover({self.a} beats {self.b} on {self.gpu} {where})'
 
+# %% ../nbs/12_crossover.ipynb #03942fb3
 def _first_win_from(sizes, wins):
     "The smallest size from which every larger size wins (None when the last one loses)."
     wins = np.asarray(wins, dtype=bool)
@@ -207,6 +222,7 @@ def _first_win_from(sizes, wins):
     losing = np.flatnonzero(~wins)
     return int(sizes[losing[-1] + 1]) if losing.size else int(sizes[0])
 
+# %% ../nbs/12_crossover.ipynb #47b53493
 def find_crossover(gpu, scheme_a, scheme_b, M=SURFACE_M, K=SURFACE_KN, N=SURFACE_KN, eff=None) -> Crossover:
     "Where `scheme_a` beats `scheme_b` on `gpu`: the M = K = N size, and the M/K/N surface of their speedup."
     spec, eff = gpu_spec(gpu), as_eff(eff)
@@ -238,10 +254,12 @@ def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
     for _ in range(warmup): fn()
     return [time_once(fn, device) for _ in range(repeats)]
 
+# %% ../nbs/12_crossover.ipynb #16f73fb6
 def _gemm_kind(scheme) -> str:
     "The bare GEMM timed beside `scheme` ('bf16', 'int8', 'fp8'; '' for none): the registry's `Scheme.gemm`."
     return 'bf16' if scheme == 'bf16' else get_scheme(scheme).gemm
 
+# %% ../nbs/12_crossover.ipynb #08c72c8d
 def _bench_path(scheme, device) -> tuple[str, str, str]:
     "(status, path, reason) for `scheme` on `device`: what `gemm_bench` will time, or why it will not."
     if scheme == 'bf16': return 'ok', 'dense bf16 nn.Linear', ''
@@ -252,6 +270,7 @@ def _bench_path(scheme, device) -> tuple[str, str, str]:
     if device.type == 'cpu' and s.name == 'fp8': return 'ok', path + ' (fp8 gate bypassed: CPU torch._scaled_mm)', why
     return ('ok', path, '') if ok else ('not run', 'not run', why)
 
+# %% ../nbs/12_crossover.ipynb #78d98113
 def _raw_gemm(kind, M, K, N, device):
     "The bare GEMM kernel `kind` ('bf16'|'int8'|'fp8') of a Linear's math, as a zero-argument callable."
     g = torch.Generator(device='cpu').manual_seed(1)
@@ -266,6 +285,7 @@ def _raw_gemm(kind, M, K, N, device):
     sa, sb = torch.ones(M, 1, device=device), torch.ones(1, N, device=device)
     return lambda: torch._scaled_mm(xf, wf.t(), sa, sb, out_dtype=torch.bfloat16)
 
+# %% ../nbs/12_crossover.ipynb #f4dc5f2b
 def _copy_tbs(device) -> float:
     "Device copy bandwidth (read + write) in TB/s: a large bf16 tensor copied into a preallocated one."
     x = torch.empty((64 if device.type == 'cpu' else 1024) * 2 ** 19, dtype=torch.bfloat16, device=device).normal_()
@@ -275,6 +295,7 @@ def _copy_tbs(device) -> float:
 
 COMPILER_SETTINGS = "torchao's recommended inductor settings for every configuration, dense included"
 
+# %% ../nbs/12_crossover.ipynb #27f8bb58
 @contextlib.contextmanager
 def same_compiler_settings():
     "torchao's recommended inductor settings for every configuration compared (dense too), room to compile each; all restored after."
@@ -302,6 +323,7 @@ def _check_bench_args(shapes, schemes, repeats, warmup):
         if isinstance(v, bool) or not isinstance(v, int) or v < low: raise ValueError(f'{name} must be an int >= {low}, got {v!r}')
     return shapes, ['bf16'] + [s for s in schemes if s != 'bf16']   # bf16 first: every ratio needs it
 
+# %% ../nbs/12_crossover.ipynb #3736586a
 def _bench_call(base, scheme, path, x, device, compile, backend='torchao'):
     "A zero-argument call of `base` converted by `scheme` on `backend` (compiled if asked), run under inference_mode."
     lin = nn.Sequential(copy.deepcopy(base)).to(device)
@@ -314,6 +336,7 @@ def _bench_call(base, scheme, path, x, device, compile, backend='torchao'):
         with torch.inference_mode(): return mod(x)
     return call
 
+# %% ../nbs/12_crossover.ipynb #7bea7ac3
 def _warmed(calls: dict, rows: dict, device, most: int) -> dict:
     "The calls whose warm-up (and compile) succeeds; a failure marks its row failed with the reason instead of losing it."
     ok = {}
@@ -324,6 +347,7 @@ def _warmed(calls: dict, rows: dict, device, most: int) -> dict:
             if device.type == 'cuda': torch.cuda.empty_cache()
     return ok
 
+# %% ../nbs/12_crossover.ipynb #3af0b707
 def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, seed, common, level) -> list[dict]:
     "One shape: every configuration built, warmed up, then timed interleaved in `repeats` rounds; paired speedups vs bf16."
     g = torch.Generator().manual_seed(seed)
@@ -357,6 +381,7 @@ def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, s
         rows[k].update(speedup_vs_bf16=sp['ratio'], speedup_lo=sp['ratio_lo'], speedup_hi=sp['ratio_hi'], speed=sp['verdict'])
     return list(rows.values())
 
+# %% ../nbs/12_crossover.ipynb #5d834a33
 def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, warmup=None, emulated=False,
                compile=False, seed=0, level: float = 0.95) -> pd.DataFrame:
     "Time Linear-shaped GEMMs (M, K, N): bf16 and each scheme's real path interleaved in `repeats` rounds; median seconds, TFLOPS, paired speedup vs bf16."
@@ -374,6 +399,7 @@ def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, wa
                                                               common, level)]
     return _finish_bench(pd.DataFrame(rows))
 
+# %% ../nbs/12_crossover.ipynb #4db1afac
 def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
     "Median seconds of the bare GEMM kernel; NaN with a warning when that kernel does not run here."
     try:
@@ -382,6 +408,7 @@ def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
         warnings.warn(f'bare {kind} GEMM {M}x{K}x{N} does not run on {device}: {type(e).__name__}: {e}')
         return float('nan')
 
+# %% ../nbs/12_crossover.ipynb #19bd318b
 def _finish_bench(df: pd.DataFrame) -> pd.DataFrame:
     for c in ('median_s', 'min_s', 'gemm_only_s', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi'):
         if c not in df: df[c] = np.nan
@@ -412,6 +439,7 @@ def measured_spec(bench: pd.DataFrame) -> dict:
                 mxfp8_tflops=float('nan'), fp4_tflops=float('nan'), mem_bw_tbs=float(bench.copy_tbs.median()),
                 source='measured by gemm_bench')
 
+# %% ../nbs/12_crossover.ipynb #850489cf
 def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
     "Measured vs predicted time, overhead beyond the bare GEMM, and speedup over bf16, for each measured row the roofline models."
     per_shape = False
@@ -448,6 +476,7 @@ def _as_grid(tokens) -> tuple[int, int, int]:
         return tuple(tokens) if len(tokens) == 3 else (1, *tokens)
     raise ValueError(f'tokens must be a positive int (a square grid) or (h, w) / (f, h, w) token counts, got {tokens!r}')
 
+# %% ../nbs/12_crossover.ipynb #3675bf4e
 def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -> pd.DataFrame:
     "(M, K, N) of every Linear call in one forward of `transformer` (a module or a model name) at `tokens` image tokens."
     if text_tokens is not None and (isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 1):
@@ -474,6 +503,7 @@ def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -
     df['gflop'] = 2 * df.M * df.K * df.N / 1e9
     return df
 
+# %% ../nbs/12_crossover.ipynb #b5cb0a1b
 @functools.lru_cache(maxsize=32)
 def _cached_shapes(name, grid, text_tokens, batch):
     return model_linear_shapes(meta_transformer(name), grid, text_tokens, batch)
@@ -490,6 +520,7 @@ def layer_policy(times: dict, nvfp4_margin: float = NVFP4_MARGIN, margin: float 
     if best8 and times['bf16'] >= (1 + margin) * times[best8]: return best8
     return 'bf16'
 
+# %% ../nbs/12_crossover.ipynb #fe75bf67
 def analyse_layers(shapes: pd.DataFrame, gpu, eff=None, nvfp4_margin: float = NVFP4_MARGIN, margin: float = MIN_GAIN) -> pd.DataFrame:
     "Per Linear of `shapes` (from `model_linear_shapes`): predicted time per scheme on `gpu`, the fastest, and the policy."
     spec, eff = gpu_spec(gpu), as_eff(eff)
@@ -510,6 +541,7 @@ def analyse_layers(shapes: pd.DataFrame, gpu, eff=None, nvfp4_margin: float = NV
     out.attrs.update(gpu=spec['gpu'], schemes=schemes)
     return out
 
+# %% ../nbs/12_crossover.ipynb #24a99eb5
 def summarise_layers(layers: pd.DataFrame) -> dict:
     "Totals of `analyse_layers`: Linear time per uniform scheme and for the policy, speedups, FLOP share above the NVFP4 crossover."
     schemes = layers.attrs.get('schemes') or [c[2:] for c in layers if c.startswith('t_') and c != 't_policy']
@@ -528,6 +560,7 @@ def layer_pattern(fqn: str) -> str:
     "`fqn` with block indices replaced by '*' (layers.12.attention.to_q -> layers.*.attention.to_q)."
     return re.sub(r'(?<=\.)\d+(?=\.)|^\d+(?=\.)', '*', fqn)
 
+# %% ../nbs/12_crossover.ipynb #316f2a61
 def layers_table(layers: pd.DataFrame, group: bool = True) -> pd.DataFrame:
     "The per-layer table `cli_crossover` prints: times in microseconds, grouped over repeated blocks when `group`."
     schemes = layers.attrs.get('schemes') or [c[2:] for c in layers if c.startswith('t_') and c != 't_policy']
@@ -539,6 +572,7 @@ def layers_table(layers: pd.DataFrame, group: bool = True) -> pd.DataFrame:
     for s in schemes: out[f'{s}_us'] *= 1e6
     return out
 
+# %% ../nbs/12_crossover.ipynb #68232760
 def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
     sp = ', '.join(f'{k} {v:.2f}x' for k, v in s['speedup'].items() if k != 'bf16')
     lines = [f"{model} at {size}px (token grid {grid}) on {s['gpu']}: {s['linears']} Linear calls, {s['gflop']:.0f} GFLOP per forward",
@@ -551,6 +585,7 @@ def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
     else: lines.append(f"NVFP4: {s['gpu']} has no fp4 tensor cores, so there is no NVFP4 crossover to place layers against")
     return '\n'.join(lines)
 
+# %% ../nbs/12_crossover.ipynb #a36f3026
 def cli_crossover(gpu='h200', model='z-image', size: int = 1024, frames=None, text_tokens=None, group: bool = True, eff=None) -> str:
     "The printable per-layer table and totals of `model`'s Linears at `size` px on `gpu` (`diffq-lab crossover`)."
     spec, m = gpu_spec(gpu), get_model(model)
@@ -569,6 +604,7 @@ def _dominant_m(layers) -> int:
     "The token count M carrying the most FLOPs among `layers`."
     return int(layers.groupby('M').gflop.sum().idxmax())
 
+# %% ../nbs/12_crossover.ipynb #f3270325
 def plot_crossover(gpu='b200', scheme_a='nvfp4', scheme_b='fp8', layers=None, eff=None, M=None, title=None):
     "Figure of the predicted `scheme_a`/`scheme_b` speedup: over (M, K=N), and over (K, N) at one M, with `layers` on both."
     import matplotlib.pyplot as plt

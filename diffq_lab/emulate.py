@@ -38,10 +38,12 @@ def _amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
     "max |x| per row (keepdim) or over the whole tensor (with x's number of dims), in x's dtype (exact)."
     return x.abs().amax(-1, keepdim=True) if rowwise else x.abs().amax().reshape([1] * x.ndim)
 
+# %% ../nbs/02_emulate.ipynb #fa9661fb
 def _fp32(x: torch.Tensor) -> torch.Tensor:
     "A private fp32 copy of `x` that the recipes may modify in place."
     return x.to(torch.float32, copy=True)
 
+# %% ../nbs/02_emulate.ipynb #97c15558
 def _int8_codes(x: torch.Tensor, rowwise: bool = True):
     "int8 symmetric codes (as fp32) and fp32 scales: mirrors `Int8Tensor.from_hp` -> `choose_qparams_affine` + `quantize_affine`."
     # choose_qparams_affine(SYMMETRIC): max/((qmax-qmin)/2) = amax/127.5 in the input dtype, clamped at fp32 eps, then fp32
@@ -49,11 +51,13 @@ def _int8_codes(x: torch.Tensor, rowwise: bool = True):
     q = _fp32(x).mul_(1.0 / scale).round_().clamp_(-128, 127)  # quantize_affine: x * (1/scale) in fp32, half to even, clamp
     return q, scale
 
+# %% ../nbs/02_emulate.ipynb #b1420914
 def int8_rowwise(x: torch.Tensor) -> torch.Tensor:
     "Fake-quant `x` to int8 with one symmetric scale per row (per token / per output channel), as torchao's int8 configs."
     q, scale = _int8_codes(x)
     return q.mul_(scale).to(x.dtype)  # dequantize_affine
 
+# %% ../nbs/02_emulate.ipynb #0175e6b7
 def int8_tensorwise(x: torch.Tensor) -> torch.Tensor:
     "Fake-quant `x` to int8 with one symmetric scale for the whole tensor (torchao `PerTensor()`)."
     q, scale = _int8_codes(x, rowwise=False)
@@ -65,6 +69,7 @@ def fp8_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     table = torch.arange(256, dtype=torch.uint8, device=q.device).view(torch.float8_e4m3fn).to(dtype)  # 256 casts: cheap
     return table.index_select(0, q.reshape(-1).view(torch.uint8).to(torch.int32)).view(q.shape)
 
+# %% ../nbs/02_emulate.ipynb #4ea51d17
 def _fp8_codes(x: torch.Tensor, rowwise: bool = True, floor: float | None = AMAX_FLOOR):
     "float8_e4m3fn codes and fp32 scales: mirrors `Float8Tensor.from_hp` -> `_choose_scale_float8` + `_quantize_affine_float8`."
     amax = _amax(x, rowwise)
@@ -73,16 +78,19 @@ def _fp8_codes(x: torch.Tensor, rowwise: bool = True, floor: float | None = AMAX
     # x.to(fp32) / scale; clamp before the cast as torchao does (eager fp8 casts saturate only from torch 2.12)
     return _fp32(x).div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
 
+# %% ../nbs/02_emulate.ipynb #1ddcf6e7
 def fp8_rowwise(x: torch.Tensor, floor: float | None = AMAX_FLOOR) -> torch.Tensor:
     "Fake-quant `x` to fp8 e4m3 with a scale `amax/448` per row (torchao `PerRow()`), amax floored at `floor`."
     q, scale = _fp8_codes(x, True, floor)
     return fp8_to(q, torch.float32).mul_(scale).to(x.dtype)  # _dequantize_affine_float8
 
+# %% ../nbs/02_emulate.ipynb #62569eb7
 def fp8_tensorwise(x: torch.Tensor, floor: float | None = AMAX_FLOOR) -> torch.Tensor:
     "Fake-quant `x` to fp8 e4m3 with one scale `amax/448` for the whole tensor (torchao `PerTensor()`)."
     q, scale = _fp8_codes(x, False, floor)
     return fp8_to(q, torch.float32).mul_(scale).to(x.dtype)
 
+# %% ../nbs/02_emulate.ipynb #cf210a6c
 def fp8_cast(x: torch.Tensor) -> torch.Tensor:
     "Store `x` as fp8 e4m3 without any scale and read it back: diffusers' layerwise casting (saturating at 448)."
     return fp8_to(x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), x.dtype)
@@ -94,9 +102,11 @@ def _blocks(x: torch.Tensor, block: int):
     if pad: x = F.pad(x, (0, pad))
     return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
 
+# %% ../nbs/02_emulate.ipynb #ccb3eca9
 def _unblock(xb: torch.Tensor, k: int) -> torch.Tensor:
     return xb.reshape(*xb.shape[:-2], -1)[..., :k]
 
+# %% ../nbs/02_emulate.ipynb #b9d88aa8
 def _e2m1_round_(x: torch.Tensor) -> torch.Tensor:
     "`e2m1_round`, in place on the fp32 tensor `x`."
     # The e2m1 grid step is 0.5 below 2, 1 in [2, 4) and 2 from 4: 2**(e - 1) with e the exponent of |x| floored at 0.
@@ -106,6 +116,7 @@ def _e2m1_round_(x: torch.Tensor) -> torch.Tensor:
     m = (x.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=1.0).mul_(1.5 * 2.0 ** 22)
     return x.add_(m).sub_(m)
 
+# %% ../nbs/02_emulate.ipynb #0b4d9cf0
 def e2m1_round(x: torch.Tensor) -> torch.Tensor:
     "Round `x` to the nearest fp4 e2m1 value (0, .5, 1, 1.5, 2, 3, 4, 6 and negatives) in fp32, ties to even, saturating at 6."
     return _e2m1_round_(_fp32(x))
@@ -132,12 +143,14 @@ def _mx_codes(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil'):
         v.div_(torch.exp2(e - 127).clamp(min=2.0 ** -126))
     return v.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
 
+# %% ../nbs/02_emulate.ipynb #353701cf
 def mxfp8(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil') -> torch.Tensor:
     "Fake-quant `x` to MXFP8: e4m3 values in blocks of `block` along K sharing a power-of-two (e8m0) scale."
     q, e = _mx_codes(x, block, scaling)
     # MXTensor.dequantize (to_dtype): the e4m3 value times the power of two, both exact in bf16, multiplied in bf16
     return _unblock(fp8_to(q, x.dtype).mul_(torch.exp2(e - 127).to(x.dtype)), x.shape[-1])
 
+# %% ../nbs/02_emulate.ipynb #fa028f78
 @functools.cache
 def torchao_mx_scaling() -> str:
     "The MX scale rule of the lab's mxfp8 config in the installed torchao ('rceil' in 0.18), which the emulation follows."
@@ -158,6 +171,7 @@ def _nvfp4_codes(x: torch.Tensor, block: int = NVFP4_BLOCK):
     q = _e2m1_round_(xb.mul_(((1.0 / per_tensor) / s8).unsqueeze(-1)))
     return q, s8, per_tensor
 
+# %% ../nbs/02_emulate.ipynb #4ac5e3d2
 def nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
     "Fake-quant `x` to NVFP4: e2m1 values in blocks of 16 along K with e4m3 block scales and an fp32 per-tensor scale."
     q, s8, per_tensor = _nvfp4_codes(x, block)
@@ -181,6 +195,7 @@ class Emulation:
 
 EMULATIONS: dict[str, Emulation] = {}
 
+# %% ../nbs/02_emulate.ipynb #ddee6a0f
 def register_emulation(scheme: str, **recipe):
     "Register the decorated `forward(module, x)` as the emulation of registered `scheme`, with its `Emulation` fields."
     s = get_scheme(scheme)
@@ -189,6 +204,7 @@ def register_emulation(scheme: str, **recipe):
         return forward
     return decorate
 
+# %% ../nbs/02_emulate.ipynb #986d7e9f
 def get_emulation(scheme) -> Emulation:
     "The registered emulation of `scheme` (a record or a name)."
     s = get_scheme(scheme)
@@ -196,6 +212,7 @@ def get_emulation(scheme) -> Emulation:
         raise ValueError(f'no emulation registered for {scheme!r}; registered: {", ".join(EMULATIONS)}')
     return EMULATIONS[s.name]
 
+# %% ../nbs/02_emulate.ipynb #85ad8534
 def recipes_table() -> pd.DataFrame:
     "The activation and weight recipe of every emulated scheme and the torchao code it mirrors."
     return pd.DataFrame([dict(scheme=e.scheme, activation=e.activation, weight=e.weight, mirrors=e.mirrors,
@@ -259,6 +276,7 @@ class EmulatedLinear(FakeQuantLinear):
         return (f'in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, '
                 f'scheme={self.scheme.name!r}, granularity={self.granularity!r}')
 
+# %% ../nbs/02_emulate.ipynb #2c11aed2
 def emulate_linears(module: nn.Module, scheme, fqns) -> None:
     "Swap the Linears `fqns` of `module` for `EmulatedLinear`s of `scheme`, in their parents."
     if '' in fqns: raise ValueError("emulation swaps modules in their parent: pass the Linear's parent, "
@@ -272,6 +290,7 @@ def emulate_linears(module: nn.Module, scheme, fqns) -> None:
 def _gate_passes(scheme: Scheme, device: torch.device) -> bool:
     return scheme.gate.passes(torch.cuda.get_device_capability(device) if device.type == 'cuda' else None)
 
+# %% ../nbs/02_emulate.ipynb #ba335a94
 def _torchao_quantized(config_fn, context=contextlib.nullcontext):
     "build(linear): a deep copy of `linear` quantised by torchao's `quantize_` with `config_fn()`."
     def build(linear):
@@ -281,6 +300,7 @@ def _torchao_quantized(config_fn, context=contextlib.nullcontext):
         return lin
     return build
 
+# %% ../nbs/02_emulate.ipynb #47b303cc
 def real_or(fallback=None):
     "A reference: torchao's `quantize_` where the scheme's gate passes on the device, else `fallback(device)`."
     def reference(scheme: Scheme, device: torch.device):
@@ -288,11 +308,13 @@ def real_or(fallback=None):
         return fallback(scheme, device) if fallback else None
     return reference
 
+# %% ../nbs/02_emulate.ipynb #ef6a6e06
 def reference_for(scheme, device=None):
     "(kind, build) of the real path `scheme`'s emulation is checked against on `device`; None when nothing runs there."
     emu, device = get_emulation(scheme), resolve_device(device)
     return emu.reference(get_scheme(scheme), device)
 
+# %% ../nbs/02_emulate.ipynb #1dc5339b
 def reference_kind(scheme, device=None) -> str | None:
     "What `agreement_table` compares `scheme`'s emulation with on `device` (None: no real path there)."
     ref = reference_for(scheme, device)
@@ -303,23 +325,28 @@ def _w(m, x):
     "The stored weight in the input's dtype (a module built in bf16 can serve fp32 or fp16 inputs)."
     return m.qweight if m.qweight.dtype == x.dtype else m.qweight.to(x.dtype)
 
+# %% ../nbs/02_emulate.ipynb #a6d52194
 def _b(m, x):
     "The bias in the input's dtype, or None."
     return m.bias if m.bias is None or m.bias.dtype == x.dtype else m.bias.to(x.dtype)
 
+# %% ../nbs/02_emulate.ipynb #b6a7952e
 def _codes_mm(m, xq):
     "codes @ codes^T in the matmul dtype (the compute dtype unless `mm_dtype` is set)."
     dt = m.mm_dtype or xq.dtype
     return torch.mm(xq.to(dt), _w(m, xq).to(dt).t())
 
+# %% ../nbs/02_emulate.ipynb #99592c3f
 def _act_unit(m, x, unit) -> float:
     "Scale the activation codes by a power of two only where the matmul runs in fp16 (bf16 and fp32 cannot overflow)."
     return unit if (m.mm_dtype or x.dtype) == torch.float16 else 1.0
 
+# %% ../nbs/02_emulate.ipynb #713da656
 def _int8_weight(w, rowwise):
     q, scale = _int8_codes(w, rowwise)
     return _factored(q, scale, _UNIT['int8'], w.dtype)
 
+# %% ../nbs/02_emulate.ipynb #c7055a0e
 @register_emulation('int8', activation='int8 per token, symmetric', weight='int8 per output channel, symmetric',
                     mirrors='Int8DynamicActivationInt8WeightConfig: Int8Tensor.from_hp + int_scaled_matmul',
                     quantize_weight=_int8_weight, reference=real_or(), ulps=4, granularities=GRANULARITIES)
@@ -333,6 +360,7 @@ def _fwd_int8(m, x):
     if m.bias is not None: y.add_(m.bias.float())
     return y.to(x.dtype)
 
+# %% ../nbs/02_emulate.ipynb #dfaa1a5a
 @register_emulation('int8wo', activation='bf16', weight='int8 per output channel, symmetric',
                     mirrors='Int8WeightOnlyConfig: Int8Tensor linear, weight-only branch',
                     quantize_weight=_int8_weight, reference=real_or(), granularities=GRANULARITIES)
@@ -346,11 +374,13 @@ def _fp8_weight(w, rowwise):
     q, scale = _fp8_codes(w, rowwise)
     return _factored(fp8_to(q, torch.float32), scale, _UNIT['fp8'], w.dtype)
 
+# %% ../nbs/02_emulate.ipynb #2e0b7c2e
 def _fp8_on_cpu(scheme, device):
     "CPU `torch._scaled_mm` runs fp8 per-row: torchao's path with its sm_89 gate lifted (never on CUDA)."
     if device.type != 'cpu': return None
     return 'torchao quantize_ (CPU _scaled_mm, gate bypassed)', _torchao_quantized(scheme.make_config, fp8_gate_bypassed)
 
+# %% ../nbs/02_emulate.ipynb #f6a0c8b6
 @register_emulation('fp8', activation='fp8 e4m3 per token, amax/448 floored at 1e-12',
                     weight='fp8 e4m3 per output channel, amax/448',
                     mirrors='Float8DynamicActivationFloat8WeightConfig(PerRow): Float8Tensor.from_hp + _scaled_mm',
@@ -365,6 +395,7 @@ def _fwd_fp8(m, x):
     if m.bias is not None: y.add_(m.bias.float())
     return y.to(x.dtype)
 
+# %% ../nbs/02_emulate.ipynb #1c87a83d
 @register_emulation('fp8wo', activation='bf16', weight='fp8 e4m3 per output channel, amax/448',
                     mirrors='Float8WeightOnlyConfig: Float8Tensor.dequantize + matmul',
                     quantize_weight=lambda w, rowwise: ((fp8_rowwise if rowwise else fp8_tensorwise)(w), None),
@@ -374,11 +405,13 @@ def _fwd_dequant_matmul(m, x):
     y = torch.matmul(x, _w(m, x).t())
     return y + _b(m, x) if m.bias is not None else y
 
+# %% ../nbs/02_emulate.ipynb #0ba1bebe
 def _fwd_linear(m, x):
     "F.linear with the dequantised weight: NVFP4 weight-only, diffusers layerwise casting."
     w, b = m.qweight, m.bias  # read once each: a module attribute lookup costs as much as a small op here
     return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b if b is None or b.dtype == x.dtype else b.to(x.dtype))
 
+# %% ../nbs/02_emulate.ipynb #7c5c18e3
 def _layerwise_reference(scheme, device):
     def build(linear):
         from diffusers.hooks import apply_layerwise_casting
@@ -400,6 +433,7 @@ class NVFP4ScaleWarning(RuntimeWarning):
 
 NVFP4_STARVED = E4M3_TINY / E4M3_MAX  # a row this much below the tensor's amax gets block scales at e4m3's floor
 
+# %% ../nbs/02_emulate.ipynb #8225d6b2
 def nvfp4_scale_hazard(x: torch.Tensor) -> dict:
     "What NVFP4's one per-tensor scale does to the rows (tokens) of `x`: a NaN/inf spreads to all; rows `NVFP4_STARVED` below the largest lose their precision."
     a = x.detach().abs().reshape(-1, x.shape[-1]).amax(-1).float()
@@ -410,6 +444,7 @@ def nvfp4_scale_hazard(x: torch.Tensor) -> dict:
     ratio = (a.max() / a[live].median()).item() if n_live else 1.0
     return dict(rows=a.numel(), nonfinite=False, starved=starved, ratio=ratio)
 
+# %% ../nbs/02_emulate.ipynb #f5e949df
 def _nvfp4_guard(x: torch.Tensor, what: str = 'activation'):
     "Warn (`NVFP4ScaleWarning`) when NVFP4's per-tensor scale spoils other rows of `x`: the kernel does the same, silently."
     if torch.compiler.is_compiling(): return  # no host syncs inside a compiled region
@@ -422,6 +457,7 @@ def _nvfp4_guard(x: torch.Tensor, what: str = 'activation'):
                       f"(max/median amax {h['ratio']:.3g}): the per-tensor scale floors their block scales and they lose "
                       'their precision', NVFP4ScaleWarning, stacklevel=3)
 
+# %% ../nbs/02_emulate.ipynb #49a64d62
 def _nvfp4_weight(w: torch.Tensor, rowwise: bool = True):
     "The NVFP4 fake-quantised weight (no separate scale), after the same guard as the activations."
     _nvfp4_guard(w, 'weight')
@@ -433,6 +469,7 @@ def _nvfp4_torchao_dequant(t: torch.Tensor) -> torch.Tensor:
     scale = per_tensor_amax_to_scale(torch.max(torch.abs(t)))
     return NVFP4Tensor.to_nvfp4(t.contiguous(), per_tensor_scale=scale).dequantize(t.dtype)
 
+# %% ../nbs/02_emulate.ipynb #fd05cadf
 def _nvfp4_tensor_roundtrip(scheme, device):
     "torchao's NVFP4Tensor quantise + dequantise on both operands, then a matmul: no fp4 GEMM needed."
     def build(linear):
@@ -440,10 +477,12 @@ def _nvfp4_tensor_roundtrip(scheme, device):
         return lambda x: F.linear(_nvfp4_torchao_dequant(x.reshape(-1, x.shape[-1])), w, b).reshape(*x.shape[:-1], -1)
     return 'torchao NVFP4Tensor quantise + dequantise', build
 
+# %% ../nbs/02_emulate.ipynb #fbf5f8c4
 def _nvfp4_2d(scheme, device):
     "torchao's NVFP4 weight-only `quantize_`, fed 2-D inputs (it fails on 3-D non-contiguous ones on 0.18)."
     return 'torchao quantize_', _torchao_quantized(scheme.make_config)
 
+# %% ../nbs/02_emulate.ipynb #59c3c28b
 @register_emulation('nvfp4', activation='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale',
                     weight='NVFP4 (same)', mirrors='NVFP4DynamicActivationNVFP4WeightConfig: nvfp4_quantize',
                     quantize_weight=_nvfp4_weight, reference=real_or(_nvfp4_tensor_roundtrip), needs_2d=False)
@@ -456,6 +495,7 @@ register_emulation('nvfp4wo', activation='bf16', weight='NVFP4: e2m1, blocks of 
                    mirrors='NVFP4WeightOnlyConfig: NVFP4Tensor.dequantize + linear',
                    quantize_weight=_nvfp4_weight, reference=real_or(_nvfp4_2d), needs_2d=False)(_fwd_linear)
 
+# %% ../nbs/02_emulate.ipynb #cf1d1584
 def _mx_emulated_kernel(scheme, device):
     "torchao's own MX path with `KernelPreference.EMULATED`: runs wherever torch does."
     def config():
@@ -463,6 +503,7 @@ def _mx_emulated_kernel(scheme, device):
         return dataclasses.replace(scheme.make_config(), kernel_preference=KernelPreference.EMULATED)
     return 'torchao quantize_ (KernelPreference.EMULATED)', _torchao_quantized(config)
 
+# %% ../nbs/02_emulate.ipynb #c178d1b2
 @register_emulation('mxfp8', activation='MXFP8: e4m3, blocks of 32, e8m0 scale (torchao_mx_scaling(): RCEIL)',
                     weight='MXFP8 (same)', mirrors='MXDynamicActivationMXWeightConfig: to_mx + _addmm_mx_dispatch',
                     quantize_weight=lambda w, rowwise: (mxfp8(w, scaling=torchao_mx_scaling()), None),
@@ -483,6 +524,7 @@ def int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
     q = ((g - (zero - scale * 8.0)) / scale).round().clamp(0, 15)
     return _unblock((q - 8.0).to(w.dtype) * scale + zero, w.shape[-1])
 
+# %% ../nbs/02_emulate.ipynb #0a6e8b83
 def _int4_tinygemm_primitives(scheme, device):
     "torchao's tinygemm quantise + dequantise primitives on the weight, then a bf16 matmul: where no int4 kernel runs."
     def build(linear):
@@ -511,11 +553,13 @@ def _ulp(v: float, dtype=torch.bfloat16) -> float:
     "The spacing of `dtype` at magnitude `v`."
     return 2.0 ** math.floor(math.log2(max(v, torch.finfo(dtype).tiny))) * torch.finfo(dtype).eps
 
+# %% ../nbs/02_emulate.ipynb #77cbfd1e
 def compare_outputs(y: torch.Tensor, ref: torch.Tensor) -> dict:
     "`core.fidelity` plus the error in bf16 ulps at the reference's largest magnitude and bit-exactness."
     f = fidelity(y, ref)
     return dict(f, ulps=f['max_abs'] / _ulp(ref.double().abs().max().item(), ref.dtype), bit_exact=torch.equal(y, ref))
 
+# %% ../nbs/02_emulate.ipynb #58d41cf1
 def agreement_tolerance(scheme, device=None) -> tuple[float, float]:
     "(min cosine, max ulps) the emulation of `scheme` must meet against its reference on `device`."
     ulps = get_emulation(scheme).ulps
@@ -547,6 +591,7 @@ def agreement_table(device=None, schemes=None, shapes=AGREEMENT_SHAPES, seed: in
                              ok=r['finite'] and r['cosine'] >= min_cos and r['ulps'] <= max_ulps))
     return pd.DataFrame(rows)
 
+# %% ../nbs/02_emulate.ipynb #788f0b60
 def record_agreement(root=None, device=None, schemes=None) -> pd.DataFrame:
     "Measure `agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
     table = agreement_table(device, schemes)
@@ -567,6 +612,7 @@ def make_activations(kind: str, M: int, K: int, generator: torch.Generator | Non
     if kind == 'zero_rows': x[::4] = 0
     return x
 
+# %% ../nbs/02_emulate.ipynb #8bc6c691
 def numerics_table(device=None, schemes=None, shape=(256, 1024, 1024), per_tensor: bool = True,
                    seed: int = 0) -> pd.DataFrame:
     "Relative error and cosine of each scheme's emulated Linear output vs bf16, per activation distribution."
@@ -593,6 +639,7 @@ def numerics_table(device=None, schemes=None, shape=(256, 1024, 1024), per_tenso
                              rel_err=f['rel_err'], cosine=f['cosine'], finite=f['finite']))
     return pd.DataFrame(rows)
 
+# %% ../nbs/02_emulate.ipynb #30ce9e46
 def record_numerics(root=None, device=None, schemes=None) -> pd.DataFrame:
     "Measure `numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
     table = numerics_table(device, schemes)

@@ -46,6 +46,7 @@ def _depths(fqns) -> dict[str, int]:
         if m := _BLOCK.fullmatch(f): out[m[1]] = max(out.get(m[1], 0), int(m[2]) + 1)
     return out
 
+# %% ../nbs/10a_export.ipynb #a9e9d601
 def counterpart(fqn: str, measured: dict[str, int], real: dict[str, int]) -> str:
     "The measured model's Linear in the same role and at the same relative depth as the real model's `fqn`."
     m = _BLOCK.fullmatch(fqn)
@@ -58,6 +59,7 @@ def _filter(module: nn.Module, component: str, scheme: str, min_features: int):
     "The lab's rules for `scheme` on a real component: the denoiser's tiny-M skips, or the encoder's width floor."
     return transformer_filter(module, scheme, min_features) if component in DENOISER_ATTRS else make_filter_fn(min_features=min_features)
 
+# %% ../nbs/10a_export.ipynb #7e6578dd
 def _expand_component(p: ComponentPlan, module: nn.Module, component: str, min_features: int) -> ComponentPlan:
     "`p`, measured on a small model, onto `module`'s Linears by role and relative depth; under the real model's rules."
     shapes = {f: (m.in_features, m.out_features) for f, m in module.named_modules() if isinstance(m, nn.Linear)}
@@ -134,6 +136,7 @@ def file_digests(folder: Path) -> dict[str, str]:
             out[p.relative_to(folder).as_posix()] = h.hexdigest()
     return out
 
+# %% ../nbs/10a_export.ipynb #29dbbefc
 def digest_difference(folder: Path, want: dict) -> tuple[str, str] | None:
     "The first file where `folder` differs from the digests `want`: ('missing' | 'added' | 'changed', name), or None."
     have = file_digests(folder)
@@ -146,6 +149,7 @@ def digest_difference(folder: Path, want: dict) -> tuple[str, str] | None:
 # %% ../nbs/10a_export.ipynb #b6c53e19
 def _dtype(m) -> str: return str(next(m.parameters()).dtype).removeprefix('torch.')
 
+# %% ../nbs/10a_export.ipynb #c23d345f
 def _write_saved(pipe, plan: QuantPlan, folder: Path):
     "Write the pipeline into the empty `folder`: library formats for dense components, state dicts for quantised ones."
     pipe.save_config(folder)  # model_index.json: which library and class each component is
@@ -169,6 +173,7 @@ def _out_of_space(e: BaseException, folder: Path) -> bool:
     if isinstance(e, OSError) and e.errno == errno.ENOSPC: return True
     return isinstance(e, (OSError, RuntimeError)) and shutil.disk_usage(folder).free < 16 * 2**20
 
+# %% ../nbs/10a_export.ipynb #ec342a89
 def save_quantized(pipe, # a pipeline quantised in place by `apply_plan`
                    path, # a new (or empty) folder to create
                    plan: QuantPlan, # the plan `apply_plan` returned for `pipe`
@@ -196,6 +201,7 @@ def save_quantized(pipe, # a pipeline quantised in place by `apply_plan`
 class DamagedFolder(ValueError):
     "A saved folder that is not as `save_quantized` wrote it: the message names the file."
 
+# %% ../nbs/10a_export.ipynb #a902f477
 def _read_json(path: Path) -> dict:
     "The JSON object in `path`, or a one-line DamagedFolder naming the file."
     try: d = json.loads(path.read_text(encoding='utf-8'))
@@ -213,6 +219,7 @@ def _allowed_bases() -> tuple[type, ...]:
     return (diffusers.ConfigMixin, transformers.PreTrainedModel, transformers.PreTrainedTokenizerBase,
             transformers.ProcessorMixin, transformers.ImageProcessingMixin, transformers.FeatureExtractionMixin)
 
+# %% ../nbs/10a_export.ipynb #cdb0ec81
 def allowed_class(library, cls_name, where: str = 'model_index.json') -> type:
     "The class `library.cls_name`, only when the library is allow-listed and the class is a model, scheduler or tokenizer."
     if library not in ALLOWED_LIBRARIES:

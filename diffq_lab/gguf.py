@@ -23,6 +23,7 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
     a = x.abs(); f = a.floor()
     return torch.sign(x) * (f + (2 * (a - f)).floor())
 
+# %% ../nbs/10_gguf.ipynb #3235607a
 def gguf_blocks(w: torch.Tensor, qtype: str = 'Q8_0') -> np.ndarray:
     "The GGUF `qtype` bytes of 2-D `w` (rows x K, K a multiple of 32): uint8 array rows x (K/32 * block bytes), as gguf-py writes."
     if qtype not in GGUF_TYPES: raise ValueError(f'unknown GGUF type {qtype!r}; choose one of {list(GGUF_TYPES)}')
@@ -43,6 +44,7 @@ def gguf_blocks(w: torch.Tensor, qtype: str = 'Q8_0') -> np.ndarray:
         out = torch.cat([d.half().view(torch.uint8), qs], dim=1)
     return out.reshape(n, -1).cpu().numpy()
 
+# %% ../nbs/10_gguf.ipynb #6d7f925e
 def write_gguf(transformer: nn.Module, path, qtype: str = 'Q8_0') -> Path:
     "Write `transformer`'s state dict to a .gguf file diffusers' `from_single_file` loads: Linear weights as `qtype`, the rest F32."
     import gguf
@@ -60,6 +62,7 @@ def write_gguf(transformer: nn.Module, path, qtype: str = 'Q8_0') -> Path:
     w.write_header_to_file(); w.write_kv_data_to_file(); w.write_tensors_to_file(); w.close()
     return path
 
+# %% ../nbs/10_gguf.ipynb #b7a9e011
 def load_gguf_transformer(path, like: nn.Module, dtype=torch.bfloat16, device=None) -> nn.Module:
     "Load the GGUF file `path` through diffusers (`GGUFQuantizationConfig`, `from_single_file`) as a model of `like`'s class and config."
     from diffusers import GGUFQuantizationConfig

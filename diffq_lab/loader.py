@@ -28,13 +28,16 @@ __all__ = ['log', 'LoadReport', 'engaged', 'load_pipeline_quantized']
 class _ForwardFailed(RuntimeError):
     "The validation render of a quantised transformer failed (the kernel, not the quantisation pass)."
 
+# %% ../nbs/10b_loader.ipynb #6242a076
 def _describe(e: BaseException, limit: int = 300) -> str:
     msg = ' '.join(str(e).split())
     return f'{type(e).__name__}: {msg[:limit]}{"..." if len(msg) > limit else ""}'
 
+# %% ../nbs/10b_loader.ipynb #cec2ac7b
 def _device_bytes(device) -> int | None:
     return torch.cuda.memory_allocated(device) if device.type == 'cuda' else None
 
+# %% ../nbs/10b_loader.ipynb #2959f2d7
 def _gguf_paths(gguf, dens: dict) -> dict:
     if gguf is None: return {}
     paths = gguf if isinstance(gguf, dict) else {next(iter(dens)): gguf}
@@ -130,6 +133,7 @@ def _validate(pipe, report: LoadReport, device):
     except Exception as e: raise _ForwardFailed(_describe(e)) from e
     if device.type == 'cuda': report.mem_gen_peak_bytes = torch.cuda.max_memory_allocated(device)
 
+# %% ../nbs/10b_loader.ipynb #55151faf
 def _quantize_all(pipe, dens, s, backend, policy, device, report, offload=False, encoders=None) -> QuantPlan:
     "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validation render inside."
     mf = policy.features(tiny=False)  # the loader's models are real unless the policy says otherwise
@@ -163,6 +167,7 @@ class _Fallback:
         self.report.fallback_reason = reason
         log.warning('%s transformer: %s; falling back to %s', self.report.family, reason, 'GGUF' if self.ggufs else 'dense')
 
+# %% ../nbs/10b_loader.ipynb #306e0888
 def _plan_encoders(pipe, te_quant, fam, policy: QuantPolicy, device) -> tuple[QuantPlan | None, str]:
     "The encoders' plan under the family's rules, or (the seed's default) none with the reason: the default path never regresses."
     if te_quant is None: return None, ''
@@ -185,6 +190,7 @@ def _transformer_scheme(requested, device, policy: QuantPolicy, fall_back) -> st
     if s is None: fall_back(f'auto: no quantised scheme runs on {device_name(device)}')
     return s
 
+# %% ../nbs/10b_loader.ipynb #c215bdcf
 def _fits(pipe, s, device, policy, report, ggufs, fall_back) -> tuple[str | None, str | None, str]:
     "The memory preflight for `s`: (scheme or None, decision, a note on offload), with the fallback noted."
     mem = plan_memory(pipe, s, device, free_bytes=policy.free_bytes, min_features=policy.features(tiny=False),

@@ -41,12 +41,14 @@ def linear_bytes(in_features: int, out_features: int, scheme=None, bias: bool = 
     bias_bytes = b if s.bias_bytes is None else (n * s.bias_bytes if bias else 0)  # layerwise casting stores the bias in fp8 too
     return int(s.weight_bytes(k, n)) + bias_bytes  # the registry record knows its storage
 
+# %% ../nbs/09_memory.ipynb #67aa83be
 def _gguf_quantizable(transformer: nn.Module) -> set[str]:
     "Names of the Linear weights a GGUF file quantises: K a multiple of 32, outside the model's `_keep_in_fp32_modules`."
     keep = set(getattr(transformer, '_keep_in_fp32_modules', None) or ())  # diffusers dequantises those on load
     return {f'{f}.weight' for f, m in transformer.named_modules()
             if isinstance(m, nn.Linear) and m.in_features % 32 == 0 and not keep & set(f.split('.'))}
 
+# %% ../nbs/09_memory.ipynb #ee1be7e9
 def tensor_bytes(t: torch.Tensor) -> int:
     "Bytes held by `t`, summing the inner tensors of a tensor subclass (torchao, GGUF) that flattens itself."
     if hasattr(type(t), '__tensor_flatten__') and type(t) not in (torch.Tensor, nn.Parameter):
@@ -54,6 +56,7 @@ def tensor_bytes(t: torch.Tensor) -> int:
         return sum(tensor_bytes(getattr(t, n)) for n in names if getattr(t, n) is not None)
     return t.numel() * t.element_size()
 
+# %% ../nbs/09_memory.ipynb #8dc1fadf
 def module_bytes(module: nn.Module) -> int:
     "Bytes of the parameters and buffers of `module` (each tensor once), tensor subclasses included."
     seen, total = set(), 0
@@ -71,6 +74,7 @@ def _build(library: str, cls_name: str, cfg: dict) -> nn.Module:
     cls = getattr(transformers, cls_name)
     return cls(cls.config_class(**cfg))
 
+# %% ../nbs/09_memory.ipynb #dbfca2fb
 def _real_dims_specs(family) -> dict:
     "pipeline attribute -> (library, class, config) or tokenizer flavour, of `family` at real dims (the registry's facts)."
     fam = get_family(family)
@@ -79,6 +83,7 @@ def _real_dims_specs(family) -> dict:
         raise ValueError(f'no real-dims configs for {fam.name!r}; families with them: {", ".join(have)}')
     return dict(transformer=('diffusers', fam.denoiser, fam.denoiser_dims), **fam.real_dims)
 
+# %% ../nbs/09_memory.ipynb #38b1eec7
 def real_dims_components(family, device='meta', dtype=torch.bfloat16) -> dict[str, nn.Module]:
     "The modules of `family`'s pipeline at real dimensions with random weights, built on `device` ('meta': no memory)."
     specs = _real_dims_specs(family)
@@ -94,6 +99,7 @@ def real_dims_components(family, device='meta', dtype=torch.bfloat16) -> dict[st
             with torch.no_grad(): getattr(tr, name).normal_(std=0.02)
     return out
 
+# %% ../nbs/09_memory.ipynb #8ac3ce90
 def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0):
     "A `family` pipeline at real dimensions with random weights on `device` (the committed BPE tokenizer): for speed and memory, not images."
     import diffusers
@@ -119,6 +125,7 @@ def get_model(model) -> Family:
         raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
     return fam
 
+# %% ../nbs/09_memory.ipynb #4a61c40b
 def meta_transformer(model) -> nn.Module:
     "The real-dimension transformer of `model`, built on the meta device (no memory) and cast as a bf16 load would."
     import diffusers
@@ -126,6 +133,7 @@ def meta_transformer(model) -> nn.Module:
     with torch.device('meta'): tr = getattr(diffusers, m.denoiser)(**m.denoiser_dims)
     return cast_as_loaded(tr.eval(), torch.bfloat16)
 
+# %% ../nbs/09_memory.ipynb #9725c3af
 def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
     "The token grid (frames, height, width) of `model` at a square `size` px (and `frames` for video models)."
     m = get_model(model)
@@ -183,8 +191,10 @@ def _flat(x) -> list:
     if isinstance(x, dict): return [t for v in x.values() for t in _flat(v)]
     return []
 
+# %% ../nbs/09_memory.ipynb #54bd1522
 def _nbytes(t) -> int: return t.numel() * t.element_size()
 
+# %% ../nbs/09_memory.ipynb #f3052e3b
 def _op_flops(name, args, out) -> float:
     "FLOPs of a matmul or convolution aten op (0 for the rest)."
     if name in ('mm', 'addmm', '_int_mm', '_scaled_mm'):
@@ -237,6 +247,7 @@ class _KernelCount(TorchDispatchMode):
         self.record(kind, name, _flat(args) + _flat(kwargs or {}), outs, flops)
         return out
 
+# %% ../nbs/09_memory.ipynb #15cf04cb
 class _FlashAttention(TorchFunctionMode):
     "scaled_dot_product_attention as one flash-style kernel: an empty output of its shape, FLOPs and bytes recorded."
     def __init__(self, counter): super().__init__(); self.counter = counter
@@ -269,6 +280,7 @@ class OpTrace:
     @property
     def eager_kernels(self) -> int: return len(self.ops)
 
+# %% ../nbs/09_memory.ipynb #6dfd0660
 def trace_ops(fn) -> OpTrace:
     "Run `fn()` (a forward on meta-device modules and inputs) and count its kernels, bytes, FLOPs and activation peak."
     counter = _KernelCount()
@@ -287,6 +299,7 @@ def _meta_parts(family) -> dict:
     m = get_model(family)
     return real_dims_components(m.name, 'meta') if m.real_dims else {'transformer': meta_transformer(m.name)}
 
+# %% ../nbs/09_memory.ipynb #f3e5bbb7
 def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
     "The trace of one text encoder over `tokens` token ids (its language model alone when the wrapper needs images)."
     ids = torch.zeros(batch, tokens, dtype=torch.long, device='meta')
@@ -296,6 +309,7 @@ def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
         except Exception: continue  # noqa: BLE001 -- a multimodal wrapper that needs image inputs: try its text model
     raise ValueError(f'cannot trace the text encoder {type(m).__name__} on token ids')
 
+# %% ../nbs/09_memory.ipynb #e2131e9c
 def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
     c = vae.config
     ch = getattr(c, 'latent_channels', None) or getattr(c, 'z_dim', None)
@@ -305,6 +319,7 @@ def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
         torch.empty(batch, ch, h, h, device='meta', dtype=torch.bfloat16)
     return trace_ops(lambda: vae.decode(z))
 
+# %% ../nbs/09_memory.ipynb #734cd007
 @functools.lru_cache(maxsize=64)
 def pipeline_trace(family, size: int = 1024, batch: int = 1, frames=None, text_tokens=None) -> dict[str, OpTrace]:
     "Traces of the text encoders (one prompt), one denoiser forward and one VAE decode of `family` at `size` px."
@@ -329,6 +344,7 @@ def _selective(fqn, K, N) -> bool:
     "torchao's FLUX recipe: skip embedders, norm_out, proj_out, single-block norm.linear and Linears under 1024."
     return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
 
+# %% ../nbs/09_memory.ipynb #bbca76f5
 @functools.lru_cache(maxsize=64)
 def quantised_linears(family, scheme, rules: str = 'lab', min_features: int = 512) -> frozenset:
     "Names of `family`'s denoiser Linears that take `scheme` under `rules` ('lab': the lab's plan at `min_features`)."
@@ -373,6 +389,7 @@ class MemoryEstimate:
                  ('peak', self.peak_bytes)]
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
 
+# %% ../nbs/09_memory.ipynb #1ada14e0
 def pipeline_memory(family, scheme=None, size: int = 1024, batch: int = 1, frames=None, text_tokens=None,
                     min_features: int = 512, load: str = 'after-load', rules: str = 'lab') -> MemoryEstimate:
     "Predicted resident and peak memory of `family`'s pipeline, transformer in `scheme`, `batch` images of `size` px."
@@ -410,6 +427,7 @@ def free_memory(device=None) -> int:
     except OSError: pass
     return os.sysconf('SC_AVPHYS_PAGES') * os.sysconf('SC_PAGE_SIZE')
 
+# %% ../nbs/09_memory.ipynb #ef9e4ac0
 @dataclass
 class MemoryPlan:
     "Resident bytes of a pipeline's parts, dense and quantised, against the free memory of a device, and the decision."
@@ -447,8 +465,10 @@ class MemoryPlan:
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
     def __repr__(self): return f'MemoryPlan({self.summary()})'
 
+# %% ../nbs/09_memory.ipynb #0efcb099
 def _gib(b) -> str: return f'{b / 2**30:.2f} GiB' if b >= 2**30 else f'{b / 2**20:.2f} MiB'
 
+# %% ../nbs/09_memory.ipynb #24819b51
 def _decide(p: MemoryPlan, gguf: bool) -> tuple[str, str]:
     B, rest = p.budget, p.rest_bytes
     have = f'budget {_gib(B)} ({_gib(p.free_bytes)} free, {p.reserve:.0%} reserved)'
@@ -485,6 +505,7 @@ def _meta_from_folder(source: str, dtype=torch.bfloat16) -> dict[str, nn.Module]
             with torch.device('meta'): out[attr] = cls._from_config(cfg)
     return {a: cast_as_loaded(m, dtype) for a, m in out.items()}
 
+# %% ../nbs/09_memory.ipynb #19bd2a28
 def _components(target, dtype=torch.bfloat16) -> tuple[str | None, dict[str, nn.Module]]:
     "(family, modules by pipeline attribute) of a pipeline, a family with real-dims configs, or a pipeline folder."
     if hasattr(target, 'components'):
@@ -499,6 +520,7 @@ def _components(target, dtype=torch.bfloat16) -> tuple[str | None, dict[str, nn.
         get_family(target)  # raises the ValueError naming the known families
     return None, _meta_from_folder(str(target), dtype)
 
+# %% ../nbs/09_memory.ipynb #919bab1c
 def plan_memory(target, scheme=None, device=None, *, free_bytes: int | None = None, min_features: int = 512,
                 gguf_type: str = 'Q8_0', gguf: bool = True, reserve: float = 0.1, dtype=torch.bfloat16,
                 size: int | None = None, batch: int = 1) -> MemoryPlan:

@@ -217,6 +217,7 @@ assert all(len({f.tiny_m for f in _FAMILY_LIST if f.denoiser == d}) == 1 for d i
 # %% ../nbs/05_pipelines.ipynb #85541af4
 def _key(name) -> str: return re.sub(r'[\s_]+', '-', str(name).strip().lower())
 
+# %% ../nbs/05_pipelines.ipynb #79a54822
 def get_family(name) -> Family:
     "The `Family` called `name` (case, '_' and aliases such as 'flux.1' or 'wan' are normalised); a `Family` passes through."
     if isinstance(name, Family): return name
@@ -249,10 +250,12 @@ def _disambiguate(pipe, cls_name: str) -> str | None:
     if cls_name == 'WanPipeline': return 'wan2.2-t2v-a14b' if getattr(pipe, 'transformer_2', None) is not None else 'wan2.1'
     return None
 
+# %% ../nbs/05_pipelines.ipynb #587aacc6
 def families_for_class(cls_name: str) -> list[str]:
     "The families whose pipeline class is `cls_name` (several when they share one, e.g. FLUX.1 dev and schnell)."
     return [f.name for f in FAMILIES.values() if f.pipeline == cls_name]
 
+# %% ../nbs/05_pipelines.ipynb #78783813
 def family_of(pipe) -> str:
     "The family of `pipe`: as tagged by the loader, else from the hub repo it came from, else from its class and structure."
     tagged = getattr(pipe, '_diffq_family', None)
@@ -269,6 +272,7 @@ def family_of(pipe) -> str:
 
 _ENCODER_ATTR = re.compile(r'text_encoder(_\d+)?')
 
+# %% ../nbs/05_pipelines.ipynb #cdbeaeff
 def text_encoders(pipe) -> dict:
     "The text encoders present in `pipe`, attribute name -> module, in attribute order (missing or None ones left out)."
     names = sorted((n for n in getattr(pipe, 'components', {}) if _ENCODER_ATTR.fullmatch(n)), key=lambda n: (len(n), n))
@@ -325,10 +329,12 @@ MISTRAL_CHAT_TEMPLATE = (  # Mistral-Small-style: <s>[SYSTEM_PROMPT]..[/SYSTEM_P
     "{%- elif message['role'] == 'user' -%}{{- '[INST]' + text + '[/INST]' -}}{%- else -%}{{- text + eos_token -}}"
     "{%- endif -%}{%- endfor -%}")
 
+# %% ../nbs/05_pipelines.ipynb #3534a3cc
 def tokenizer_dir(root=None) -> Path:
     "Where the committed tokenizer lives: `data/tokenizers/diffq-bpe` of this checkout (or of `root`)."
     return Path(root or repo_root())/'data'/'tokenizers'/TOKENIZER_NAME
 
+# %% ../nbs/05_pipelines.ipynb #ec88be54
 def _train_bpe():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
     tok = Tokenizer(models.BPE())
@@ -339,6 +345,7 @@ def _train_bpe():
     tok.train_from_iterator(CORPUS, trainer)
     return tok
 
+# %% ../nbs/05_pipelines.ipynb #1ac8ccf7
 def build_tokenizer(path=None):
     "Train the byte-level BPE on `CORPUS`, wrap it Qwen-style (chat template), and save it to `path` when given."
     from transformers import PreTrainedTokenizerFast
@@ -387,6 +394,7 @@ def _qwen3(causal: bool, layers: int, tok):
                         tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     return (T.Qwen3ForCausalLM if causal else T.Qwen3Model)(cfg)
 
+# %% ../nbs/05_pipelines.ipynb #06315229
 def _clip(projection: bool, layers: int, tok):
     import transformers as T
     cfg = T.CLIPTextConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
@@ -394,6 +402,7 @@ def _clip(projection: bool, layers: int, tok):
                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
     return (T.CLIPTextModelWithProjection if projection else T.CLIPTextModel)(cfg)
 
+# %% ../nbs/05_pipelines.ipynb #cc7f8077
 def _t5(umt5: bool, layers: int, tok):
     import transformers as T
     C, M = (T.UMT5Config, T.UMT5EncoderModel) if umt5 else (T.T5Config, T.T5EncoderModel)
@@ -402,6 +411,7 @@ def _t5(umt5: bool, layers: int, tok):
             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
     return M(cfg)
 
+# %% ../nbs/05_pipelines.ipynb #9cad1cf2
 def _mistral3(layers: int, tok):
     import transformers as T
     text = dict(model_type='mistral', vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
@@ -413,6 +423,7 @@ def _mistral3(layers: int, tok):
                            spatial_merge_size=2, tie_word_embeddings=False)
     return T.Mistral3ForConditionalGeneration(cfg)
 
+# %% ../nbs/05_pipelines.ipynb #eec28455
 def _qwen25vl(layers: int, tok):
     import transformers as T
     ids = tok.convert_tokens_to_ids
@@ -426,6 +437,7 @@ def _qwen25vl(layers: int, tok):
                              vision_end_token_id=ids('<|vision_end|>'))
     return T.Qwen2_5_VLForConditionalGeneration(cfg)
 
+# %% ../nbs/05_pipelines.ipynb #08520e4f
 def _gemma2(layers: int, tok):
     import transformers as T
     cfg = T.Gemma2Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers,
@@ -442,6 +454,7 @@ def _kl_vae(block_out_channels, latent_channels, norm_num_groups, **kw):
                          block_out_channels=tuple(block_out_channels), layers_per_block=1, latent_channels=latent_channels,
                          norm_num_groups=norm_num_groups, sample_size=32, **kw)
 
+# %% ../nbs/05_pipelines.ipynb #aa13c678
 def _tiny_z_image(layers, **_):
     import diffusers as D
     tr = D.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
@@ -454,6 +467,7 @@ def _tiny_z_image(layers, **_):
     return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_qwen3(False, layers, tok),
                             tokenizer=tok, transformer=tr)
 
+# %% ../nbs/05_pipelines.ipynb #b250c65e
 def _tiny_flux1(layers, schnell=False, **_):
     import diffusers as D
     tr = D.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -464,6 +478,7 @@ def _tiny_flux1(layers, schnell=False, **_):
     return D.FluxPipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_clip(False, layers, clip_tok),
                           tokenizer=clip_tok, text_encoder_2=_t5(False, layers, t5_tok), tokenizer_2=t5_tok, transformer=tr)
 
+# %% ../nbs/05_pipelines.ipynb #b6f977c1
 def _flux2_parts(klein: bool, n_stacked: int):
     import diffusers as D
     tr = D.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
@@ -474,18 +489,21 @@ def _flux2_parts(klein: bool, n_stacked: int):
                                norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
     return tr, vae, D.FlowMatchEulerDiscreteScheduler()
 
+# %% ../nbs/05_pipelines.ipynb #a2b9cdff
 def _tiny_flux2(layers, **_):
     import diffusers as D
     tr, vae, sched = _flux2_parts(False, min(3, layers))  # the real one stacks 3 encoder layers
     tok = load_tokenizer('mistral')
     return D.Flux2Pipeline(scheduler=sched, vae=vae, text_encoder=_mistral3(layers, tok), tokenizer=tok, transformer=tr)
 
+# %% ../nbs/05_pipelines.ipynb #abc17649
 def _tiny_flux2_klein(layers, **_):
     import diffusers as D
     tr, vae, sched = _flux2_parts(True, min(3, layers))
     tok = load_tokenizer('qwen')
     return D.Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=_qwen3(True, layers, tok), tokenizer=tok, transformer=tr)
 
+# %% ../nbs/05_pipelines.ipynb #53b3947d
 def _tiny_qwen_image(layers, **_):
     import diffusers as D
     tr = D.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
@@ -496,6 +514,7 @@ def _tiny_qwen_image(layers, **_):
     return D.QwenImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_qwen25vl(layers, tok),
                                tokenizer=tok, transformer=tr)
 
+# %% ../nbs/05_pipelines.ipynb #7e9ac4b4
 def _tiny_sd3(layers, qk_norm=None, **_):
     import diffusers as D
     # CLIP-L and CLIP-G embeddings are concatenated (32 + 32) and zero-padded to the T5 width (64)
@@ -509,6 +528,7 @@ def _tiny_sd3(layers, qk_norm=None, **_):
                                       text_encoder_2=_clip(True, layers, clip_tok), tokenizer_2=load_tokenizer('clip'),
                                       text_encoder_3=_t5(False, layers, t5_tok), tokenizer_3=t5_tok)
 
+# %% ../nbs/05_pipelines.ipynb #b6764b2d
 def _tiny_sdxl(layers, **_):
     import diffusers as D
     unet = D.UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=32, in_channels=4, out_channels=4,
@@ -523,6 +543,7 @@ def _tiny_sdxl(layers, **_):
     return D.StableDiffusionXLPipeline(vae=vae, text_encoder=_clip(False, layers, tok), text_encoder_2=_clip(True, layers, tok),
                                        tokenizer=tok, tokenizer_2=load_tokenizer('clip'), unet=unet, scheduler=sched)
 
+# %% ../nbs/05_pipelines.ipynb #c4c62a3a
 def _tiny_sana(layers, **_):
     import diffusers as D
     tr = D.SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
@@ -537,6 +558,7 @@ def _tiny_sana(layers, **_):
     return D.SanaPipeline(tokenizer=tok, text_encoder=_gemma2(layers, tok), vae=vae, transformer=tr,
                           scheduler=D.FlowMatchEulerDiscreteScheduler(shift=7.0))
 
+# %% ../nbs/05_pipelines.ipynb #d77f7219
 def _tiny_wan(layers, two_experts=False, **_):
     import diffusers as D
     vae = D.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
@@ -548,7 +570,6 @@ def _tiny_wan(layers, two_experts=False, **_):
     return D.WanPipeline(tokenizer=tok, text_encoder=_t5(True, layers, tok), vae=vae, transformer=dit(),
                          scheduler=D.FlowMatchEulerDiscreteScheduler(shift=7.0), **extra)
 
-
 # %% ../nbs/05_pipelines.ipynb #142b2d33
 def _fp32_modules(model, dtype) -> set[str]:
     "Names of submodules `from_pretrained` would keep in fp32 when loading `model` in `dtype`."
@@ -558,6 +579,7 @@ def _fp32_modules(model, dtype) -> set[str]:
         return (keep if dtype == torch.float16 else set()) | (strict if dtype in (torch.float16, torch.bfloat16) else set())
     return keep
 
+# %% ../nbs/05_pipelines.ipynb #cf903b7e
 @contextmanager
 def _quiet(*names):
     "Silence the named library loggers below ERROR (diffusers warns on every `.to(dtype)` of a model with fp32 keep-lists)."
@@ -568,6 +590,7 @@ def _quiet(*names):
     finally:
         for lg, lv in zip(loggers, levels): lg.setLevel(lv)
 
+# %% ../nbs/05_pipelines.ipynb #ec6bfe99
 def cast_as_loaded(model: torch.nn.Module, dtype) -> torch.nn.Module:
     "Cast `model` in place to `dtype` as `from_pretrained(dtype=...)` would load it (fp32 keep-lists, unsaved buffers)."
     dtype = as_dtype(dtype)
@@ -615,6 +638,7 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
         return moments + flat.to('cpu').contiguous().view(torch.uint8).numpy().tobytes()
     return flat.to('cpu').view(torch.uint8).numpy().tobytes()
 
+# %% ../nbs/05_pipelines.ipynb #d0036403
 def weights_digest(model) -> str:
     "sha256 (16 hex digits) of every parameter and buffer of `model`, or of every module of a pipeline, names and shapes included."
     mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)} if hasattr(model, 'components') else {'': model}
@@ -640,6 +664,7 @@ def _derived_kwargs(pipe) -> dict:
     k = pipe.transformer.config.joint_attention_dim // cfg.hidden_size
     return {'text_encoder_out_layers': tuple(range(n - k + 1, n + 1))}
 
+# %% ../nbs/05_pipelines.ipynb #53354dd9
 def render(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int = 32, seed: int = 0, family=None, **kwargs) -> torch.Tensor:
     "Render `prompt` with any family: float32 CPU tensor (frames, 3, size, size) in [0, 1], one frame for image families."
     fam = get_family(family if family is not None else family_of(pipe))
@@ -664,6 +689,7 @@ def _file_keys(sub: Path) -> set[str] | None:
         with safe_open(str(f), 'pt') as s: keys |= set(s.keys())
     return keys
 
+# %% ../nbs/05_pipelines.ipynb #fcd96da5
 def _meta_keys(library: str, cls_name: str, sub: Path) -> set[str] | None:
     "The tensor names a diffusers model built from the component's config holds, on meta (None: not a diffusers model)."
     # transformers models rename checkpoint keys as they load (and tie some), so their names cannot be compared like this
@@ -717,6 +743,7 @@ def load_pipeline(model, family=None, dtype=None, device=None, **kwargs):
 def _linears(module) -> list:
     return [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
 
+# %% ../nbs/05_pipelines.ipynb #30b932d7
 def measure_tiny_pipeline(family, repeats: int = 3, dtype=torch.bfloat16) -> dict:
     "Build + render timings of one tiny family (median of `repeats` after a warm-up) and the size of its encoders."
     fam = get_family(family)
@@ -736,6 +763,7 @@ def measure_tiny_pipeline(family, repeats: int = 3, dtype=torch.bfloat16) -> dic
                 encoder_params=sum(p.numel() for m in encs.values() for p in m.parameters()),
                 pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module) for p in c.parameters()))
 
+# %% ../nbs/05_pipelines.ipynb #b6164d58
 def record_tiny_pipelines(root=None, families=TINY_FAMILIES, repeats: int = 3):
     "Measure every tiny family and append the rows to the `tiny_pipelines` results table (run by hand, once per change)."
     return append_rows('tiny_pipelines', [measure_tiny_pipeline(f, repeats) for f in families], root=root, device='cpu')

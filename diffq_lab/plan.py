@@ -34,6 +34,7 @@ class LinearPlan:
     reason: str = ''          # dense: why; quantised: why this backend (e.g. the probe that sent it to emulation)
     shape: tuple[int, int] = (0, 0)
 
+# %% ../nbs/04_plan.ipynb #f1d0edf4
 @dataclass
 class ComponentPlan:
     "What is (to be) applied to one component: per Linear (by fqn), its `LinearPlan`."
@@ -83,6 +84,7 @@ _NAME = re.compile(r'[^.\s]+(\.[^.\s]+)*')  # a module path: 'layers.0.attn.to_q
 def _bad_plan(where: str, what: str) -> ValueError:
     return ValueError(f'not a valid QuantPlan: {where}: {what}')
 
+# %% ../nbs/04_plan.ipynb #346740a6
 def _linear_from_json(where: str, v) -> LinearPlan:
     "One Linear's [scheme, backend, reason, in, out], checked against the registry and the backends."
     if not (isinstance(v, list) and len(v) == 5): raise _bad_plan(where, f'expected [scheme, backend, reason, in, out], got {v!r:.80}')
@@ -98,6 +100,7 @@ def _linear_from_json(where: str, v) -> LinearPlan:
         raise _bad_plan(where, f"{s} runs via {get_scheme(s).library!r} or 'emulate', not {b!r}")
     return LinearPlan(s, b, r, (k, n))
 
+# %% ../nbs/04_plan.ipynb #08aa4b9a
 def _component_from_json(c, p) -> ComponentPlan:
     if not (isinstance(c, str) and (c == '' or c.isidentifier())): raise _bad_plan(repr(c), 'not a component name')
     if not (isinstance(p, dict) and isinstance(p.get('linears'), dict)): raise _bad_plan(c, 'expected {"linears": {...}, ...}')
@@ -203,10 +206,12 @@ def _linear_shapes(module) -> dict[str, tuple[int, int]]:
     return {f: (m.in_features, m.out_features) for f, m in module.named_modules()
             if isinstance(m, nn.Linear) or is_quantized_linear(m)}
 
+# %% ../nbs/04_plan.ipynb #1419c59e
 def dense_plan(module: nn.Module, why: str, requested=None) -> ComponentPlan:
     "Every Linear of `module` left dense, for the reason `why` (a fallback, a family rule)."
     return ComponentPlan({f: LinearPlan(None, None, why, sh) for f, sh in _linear_shapes(module).items()}, requested)
 
+# %% ../nbs/04_plan.ipynb #73a8d29a
 def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', device=None) -> ComponentPlan:
     "Plan `scheme` (a name, record, 'auto', None, or {fqn: scheme}) for the Linears of `module`; nothing is changed."
     if not isinstance(module, nn.Module): raise ValueError(f'plan_linears needs an nn.Module, got {type(module).__name__}')
@@ -244,9 +249,11 @@ class QuantizationError(RuntimeError):
         super().__init__(f'{scheme} ({backend}) failed after converting {converted} of {planned} Linear(s), at or just after '
                          f'{where}; the model was restored to its state before quantisation. Cause: {type(cause).__name__}: {cause}')
 
+# %% ../nbs/04_plan.ipynb #ab4e41b6
 class RestoreError(RuntimeError):
     "Applying a plan failed and putting the model back failed too: the model is in an unknown state and must be rebuilt."
 
+# %% ../nbs/04_plan.ipynb #c478eb3a
 def _components(target, plan: QuantPlan) -> dict[str, nn.Module]:
     "The module each component of `plan` names in `target` (a module for component '', else pipeline attributes)."
     out = {}
@@ -304,6 +311,7 @@ def _snapshot(module: nn.Module, fqns) -> list:
         snap.append((slot, attr, m, dict(m._parameters), dict(m._buffers), tensors, set(vars(m))))
     return snap
 
+# %% ../nbs/04_plan.ipynb #4b2ebe02
 def _restore(snap: list):
     "Put every Linear of `snap` back: the same module objects, Parameters and data, no attributes added since."
     for parent, attr, m, params, buffers, tensors, keys in snap:
@@ -327,6 +335,7 @@ def _convert(module: nn.Module, p: ComponentPlan, component: str):
             at = next((f for f in fqns if f not in done), fqns[-1])  # the library does not say which Linear died
             raise QuantizationError(component, at, s, b, e, len(done), len(fqns)) from e
 
+# %% ../nbs/04_plan.ipynb #8731f27c
 def _as_applied(module: nn.Module, p: ComponentPlan) -> ComponentPlan:
     "The plan as it ran: a planned Linear that the library left dense is recorded dense, with the reason."
     done, lins = set(quantized_linears(module)), dict(p.linears)
@@ -335,6 +344,7 @@ def _as_applied(module: nn.Module, p: ComponentPlan) -> ComponentPlan:
     if left: warnings.warn(f'{p.scheme}: {len(left)} planned Linear(s) left dense by the library: {left[:5]}')
     return ComponentPlan(lins, p.requested, p.note)
 
+# %% ../nbs/04_plan.ipynb #7a5f5737
 def apply_plan(target, plan, check=None) -> QuantPlan:
     "Apply `plan` (a QuantPlan, or a ComponentPlan for a bare module) to `target` in place, all or nothing; the plan as applied."
     if isinstance(plan, ComponentPlan): plan = QuantPlan({'': plan})
@@ -364,24 +374,29 @@ def _diffusers_skips(fqn: str, keys) -> bool:
     name = f'{fqn}.weight'
     return any((k + '.' in name) or k == name for k in keys)
 
+# %% ../nbs/04_plan.ipynb #b7dd38d4
 def _transformers_skips(fqn: str, keys) -> bool:
     "transformers' rule (`quantizers_utils.should_convert_module`): a key matches from the start at a module boundary, or as a suffix."
     return any(re.match(rf'(?:{k})(?:(?<=\.)|(?=\.|$))', fqn) or fqn.endswith(k) for k in keys)
 
+# %% ../nbs/04_plan.ipynb #e24d8bd5
 def _skip_keys(p: ComponentPlan, library: str) -> list[str]:
     "`modules_to_not_convert` for `p`'s dense Linears: fqns for diffusers, escaped for transformers, whose keys are regexes."
     return sorted(p.skipped) if library == 'diffusers' else [re.escape(f) for f in sorted(p.skipped)]
 
+# %% ../nbs/04_plan.ipynb #695b39d5
 def _per_linear(p: ComponentPlan) -> dict[str, str]:
     "Weight name -> scheme of every quantised Linear of `p`, as torchao's FqnToConfig takes them (exact names, nothing else matched)."
     # the weight, not the module: transformers 5.24 given a module name quantises its bias too (then aten.add_ fails)
     return {f'{f}.weight': p.linears[f].scheme for f in p.quantized}
 
+# %% ../nbs/04_plan.ipynb #f3f3ddcd
 def _expressible(p: ComponentPlan, library: str) -> bool:
     "Whether `modules_to_not_convert` with the library's own matching rule keeps dense exactly what `p` keeps dense."
     keys, skips = _skip_keys(p, library), (_diffusers_skips if library == 'diffusers' else _transformers_skips)
     return not any(skips(f, keys) for f in p.quantized)
 
+# %% ../nbs/04_plan.ipynb #144c8437
 def component_config(p: ComponentPlan, library: str = 'diffusers', component: str = ''):
     "The library config (diffusers' or transformers' `TorchAoConfig`) that quantises what `p` quantises; None when it is all dense."
     if library not in ('diffusers', 'transformers'): raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
@@ -402,9 +417,11 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     # modules_to_not_convert=[]: transformers would otherwise add its own guess (the last Linear) to what FqnToConfig names
     return TorchAoConfig(FqnToConfig({f: get_scheme(x).make_config() for f, x in _per_linear(p).items()}), modules_to_not_convert=[])
 
+# %% ../nbs/04_plan.ipynb #623cd5e7
 def _library(component: str) -> str: return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
 _QUANTISABLE = re.compile(r'(text_encoder|transformer|unet)(_\d+)?')  # the components a pipeline's quantisation config reaches
 
+# %% ../nbs/04_plan.ipynb #b52c4933
 def to_pipeline_config(plan: QuantPlan):
     "diffusers' `PipelineQuantizationConfig` that applies `plan` while loading: one TorchAoConfig per quantised component."
     from diffusers import PipelineQuantizationConfig
@@ -463,6 +480,7 @@ def _ours(path: Path) -> bool:
         QuantPlan.load(path); return True
     except (OSError, ValueError, UnicodeDecodeError): return False
 
+# %% ../nbs/04_plan.ipynb #3fb56130
 def check_plan_out(out) -> Path:
     "`out` as a plan file (.json) to write, beside its snippet (.py), in a writable folder; never over a file the lab did not write."
     if not str(out).strip() or Path(out).is_dir(): raise ValueError(f'--out must name a file, got {out!r}')
@@ -502,11 +520,13 @@ def save_plans(digests, root=None) -> list[Path]:
         out.append(APPLIED[d].save(results_dir(root)/'plans'/f'{d}.json'))
     return out
 
+# %% ../nbs/04_plan.ipynb #72260951
 def record_rows(kind: str, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
     "Record a runner's `table` in results table `kind`, each row's applied plan beside it under `plans/`; the whole table."
     save_plans(table['plan'] if 'plan' in table else [], root)
     return append_rows(kind, table.to_dict('records'), root=root, device=device)
 
+# %% ../nbs/04_plan.ipynb #9dcb0383
 def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> list[dict]:
     "For each scheme: `run(scheme) -> (applied QuantPlan or None, measurements)`; one row each, failures included."
     requested = [normalize_scheme(s) for s in schemes]  # every name checked before any work

@@ -44,6 +44,7 @@ def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True
                              f'pass data_range (255 for 8-bit images) or clamp it first')
     return t
 
+# %% ../nbs/11_quality.ipynb #183c4772
 def _pair(img, ref, data_range, finite=True):
     x, y = as_frames(img, 'img', data_range, finite), as_frames(ref, 'ref', data_range, finite)
     if x.shape != y.shape: raise ValueError(f'img {tuple(x.shape)} and ref {tuple(y.shape)} differ in shape')
@@ -63,10 +64,12 @@ def _gaussian(win_size: int, sigma: float) -> torch.Tensor:
     g = torch.exp(-k ** 2 / (2 * sigma ** 2))
     return g / g.sum()
 
+# %% ../nbs/11_quality.ipynb #5504cbbe
 def _blur(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     "Separable Gaussian filter of (M,1,H,W) `x`, valid positions only."
     return F.conv2d(F.conv2d(x, g.view(1, 1, -1, 1)), g.view(1, 1, 1, -1))
 
+# %% ../nbs/11_quality.ipynb #ee5ec567
 def ssim_map(img, ref, data_range: float = 1.0, win_size: int = 11, sigma: float = 1.5,
              k1: float = 0.01, k2: float = 0.03) -> torch.Tensor:
     "The local SSIM of `img` vs `ref` at every position the window fits: float64 (F,C,H-win+1,W-win+1)."
@@ -83,6 +86,7 @@ def ssim_map(img, ref, data_range: float = 1.0, win_size: int = 11, sigma: float
     s = ((2 * mx * my + c1) * (2 * sxy + c2)) / ((mx * mx + my * my + c1) * (sxx + syy + c2))
     return s.reshape(n, c, *s.shape[-2:])
 
+# %% ../nbs/11_quality.ipynb #773e7e2a
 def ssim(img, ref, data_range: float = 1.0, per_frame: bool = False, **kwargs):
     "Structural similarity of `img` vs `ref` (1 = identical): mean over frames (float), or one per frame (tensor)."
     s = ssim_map(img, ref, data_range, **kwargs).mean(dim=(1, 2, 3))
@@ -101,6 +105,7 @@ class MetricUnavailable(RuntimeError):
 
 LPIPS_NETS = ('alex', 'vgg', 'squeeze')
 
+# %% ../nbs/11_quality.ipynb #ce705954
 def _lpips_trunk_checkpoint(net: str) -> Path:
     "Where torchvision caches the ImageNet trunk `lpips` loads for `net` (the file name comes from torchvision's weights URL)."
     # torchvision's public weights enums name the URL; torch.hub caches downloads as <hub dir>/checkpoints/<basename>.
@@ -109,6 +114,7 @@ def _lpips_trunk_checkpoint(net: str) -> Path:
     weights = {'alex': tvm.AlexNet_Weights, 'vgg': tvm.VGG16_Weights, 'squeeze': tvm.SqueezeNet1_1_Weights}[net]
     return Path(torch.hub.get_dir())/'checkpoints'/Path(urllib.parse.urlparse(weights.IMAGENET1K_V1.url).path).name
 
+# %% ../nbs/11_quality.ipynb #96d168a1
 def lpips_available(net: str = 'alex', allow_download: bool = False) -> tuple[bool, str]:
     "`(ok, reason)`: whether LPIPS with trunk `net` can give a real score here, and why not when it cannot; never touches the network."
     if net not in LPIPS_NETS: raise ValueError(f'unknown LPIPS net {net!r}; choose one of {LPIPS_NETS}')
@@ -131,6 +137,7 @@ def _lpips_model(net: str, device: str):
     import lpips
     return lpips.LPIPS(net=net, verbose=False).eval().to(device)
 
+# %% ../nbs/11_quality.ipynb #a9eda016
 def lpips_distance(img, ref, net: str = 'alex', device=None, per_frame: bool = False, allow_download: bool = False):
     "LPIPS distance of RGB `img` vs `ref` in [0, 1] (0 = identical): mean over frames, or per frame; `MetricUnavailable` when it cannot run."
     ok, why = lpips_available(net, allow_download)
@@ -175,6 +182,7 @@ class _BlurPool(nn.Module):
     def forward(self, x):
         return F.conv2d(F.pad(x, (2, 2, 2, 2), mode='reflect'), self.filt, stride=2, groups=x.shape[1])
 
+# %% ../nbs/11_quality.ipynb #fea5f5c2
 def _st_slices(layout, sd) -> nn.Module:
     "The trunk's slices as `net.slice<k>.<i>` modules (indices running on across slices, as the state dict names them)."
     net, i, ch = nn.Module(), 0, 3
@@ -222,6 +230,7 @@ class STLPIPS(nn.Module):
 @lru_cache(maxsize=4)
 def _st_lpips_model(net: str, device: str) -> STLPIPS: return STLPIPS(net).to(device)
 
+# %% ../nbs/11_quality.ipynb #03498b89
 def st_lpips(img, ref, net: str = 'alex', device=None, per_frame: bool = False):
     "ST-LPIPS of RGB `img` vs `ref` in [0, 1] (0: identical), mean or per frame; `MetricUnavailable` without it."
     x, y = _pair(img, ref, 1.0)
@@ -256,6 +265,7 @@ def quality_metrics(img, ref, with_lpips: bool = True, net: str = 'alex', data_r
     if with_st_lpips: out.update(_st_lpips_entry(x / data_range, y / data_range, net))
     return out
 
+# %% ../nbs/11_quality.ipynb #3863dfe7
 def _st_lpips_entry(x, y, net) -> dict:
     "{'st_lpips': score} or {'st_lpips_unavailable': why} (no RGB, frames too small for the trunk, no package)."
     if x.shape[1] != 3: return dict(st_lpips_unavailable=f'ST-LPIPS needs RGB frames, got {x.shape[1]} channels')
@@ -263,6 +273,7 @@ def _st_lpips_entry(x, y, net) -> dict:
     except (MetricUnavailable, RuntimeError, ValueError) as e:  # frames under the trunk's padding; a net it lacks
         return dict(st_lpips_unavailable=' '.join(str(e).removeprefix('ST-LPIPS unavailable: ').split())[:160])
 
+# %% ../nbs/11_quality.ipynb #569c106a
 def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
     "`quality_metrics` of each render in `renders` (name -> image or clip) vs `ref`, one row per name."
     if not renders: raise ValueError('quality_table needs at least one render')
@@ -284,6 +295,7 @@ class Estimate:
     def excludes_one(self) -> bool: return self.lo > 1 or self.hi < 1
     def __str__(self): return f'{self.stat} {self.mean:.4g} [{self.lo:.4g}, {self.hi:.4g}] ({self.level:.0%} CI, n={self.n})'
 
+# %% ../nbs/11_quality.ipynb #73b4b75d
 def _values(v, name='values') -> np.ndarray:
     a = np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=np.float64).reshape(-1)
     if a.size == 0: raise ValueError(f'{name} is empty: nothing to summarise')
@@ -292,6 +304,7 @@ def _values(v, name='values') -> np.ndarray:
                          f'(the PSNR of identical renders is inf; compare SSIM, or drop or report such pairs)')
     return a
 
+# %% ../nbs/11_quality.ipynb #b9f939b5
 def _bootstrap(a: np.ndarray, n: int, seed: int, level: float, statistic=np.mean) -> Estimate:
     "scipy's BCa bootstrap of `statistic` over `a` (percentile where BCa degenerates; no width when `a` has no spread)."
     if not isinstance(n, int) or n < 100: raise ValueError(f'n (bootstrap resamples) must be an int >= 100, got {n!r}')
@@ -308,16 +321,19 @@ def _bootstrap(a: np.ndarray, n: int, seed: int, level: float, statistic=np.mean
         if np.isfinite(lo) and np.isfinite(hi): break
     return Estimate(point, lo, hi, int(a.size), level, name)
 
+# %% ../nbs/11_quality.ipynb #455815b0
 def summarise(values, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
     "Mean of `values` with a BCa bootstrap `level` confidence interval from `n` resamples (seeded, scipy)."
     return _bootstrap(_values(values), n, seed, level)
 
+# %% ../nbs/11_quality.ipynb #369cce7c
 def paired_bootstrap(a, b, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
     "Mean of `a - b` over paired samples (same seeds/prompts) with a bootstrap CI that resamples the pairs."
     a, b = _values(a, 'a'), _values(b, 'b')
     if a.shape != b.shape: raise ValueError(f'a and b must be paired (same length), got {a.size} and {b.size}')
     return _bootstrap(a - b, n, seed, level)
 
+# %% ../nbs/11_quality.ipynb #21c59f32
 def paired_ratio(num, den, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
     "Median of `num / den` over paired samples (e.g. dense and quantised render times, interleaved) with its BCa interval."
     a, b = _values(num, 'num'), _values(den, 'den')
@@ -356,6 +372,7 @@ def time_once(fn, device=None) -> float:
     t = time.perf_counter(); fn()
     return time.perf_counter() - t
 
+# %% ../nbs/11_quality.ipynb #22cedd55
 def warm_up(fns: dict, device=None, most: int = 5, tol: float = 0.25) -> dict[str, int]:
     "Call each of `fns` until two consecutive timings agree within `tol` (at most `most` calls): lazy init and compile are paid here."
     calls = {}
@@ -368,6 +385,7 @@ def warm_up(fns: dict, device=None, most: int = 5, tol: float = 0.25) -> dict[st
         calls[name] = n
     return calls
 
+# %% ../nbs/11_quality.ipynb #f1c65769
 def interleaved_times(fns: dict, rounds: int, device=None) -> dict[str, list[float]]:
     "Seconds of every callable in `fns` per round, called in ABBA order (forward on even rounds, reversed on odd)."
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
@@ -382,10 +400,12 @@ EMULATED_SPEED = 'emulated: numerics only, not a speed claim'
 
 MIN_ROUNDS = 5  # fewer paired rounds give no interval worth the name (the coverage table above)
 
+# %% ../nbs/11_quality.ipynb #495ff737
 def ci_label(level: float) -> str:
     "A confidence level as printed: 0.995 -> '99.5%', 0.95 -> '95%' (never rounded up to '100%')."
     return f'{100 * level:g}%'
 
+# %% ../nbs/11_quality.ipynb #9ad6ef10
 def speed_vs(base, times, level: float = 0.95, max_width: float = 0.25, min_effect: float = 0.05, emulated: bool = False,
              n: int = 2000) -> dict:
     "Paired speed of `times` against `base` (same rounds): the median ratio base/time with its interval, and what it may be read as."
@@ -437,6 +457,7 @@ def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), pro
         rows += [dict(base, **q) for q in pairs]
     return pd.DataFrame(rows)
 
+# %% ../nbs/11_quality.ipynb #7b054f0f
 def record_quality(root=None, **kwargs) -> pd.DataFrame:
     "Measure `quality_pairs` and append it to the 'quality_pairs' results table."
     from diffq_lab.plan import record_rows  # an earlier notebook's module, imported here so the metrics alone stay light

@@ -41,12 +41,14 @@ def _tensors(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)): return [t for v in x for t in _tensors(v)]
     return []
 
+# %% ../nbs/16_recommend.ipynb #1b83fc99
 def _detached(x):
     if isinstance(x, torch.Tensor): return x.detach().clone()
     if isinstance(x, (list, tuple)): return type(x)(_detached(v) for v in x)
     if isinstance(x, dict): return {k: _detached(v) for k, v in x.items()}
     return x
 
+# %% ../nbs/16_recommend.ipynb #17995174
 def capture_denoiser_inputs(pipe, pairs, steps: int = 2, size: int = 32, max_calls: int | None = None, **render_kw) -> list[tuple]:
     "The denoiser's (args, kwargs) at the steps of renders of `pairs` ((seed, prompt) tuples), at most `max_calls` evenly spaced."
     tr, calls = pipe.transformer, []
@@ -59,21 +61,25 @@ def capture_denoiser_inputs(pipe, pairs, steps: int = 2, size: int = 32, max_cal
         calls = [calls[round(i * (len(calls) - 1) / (max_calls - 1))] for i in range(max_calls)] if max_calls > 1 else calls[:1]
     return calls
 
+# %% ../nbs/16_recommend.ipynb #b9295a2f
 def _outputs(tr, inputs) -> list[torch.Tensor]:
     with torch.no_grad(): return [torch.cat([t.float().reshape(-1) for t in _tensors(tr(*a, **k))]) for a, k in inputs]
 
+# %% ../nbs/16_recommend.ipynb #5a6ad015
 def _rel_err(outs, refs) -> float:
     "Relative squared error of `outs` vs `refs`, pooled over every captured call (inf when an output is not finite)."
     num = sum(float(((o - r) ** 2).sum()) for o, r in zip(outs, refs))
     den = sum(float((r ** 2).sum()) for r in refs)
     return num / den if math.isfinite(num) else math.inf
 
+# %% ../nbs/16_recommend.ipynb #3ab5da00
 def _quantised_copy(lin: nn.Linear, scheme: str, backend: str, device) -> nn.Module:
     "A copy of `lin` converted by `scheme` on `backend` (the emulation swaps the module: returned from its wrapper)."
     box = nn.Sequential(copy.deepcopy(lin))
     apply_plan(box, plan_linears(box, {'0': scheme}, make_filter_fn(0), backend=backend, device=device))
     return box[0]
 
+# %% ../nbs/16_recommend.ipynb #5c6fb172
 def linear_sensitivity(tr: nn.Module, inputs, schemes, min_features: int = 0, backend: str = 'auto', device=None) -> pd.DataFrame:
     "Per Linear of the denoiser `tr` and format in `schemes` its rules allow: the output's relative squared error with only it quantised."
     from tqdm.auto import tqdm
@@ -106,6 +112,7 @@ def pattern_times(family, gpu, size: int = 1024, frames=None, compile: str = 'in
     layers = shapes.assign(pattern=shapes.fqn.map(layer_pattern), n=1, **cols)
     return layers.groupby('pattern')[['n', *cols]].sum()
 
+# %% ../nbs/16_recommend.ipynb #c623ff63
 def linear_times(tr: nn.Module, patterns: pd.DataFrame) -> dict[str, dict[str, float]]:
     "Per Linear of the denoiser `tr`: the seconds per format it stands for (its pattern's real time shared among the tiny Linears of it)."
     fq = [f for f, m in tr.named_modules() if isinstance(m, nn.Linear)]
@@ -125,10 +132,12 @@ def _options(sens: pd.DataFrame, times: dict) -> dict[str, dict[str, tuple[float
         opts.setdefault(r.fqn, {'bf16': (times[r.fqn]['bf16'], 0.0)})[r.scheme] = (times[r.fqn][r.scheme], r.rel_err)
     return opts
 
+# %% ../nbs/16_recommend.ipynb #eabaaec6
 def _choose(opts: dict, lam: float) -> dict[str, str]:
     "Each Linear's format minimising time + lam * error (ties to the smaller error): the plan optimal for that trade-off."
     return {f: min(o, key=lambda s: (o[s][0] + lam * o[s][1], o[s][1])) for f, o in opts.items()}
 
+# %% ../nbs/16_recommend.ipynb #cde3083f
 def plan_chain(opts: dict) -> list[dict[str, str]]:
     "Every distinct optimal plan from the fastest (lam = 0) to dense (lam = inf), in order of increasing lam."
     breaks = sorted({(ta - tb) / (eb - ea) for o in opts.values() for a, (ta, ea) in o.items() for b, (tb, eb) in o.items()
@@ -140,6 +149,7 @@ def plan_chain(opts: dict) -> list[dict[str, str]]:
         if not chain or c != chain[-1]: chain.append(c)
     return chain
 
+# %% ../nbs/16_recommend.ipynb #fb892d68
 def predicted(choice: dict, opts: dict) -> dict:
     "A plan's predicted Linear time (seconds, at the real model's shapes) and summed relative error."
     return dict(time_s=sum(opts[f][s][0] for f, s in choice.items()), pred_err=sum(opts[f][s][1] for f, s in choice.items()))
@@ -149,6 +159,7 @@ def _plan_for(tr: nn.Module, choice: dict, backend: str, device) -> ComponentPla
     "The denoiser's ComponentPlan for a per-Linear `choice` (bf16 = dense)."
     return plan_linears(tr, {f: s for f, s in choice.items() if s != 'bf16'}, make_filter_fn(0), backend=backend, device=device)
 
+# %% ../nbs/16_recommend.ipynb #9b854a01
 def measure_plan(pipe, plan: QuantPlan, pairs, refs: dict, steps: int, size: int, **render_kw) -> dict:
     "Apply `plan` to a copy of `pipe`, render `pairs`, and score the renders against the dense ones in `refs` (mean PSNR, dB)."
     q = copy.deepcopy(pipe)
@@ -178,6 +189,7 @@ class Recommendation:
         return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s for the "
                 f"whole pipeline (prediction); measured PSNR {self.psnr:.2f} dB {'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})")
 
+# %% ../nbs/16_recommend.ipynb #2f37d37c
 def _check_recommend_args(bar, pairs, steps, size):
     if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not math.isfinite(bar) or bar <= 0:
         raise ValueError(f'bar is the minimum mean PSNR against dense in dB (a positive number), got {bar!r}')
@@ -185,6 +197,7 @@ def _check_recommend_args(bar, pairs, steps, size):
     for name, v in (('steps', steps), ('size', size)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be an int >= 1, got {v!r}')
 
+# %% ../nbs/16_recommend.ipynb #ad020803
 def recommend_plan(pipe, gpu, bar: float, *, pairs=((0, 'a photo of a cat'),), steps: int = 2, size: int = 32, family=None,
                    real_size: int = 1024, te_scheme=None, min_features: int = 0, backend: str = 'auto', device=None,
                    max_calls: int = 8, score=None, real_steps: int = 28, forwards_per_step: int = 1, compile: str = 'inductor',
@@ -254,6 +267,7 @@ def recommend_on_trained(gpus=('b200', 'h200'), bar: float = 40.0, seeds=(0, 1),
         recs[rec.gpu] = rec
     return pd.concat(tables, ignore_index=True), recs
 
+# %% ../nbs/16_recommend.ipynb #c78218ec
 def record_recommendations(root=None, **kw) -> pd.DataFrame:
     "Run `recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
     from diffq_lab.plan import APPLIED, record_rows
@@ -261,6 +275,7 @@ def record_recommendations(root=None, **kw) -> pd.DataFrame:
     for r in recs.values(): APPLIED[r.plan.digest()] = r.plan
     return record_rows('recommend', table, root=root)
 
+# %% ../nbs/16_recommend.ipynb #73b9e706
 def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):
     "Predicted Linear time (real shapes) against measured `quality` for every plan in `table`: uniform, chain, recommended, per GPU."
     import matplotlib.pyplot as plt

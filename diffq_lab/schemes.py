@@ -31,6 +31,7 @@ class Gate:
         "Whether compute capability `cap` ((major, minor); None: a CPU) meets this gate."
         return self.cpu if cap is None else tuple(cap) >= self.min_cuda
 
+# %% ../nbs/01_schemes.ipynb #30deccd9
 @dataclass(frozen=True, eq=False)
 class Scheme:
     "One quantisation scheme: every fact the lab uses about it. Compares equal to its name."
@@ -68,6 +69,7 @@ _LOOKUP: dict[str, str] = {}
 
 def _key(s: str) -> str: return ''.join(c for c in s.lower() if c not in ' -_\t')
 
+# %% ../nbs/01_schemes.ipynb #c332d1fb
 def register_scheme(scheme: Scheme) -> Scheme:
     "Add `scheme` to the registry; every spelling (name and aliases) must be new."
     spellings = {_key(a) for a in (scheme.name, *scheme.aliases)}
@@ -77,10 +79,12 @@ def register_scheme(scheme: Scheme) -> Scheme:
     _LOOKUP.update({k: scheme.name for k in spellings})
     return scheme
 
+# %% ../nbs/01_schemes.ipynb #8567358c
 def scheme_choices() -> str:
     "The valid scheme spellings, for error messages."
     return f"choose one of {', '.join(REGISTRY)}, 'auto', or None/'none'/'off' (no quantisation)"
 
+# %% ../nbs/01_schemes.ipynb #5f94986d
 def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
     "The canonical name for `value` read in `vocabulary` ('lab' or a seed's): None/'none'/'off' -> None, 'auto' stays 'auto'."
     if vocabulary != 'lab': value = _in_vocabulary(value, vocabulary)  # a seed's name, as the lab spells that scheme
@@ -93,6 +97,7 @@ def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
     if k not in _LOOKUP: raise ValueError(f"unknown scheme {value!r}; {scheme_choices()}")
     return _LOOKUP[k]
 
+# %% ../nbs/01_schemes.ipynb #63d859c3
 def get_scheme(value) -> Scheme | None:
     "The registered `Scheme` for `value` (a record, name or alias); None for no quantisation; 'auto' must be resolved first."
     name = normalize_scheme(value)
@@ -108,22 +113,26 @@ def _build(cls, **kwargs):
     if dropped: warnings.warn(f"torchao {package_version('torchao')}: {cls.__name__} takes no {dropped}; built without them")
     return cls(**{k: v for k, v in kwargs.items() if k in params})
 
+# %% ../nbs/01_schemes.ipynb #77066c1b
 def _torchao_version() -> tuple[int, int]:
     import torchao
     ver = getattr(torchao, '__version__', None) or package_version('torchao') or '0.0'
     return tuple(int(''.join(c for c in p if c.isdigit()) or 0) for p in ver.split('.')[:2])
 
+# %% ../nbs/01_schemes.ipynb #b42b06ab
 def _int8_version() -> int:
     "The Int8 config version to ask for: 2, except on torchao 0.15 whose version-2 Int8Tensor loses ~15x accuracy."
     # measured on CPU, bf16 512->1024: weight rel err 0.090 with 0.15 version=2, 0.0057 with version=1 and 0.16+ version=2
     return 1 if _torchao_version() < (0, 16) else 2
 
+# %% ../nbs/01_schemes.ipynb #22fd2f03
 def _nvfp4_fused_kernel_available() -> bool:
     "Whether NVFP4's fused activation-quantise kernel can run: MSLK on torchao>=0.17, triton before (CUDA only)."
     if not torch.cuda.is_available(): return False
     if _torchao_version() >= (0, 17): return importlib.util.find_spec('mslk') is not None
     return importlib.util.find_spec('triton') is not None
 
+# %% ../nbs/01_schemes.ipynb #8cab6ea5
 def make_config(scheme):
     "The torchao config of `scheme` (a record or a name; None for 'fp8_layerwise', a diffusers storage cast)."
     s = get_scheme(scheme)
@@ -133,33 +142,40 @@ def make_config(scheme):
 # %% ../nbs/01_schemes.ipynb #a1e0c005
 def _pad(n: int, m: int) -> int: return -(-n // m) * m
 
+# %% ../nbs/01_schemes.ipynb #e1ffacba
 def _int8_dynamic():
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig
     return _build(Int8DynamicActivationInt8WeightConfig, version=_int8_version())
 
+# %% ../nbs/01_schemes.ipynb #c8f8b984
 def _int8_weight_only():
     from torchao.quantization import Int8WeightOnlyConfig
     return _build(Int8WeightOnlyConfig, version=_int8_version())
 
+# %% ../nbs/01_schemes.ipynb #dabe9549
 def _fp8_dynamic():
     from torchao.quantization import Float8DynamicActivationFloat8WeightConfig, PerRow
     # the floor keeps an all-zero activation row from dividing by a zero scale
     return _build(Float8DynamicActivationFloat8WeightConfig, granularity=PerRow(), activation_value_lb=1e-12)
 
+# %% ../nbs/01_schemes.ipynb #1fae18c5
 def _fp8_weight_only():
     from torchao.quantization import Float8WeightOnlyConfig, PerRow
     gran = {'granularity': PerRow()} if 'granularity' in inspect.signature(Float8WeightOnlyConfig).parameters else {}
     return Float8WeightOnlyConfig(**gran)  # before 0.18 weight-only fp8 was per-row with no choice
 
+# %% ../nbs/01_schemes.ipynb #b1103b9f
 def _nvfp4_dynamic():
     from torchao.prototype.mx_formats import NVFP4DynamicActivationNVFP4WeightConfig
     return _build(NVFP4DynamicActivationNVFP4WeightConfig, use_triton_kernel=_nvfp4_fused_kernel_available(),
                   use_dynamic_per_tensor_scale=True)
 
+# %% ../nbs/01_schemes.ipynb #2bd534aa
 def _nvfp4_weight_only():
     from torchao.prototype.mx_formats import NVFP4WeightOnlyConfig
     return _build(NVFP4WeightOnlyConfig, use_dynamic_per_tensor_scale=True)
 
+# %% ../nbs/01_schemes.ipynb #2c2d51ad
 def _mxfp8_dynamic():
     from torchao.prototype.mx_formats import MXDynamicActivationMXWeightConfig
     # kernel_preference left at AUTO: the fastest kernel the hardware has
@@ -282,6 +298,7 @@ def _in_vocabulary(value, vocabulary: str) -> str | None:
     if k not in table: raise ValueError(f'{value!r} is not a {vocabulary} name; it has {list(VOCABULARIES[vocabulary])}')
     return table[k]
 
+# %% ../nbs/01_schemes.ipynb #afd0f6ba
 def vocabulary_table() -> pd.DataFrame:
     "Every seed name and what it means in each vocabulary (the lab's included), and whether the vocabularies disagree on it."
     names = dict.fromkeys(k for v in VOCABULARIES.values() for k in v if k not in ('none', 'bf16', 'auto'))
@@ -298,23 +315,27 @@ class FakeQuantLinear(nn.Module):
     "Base of Linears that run a scheme's numerics in plain torch (`diffq_lab.emulate.EmulatedLinear`)."
     scheme: Scheme
 
+# %% ../nbs/01_schemes.ipynb #a645931a
 def _torchao_tensor(t) -> bool:
     "Whether `t` is a torchao quantised tensor subclass (Int8Tensor, Float8Tensor, NVFP4Tensor, MXTensor...)."
     from torchao.utils import TorchAOBaseTensor
     return isinstance(t, TorchAOBaseTensor)
 
+# %% ../nbs/01_schemes.ipynb #99dd8b2a
 def layerwise_registry(module):
     "diffusers' hook registry on `module` when it holds a layerwise-casting hook, else None."
     # diffusers keeps its hooks on the private `_diffusers_hook` HookRegistry; this is the one place we read it
     registry = getattr(module, '_diffusers_hook', None)
     return registry if registry is not None and registry.get_hook('layerwise_casting') is not None else None
 
+# %% ../nbs/01_schemes.ipynb #74dd1a72
 def is_quantized_linear(module) -> bool:
     "Whether `module` is a Linear that no longer computes in dense precision: torchao weight, emulated, or layerwise-cast."
     if isinstance(module, FakeQuantLinear): return True
     if not isinstance(module, nn.Linear): return False
     return _torchao_tensor(module.weight) or layerwise_registry(module) is not None
 
+# %% ../nbs/01_schemes.ipynb #bc390061
 def quantized_linears(module: nn.Module) -> list[str]:
     "Fully qualified names of the Linears in `module` that hold quantised weights (see `is_quantized_linear`)."
     return [fqn for fqn, m in module.named_modules() if is_quantized_linear(m)]
@@ -331,6 +352,7 @@ def _check_filter_args(min_features, exclude_tokens, divisible_by):
         raise ValueError(f'divisible_by must be an int >= 1, got {divisible_by!r}')
     return min_features, exclude_tokens, divisible_by
 
+# %% ../nbs/01_schemes.ipynb #ca8084df
 def skip_reason(module, fqn='', min_features=512, exclude_tokens=(), require_bf16=False, divisible_by=1) -> str | None:
     "Why `module` (at `fqn`) would not be quantised: None when it qualifies, else a short reason ('not Linear' for non-Linears)."
     min_features, exclude_tokens, divisible_by = _check_filter_args(min_features, exclude_tokens, divisible_by)
@@ -344,6 +366,7 @@ def skip_reason(module, fqn='', min_features=512, exclude_tokens=(), require_bf1
     if module.in_features % divisible_by or module.out_features % divisible_by: return f'not divisible by {divisible_by}'
     return None
 
+# %% ../nbs/01_schemes.ipynb #266b8b96
 def make_filter_fn(min_features=512, exclude_tokens=(), require_bf16=False, divisible_by=1):
     "A torchao `filter_fn(module, fqn)` that is True only for the `nn.Linear`s `skip_reason` lets through."
     min_features, exclude_tokens, divisible_by = _check_filter_args(min_features, exclude_tokens, divisible_by)
@@ -362,6 +385,7 @@ def has_zero_output_row(linear: nn.Module) -> bool:
     if w.device.type == 'meta': return False  # meta tensors hold no values
     return bool((w.detach() == 0).all(dim=-1).any())
 
+# %% ../nbs/01_schemes.ipynb #482537dc
 def is_all_zero_weight(linear: nn.Module) -> bool:
     "Whether every weight of `linear` is zero (a zero-initialised gate, a pruned layer); False on the meta device."
     w = linear.weight
@@ -373,22 +397,26 @@ def is_all_zero_weight(linear: nn.Module) -> bool:
 def _dtype_reason(dtypes) -> str:
     return 'not ' + '/'.join(str(d).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float32', 'fp32') for d in dtypes)
 
+# %% ../nbs/01_schemes.ipynb #5fa68143
 def _shape_reason(k: int, n: int, multiple_of) -> str | None:
     mk, mn = multiple_of
     if mk == mn: return f'not divisible by {mk}' if k % mk or n % mn else None
     if k % mk: return f'in_features not divisible by {mk}'
     return f'out_features not divisible by {mn}' if n % mn else None
 
+# %% ../nbs/01_schemes.ipynb #0eb92f7b
 def _tied_weights(module: nn.Module) -> set[int]:
     "ids of Parameters held by more than one module (tied embeddings / lm_head)."
     counts = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
     return {i for i, n in counts.items() if n > 1}
 
+# %% ../nbs/01_schemes.ipynb #33caa4df
 def _user_reason(filter_fn, m, fqn):
     if is_quantized_linear(m): return 'already quantised'
     if hasattr(filter_fn, 'skip_reason'): return filter_fn.skip_reason(m, fqn)
     return None if filter_fn(m, fqn) else 'rejected by filter'
 
+# %% ../nbs/01_schemes.ipynb #330cb1a6
 def rule_reason(scheme: Scheme, linear: nn.Module, tied=frozenset()) -> str | None:
     "Why `scheme`'s kernel cannot take `linear` (dtype, shape, zero row, tied weight), or None."
     if scheme.dtypes and linear.weight.dtype not in scheme.dtypes: return _dtype_reason(scheme.dtypes)
@@ -399,6 +427,7 @@ def rule_reason(scheme: Scheme, linear: nn.Module, tied=frozenset()) -> str | No
     if scheme.casts_in_place and id(linear.weight) in tied: return 'tied weight'
     return None
 
+# %% ../nbs/01_schemes.ipynb #05562368
 def skip_reasons(module: nn.Module, scheme, filter_fn=None) -> dict[str, str | None]:
     "For each Linear in `module` (by fqn): None when `scheme` can quantise it, else the reason it is skipped."
     s = get_scheme(scheme)
@@ -443,6 +472,7 @@ def fp8_gate_bypassed():
 
 _BYPASSED = [0]  # how many fp8_gate_bypassed contexts are open
 
+# %% ../nbs/01_schemes.ipynb #0efb2854
 def gate_bypassed() -> bool:
     "Whether an `fp8_gate_bypassed` context is open: what runs now says nothing about the device as it is (never cache it)."
     return _BYPASSED[0] > 0

@@ -32,25 +32,31 @@ def _csv(name: str) -> pd.DataFrame:
         raise ValueError(f'data/{name}: every row needs a source')
     return df
 
+# %% ../nbs/12a_speed.ipynb #13b58336
 def kernel_points() -> pd.DataFrame:
     "Kernel-level published figures the model is calibrated on (`data/kernel_points.csv`), each with its source."
     return _csv('kernel_points.csv').copy()
 
+# %% ../nbs/12a_speed.ipynb #b883f388
 def kernel_paths() -> pd.DataFrame:
     "How each scheme's Linear runs per execution mode and torchao version (`data/kernel_paths.csv`), with sources."
     return _csv('kernel_paths.csv').copy()
 
+# %% ../nbs/12a_speed.ipynb #59b187f8
 @functools.lru_cache(maxsize=1)
 def _path_rows() -> pd.DataFrame: return kernel_paths().set_index('path')
 
+# %% ../nbs/12a_speed.ipynb #64c02675
 def launch_costs() -> pd.DataFrame:
     "CPU cost per kernel launch and GPU floor per kernel in each execution mode (`data/launch.csv`)."
     return _csv('launch.csv').set_index('mode')
 
+# %% ../nbs/12a_speed.ipynb #f399f004
 def published_runs() -> pd.DataFrame:
     "Published end-to-end runs (`data/published_runs.csv`): the validation set, never used to fit."
     return _csv('published_runs.csv').copy()
 
+# %% ../nbs/12a_speed.ipynb #e9713601
 def default_path(scheme: str, compile: str) -> str:
     "The kernel path `scheme` runs under `compile`: the newest torchao path of that mode."
     p = kernel_paths()
@@ -68,19 +74,23 @@ _LEFT_OUT: set = set()                           # kernel-point sources left out
 @functools.lru_cache(maxsize=1)
 def _points() -> dict: return {r.point: (r.source, float(r.value)) for r in kernel_points().itertuples()}
 
+# %% ../nbs/12a_speed.ipynb #17bef7cc
 def _point(pid):
     "A kernel point's value; None when its source is left out."
     src, v = _points()[pid]
     return None if src in _LEFT_OUT else v
 
+# %% ../nbs/12a_speed.ipynb #3ac12945
 def _ratio(pid, gpu, col, default):
     v = _point(pid)
     return default if v is None else v / float(gpu_spec(gpu)[col])
 
+# %% ../nbs/12a_speed.ipynb #3dda8bd6
 def arch_efficiency(gpu) -> dict:
     "Shares of the datasheet peaks that GEMMs, flash attention and elementwise kernels reach on `gpu`'s arch."
     return dict(_arch_efficiency(gpu_spec(gpu).get('arch', ''), frozenset(_LEFT_OUT)))
 
+# %% ../nbs/12a_speed.ipynb #7d5fed96
 @functools.lru_cache(maxsize=32)
 def _arch_efficiency(arch: str, left_out: frozenset) -> dict:
     bw = _ratio('h2c', 'h200', 'mem_bw_tbs', FALLBACK['elementwise'])           # the lab's H200 copy
@@ -107,6 +117,7 @@ def _peak(spec, dtype) -> float:
         raise ValueError(f"{spec['gpu']} has no {dtype} tensor cores; its formats: {', '.join(gpu_schemes(spec))}")
     return float(v) * 1e12
 
+# %% ../nbs/12a_speed.ipynb #0bab137d
 def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float]:
     "The kernel-path row, its GEMM efficiency, cast bandwidth share and fixed seconds per Linear (fitted where 'fit')."
     p = _path_rows().loc[path]
@@ -118,6 +129,7 @@ def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float]:
         eff['elementwise'] if p.cast_bw in ('elementwise', '') or pd.isna(p.cast_bw) else float(p.cast_bw)
     return p, ge, cb, fit.get('overhead_s', 0.0)
 
+# %% ../nbs/12a_speed.ipynb #35cb2df2
 def linear_time(spec, M, K, N, path: str, cal=None, compiled: bool = True, floor: float = 2e-6):
     "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM, cast, amax, epilogue, dequantise."
     spec = gpu_spec(spec)
@@ -135,6 +147,7 @@ def linear_time(spec, M, K, N, path: str, cal=None, compiled: bool = True, floor
     if p.dequant: t = t + np.where(gemv, 0.0, (p.w_bytes + 2) * N * K / (bw * ew) + floor)
     return t
 
+# %% ../nbs/12a_speed.ipynb #b9726133
 def linear_kernels(path: str) -> int:
     "Kernels one Linear of `path` launches (GEMM, cast, amax, epilogue, dequant)."
     p = _path_rows().loc[path]
@@ -151,6 +164,7 @@ def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
     # ReLU fused into the cast
     return (relu + linear_time(spec, n, n, n, 'bf16', cal)) / linear_time(spec, n, n, n, path, cal)
 
+# %% ../nbs/12a_speed.ipynb #3a61fe23
 def calibrate(points=None, drop_sources=()) -> dict:
     "Fit each 'fit' path's GEMM efficiency and fixed cost on kernel-level points only (never on end-to-end runs)."
     pts = kernel_points() if points is None else points
@@ -172,6 +186,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
                          source=', '.join(sorted(set(g.source))))
     return out
 
+# %% ../nbs/12a_speed.ipynb #04ff51b3
 @functools.lru_cache(maxsize=1)
 def _calibration() -> dict: return calibrate()
 
@@ -182,6 +197,7 @@ def _other_time(trace, spec, compiled, floor=2e-6) -> float:
     if compiled: return trace.fused_bytes / bw + (trace.fused_kernels - int((trace.ops.kind != 'other').sum())) * floor
     return float(np.maximum(o.bytes.to_numpy(float) / bw, floor).sum())
 
+# %% ../nbs/12a_speed.ipynb #61b69d4d
 def _attention_time(trace, spec, fp8_attention=False, floor=2e-6) -> float:
     a = trace.attention
     if a.empty: return 0.0
@@ -192,6 +208,7 @@ def _attention_time(trace, spec, fp8_attention=False, floor=2e-6) -> float:
     else: t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * eff['attention'])
     return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
 
+# %% ../nbs/12a_speed.ipynb #83457bde
 def _dense_part(trace, spec) -> float:
     "GPU seconds of a dense bf16 part run eagerly (text encoder, VAE): matmuls and convs, attention, the rest by bytes."
     ge, bw = arch_efficiency(spec)['bf16'], float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
@@ -230,6 +247,7 @@ def forward_time(gpu, model, size: int = 1024, batch: int = 1, scheme: str = 'bf
     return dict(seconds=max(gpu_s, cpu), gpu_s=gpu_s, cpu_s=cpu, linear_s=lin, attention_s=att, other_s=other,
                 kernels=kernels, quantised_linears=int(q.sum()), path=path)
 
+# %% ../nbs/12a_speed.ipynb #eb7ae616
 def pipeline_time(gpu, model, size: int = 1024, batch: int = 1, steps: int = 28, forwards_per_step: int = 1,
                   scheme: str = 'bf16', compile: str = 'inductor', **kw) -> dict:
     "Predicted seconds of one pipeline call: text encoders per prompt (x2 with CFG), every forward, one VAE decode."
@@ -258,6 +276,7 @@ def _one(gpu, model, size, batch, steps, fps, scheme, compile, kw) -> dict:
     return dict(scheme=scheme, seconds=t['seconds'], speedup=b['seconds'] / t['seconds'], path=t['forward']['path'],
                 text_encoder_s=t['text_encoder_s'], denoise_s=t['denoise_s'], vae_s=t['vae_s'], note='')
 
+# %% ../nbs/12a_speed.ipynb #a47cddfb
 def predict(gpu, model, size: int = 1024, batch: int = 1, steps: int = 28, forwards_per_step: int = 1,
             schemes=('bf16',),
             compile: str = 'inductor', *, frames=None, text_tokens=None, rules: str = 'lab', min_features: int = 512,
@@ -290,6 +309,7 @@ def predict(gpu, model, size: int = 1024, batch: int = 1, steps: int = 28, forwa
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
+# %% ../nbs/12a_speed.ipynb #8aba4042
 def format_predictions(records) -> str:
     "The readable table of `predict`'s records: seconds and speedup with their intervals, resident and peak GiB."
     if not records: return '(no predictions)'
@@ -340,6 +360,7 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
     out['mode'] = np.where(out['compile'] == 'none', 'eager', 'compiled')
     return out
 
+# %% ../nbs/12a_speed.ipynb #6ecab52e
 def error_summary(v: pd.DataFrame) -> pd.DataFrame:
     "Median and max absolute error of the speedups (non-bf16 rows) and seconds, per mode and use."
     q = v[v.scheme != 'bf16']
@@ -350,6 +371,7 @@ def error_summary(v: pd.DataFrame) -> pd.DataFrame:
 
 VALIDATION_FILE, LOSO_FILE = 'speed_validation.csv', 'speed_loso.csv'
 
+# %% ../nbs/12a_speed.ipynb #acda2606
 def record_validation(root=None) -> pd.DataFrame:
     "Run `validate` on every published run and write `data/speed_validation.csv` (read by the intervals and Findings)."
     v = validate().assign(computed_by='diffq_lab.speed.validate (prediction vs published; no GPU here)')
@@ -357,11 +379,13 @@ def record_validation(root=None) -> pd.DataFrame:
     residual_bands.cache_clear()
     return v
 
+# %% ../nbs/12a_speed.ipynb #79310e91
 def validation_table() -> pd.DataFrame:
     "The recorded validation table (`record_validation`); empty when it was never recorded."
     p = _DATA(VALIDATION_FILE)
     return pd.read_csv(p) if p.exists() else pd.DataFrame()
 
+# %% ../nbs/12a_speed.ipynb #6fe5961f
 @functools.lru_cache(maxsize=1)
 def residual_bands() -> dict:
     "Per mode: (seconds lo, hi, speedup lo, hi) multipliers: 5-95% of published / predicted on the validation runs."
@@ -391,6 +415,7 @@ def leave_one_source_out(runs=None) -> pd.DataFrame:
                              max_speedup_err=float(g.speedup_err.abs().max())))
     return pd.DataFrame(rows)
 
+# %% ../nbs/12a_speed.ipynb #ec203396
 def leave_one_run_source_out(runs=None) -> pd.DataFrame:
     "Each validation source's errors with the intervals built from the other sources' residuals: do the bands cover it?"
     v = validate(runs, uses=('validate',), memory=False)
@@ -409,6 +434,7 @@ def leave_one_run_source_out(runs=None) -> pd.DataFrame:
                              covered=float(inside) if len(r) else np.nan))
     return pd.DataFrame(rows)
 
+# %% ../nbs/12a_speed.ipynb #bb464006
 def record_loso(root=None) -> pd.DataFrame:
     "Both leave-one-source-out tables, stacked and written to `data/speed_loso.csv` for the Findings."
     a = leave_one_source_out().assign(table='kernel-point source left out of the calibration')

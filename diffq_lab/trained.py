@@ -30,25 +30,30 @@ HALF_EXTENT = 4.0  # pixels at 32x32: the grid cells are 9 px apart, so shapes l
 IMAGE_SIZE = 32
 _CENTRES = (7.0, 16.0, 25.0)  # pixel centres of the 3x3 grid cells
 
+# %% ../nbs/14_trained.ipynb #dc438d80
 def _check(what, v, ok):
     if v not in ok: raise ValueError(f'unknown {what} {v!r}; choose one of {tuple(ok)}')
 
+# %% ../nbs/14_trained.ipynb #feba7888
 def _check_scene(shape_a, colour_a, relation, shape_b, colour_b):
     for v, ok, what in ((shape_a, SHAPES, 'shape'), (colour_a, tuple(COLOURS), 'colour'), (relation, RELATIONS, 'relation'),
                         (shape_b, SHAPES, 'shape'), (colour_b, tuple(COLOURS), 'colour')): _check(what, v, ok)
     if colour_a == colour_b: raise ValueError(f'the two shapes need different colours, got {colour_a!r} twice; choose one of the others')
 
+# %% ../nbs/14_trained.ipynb #2112582b
 def caption(shape_a, colour_a, relation, shape_b, colour_b) -> str:
     "The prompt for one scene: 'a red circle left of a blue square'."
     _check_scene(shape_a, colour_a, relation, shape_b, colour_b)
     return f'a {colour_a} {shape_a} {relation} a {colour_b} {shape_b}'
 
+# %% ../nbs/14_trained.ipynb #253bd59b
 def layouts(relation) -> list[tuple]:
     "The ((row, col) of A, (row, col) of B) grid cells `relation` allows: 9 for each."
     _check('relation', relation, RELATIONS)
     if relation == 'left of': return [((r, a), (r, b)) for r in range(3) for a in range(3) for b in range(a + 1, 3)]
     return [((a, c), (b, c)) for c in range(3) for a in range(3) for b in range(a + 1, 3)]
 
+# %% ../nbs/14_trained.ipynb #df477539
 @functools.lru_cache(maxsize=1024)
 def _tile(shape, colour, cell, res, ss):
     "One anti-aliased shape in grid `cell` on black, (3, res, res) float64, read-only (cached: scenes are sums of two)."
@@ -66,6 +71,7 @@ def _tile(shape, colour, cell, res, ss):
     out.setflags(write=False)
     return out
 
+# %% ../nbs/14_trained.ipynb #9407b22d
 def draw_scene(shape_a, colour_a, relation, shape_b, colour_b, layout: int = 0, res: int = IMAGE_SIZE, ss: int = 4) -> torch.Tensor:
     "One scene as a float32 (3, res, res) tensor in [0, 1]: shapes A and B in `layouts(relation)[layout]`, anti-aliased by `ss`x supersampling."
     _check_scene(shape_a, colour_a, relation, shape_b, colour_b)
@@ -74,16 +80,19 @@ def draw_scene(shape_a, colour_a, relation, shape_b, colour_b, layout: int = 0, 
     ca, cb = ls[layout]
     return torch.from_numpy(_tile(shape_a, colour_a, ca, res, ss) + _tile(shape_b, colour_b, cb, res, ss)).float()
 
+# %% ../nbs/14_trained.ipynb #6852eec5
 def scene_params() -> list[tuple]:
     "Every prompt's (shape_a, colour_a, relation, shape_b, colour_b), in a fixed order: 360."
     return [(sa, ca, r, sb, cb) for sa in SHAPES for ca in COLOURS for r in RELATIONS for sb in SHAPES for cb in COLOURS if cb != ca]
 
+# %% ../nbs/14_trained.ipynb #8536cf20
 def is_held_out(params) -> bool:
     "The deterministic held-out rule: one prompt in ten; every attribute value in each role, and every pair of them, is still seen in training."
     sa, ca, r, sb, cb = params
     cs = list(COLOURS)
     return (SHAPES.index(sa) + 3*cs.index(ca) + 7*SHAPES.index(sb) + 9*cs.index(cb) + 5*RELATIONS.index(r)) % 10 == 0
 
+# %% ../nbs/14_trained.ipynb #8880a5be
 def make_dataset(split: str = 'train') -> dict:
     "The procedural dataset, every layout of every prompt of `split` ('train', 'heldout' or 'all'): images (N, 3, 32, 32) in [0, 1], captions, params, layouts."
     if split not in ('train', 'heldout', 'all'): raise ValueError(f"unknown split {split!r}; choose one of ('train', 'heldout', 'all')")
@@ -92,6 +101,7 @@ def make_dataset(split: str = 'train') -> dict:
     return dict(images=torch.stack([draw_scene(*p, layout=l) for p, l in rows]), captions=[caption(*p) for p, _ in rows],
                 params=[p for p, _ in rows], layouts=[l for _, l in rows])
 
+# %% ../nbs/14_trained.ipynb #fc86f6a2
 def heldout_prompts() -> list[str]:
     "The held-out prompts: captions the model never saw in training (36)."
     return [caption(*p) for p in scene_params() if is_held_out(p)]
@@ -114,15 +124,18 @@ def build_components(seed=0):
         vae = D.AutoencoderKL(**VAE_CONFIG)
     return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=tr)
 
+# %% ../nbs/14_trained.ipynb #35da1e3d
 def _lr_at(i, steps, lr, warmup, decay=0):
     "Linear warm-up over `warmup` steps, constant, then (when `decay`) linear to zero over the last `decay` steps."
     if i < warmup: return lr*(i + 1)/warmup
     if decay and i >= steps - decay: return lr*(steps - i)/decay
     return lr
 
+# %% ../nbs/14_trained.ipynb #d1dc2b3d
 def _latent_means(vae, images, chunk=512):
     with torch.no_grad(): return torch.cat([vae.encode(images[i:i + chunk]*2 - 1).latent_dist.mean for i in range(0, len(images), chunk)])
 
+# %% ../nbs/14_trained.ipynb #46c12235
 def train_vae(vae, images, steps=800, bs=16, lr=2e-3, seed=0, log=None):
     "Train `vae` as an autoencoder on `images` (N, 3, H, W) in [0, 1] for `steps` (the last quarter decaying lr to 0); set its latent shift/scale; the loss curve."
     t0 = time.time()
@@ -143,6 +156,7 @@ def train_vae(vae, images, steps=800, bs=16, lr=2e-3, seed=0, log=None):
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1/z.std()))
     return curve
 
+# %% ../nbs/14_trained.ipynb #fc79ecd3
 def train_dit(pipe, images, captions, steps=2500, bs=16, lr=6e-4, warmup=100, ema=0.995, p_uncond=0.1, seed=0, log=None, callback=None):
     "Train `pipe.transformer` by flow matching on the autoencoder's latents of `images` given `captions`; load the EMA weights into it; the loss curve. `callback(step, ema_model, curve, seconds)` after each step."
     t0 = time.time()
@@ -183,6 +197,7 @@ def trained_manifest(root=None) -> Path:
     "The committed sha256 of every file of `trained_dir(root)`, beside it (the folder itself stays a plain diffusers folder)."
     return trained_dir(root).parent/'trained.sha256.json'
 
+# %% ../nbs/14_trained.ipynb #7ebf96bb
 def check_trained(root=None) -> Path:
     "`trained_dir(root)` as committed: every file present and unchanged, nothing added; one line naming the first difference."
     d, m = trained_dir(root), trained_manifest(root)
@@ -199,6 +214,7 @@ def trained_dir(root=None) -> Path:
     "Where the trained weights live: data/trained of this checkout (or of `root`)."
     return Path(root or repo_root())/'data'/'trained'
 
+# %% ../nbs/14_trained.ipynb #afe42c9e
 def save_trained(pipe, log: dict, root=None):
     "Write the pipeline as a standard diffusers folder (DiT in bf16, the rest fp32) and its training log under `trained_dir(root)`."
     d = trained_dir(root); d.mkdir(parents=True, exist_ok=True)
@@ -210,6 +226,7 @@ def save_trained(pipe, log: dict, root=None):
 
 TRAIN_ARGS = dict(vae_steps=800, vae_bs=16, vae_lr=2e-3, dit_steps=2500, dit_bs=16, dit_lr=6e-4, warmup=100, ema=0.995, p_uncond=0.1)
 
+# %% ../nbs/14_trained.ipynb #2b9c30da
 def train_all(seed=0, root=None, threads=2, log=print, callback=None, **kw):
     "Train the autoencoder then the DiT for fixed step counts (`TRAIN_ARGS`, overridable by keyword) on `threads` torch threads; save under `trained_dir(root)`. Returns (pipe, log)."
     bad = set(kw) - set(TRAIN_ARGS)
@@ -245,6 +262,7 @@ def quiet_loading():
         if was[0]: dl.enable_progress_bar()
         if was[1]: tl.enable_progress_bar()
 
+# %% ../nbs/14_trained.ipynb #c14e279b
 def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     "The trained tiny z-image pipeline from data/trained, a standard diffusers folder (offline, about a second), cast to `dtype`."
     import diffusers as D
@@ -261,6 +279,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
 
 TRAINED_STEPS, TRAINED_GUIDANCE = 8, 1.0  # the sampling settings the findings use
 
+# %% ../nbs/14_trained.ipynb #81517e6f
 def render_trained(pipe, prompt: str, seed: int = 0, steps: int = TRAINED_STEPS, guidance: float = TRAINED_GUIDANCE) -> torch.Tensor:
     "Render `prompt` with the trained pipeline at 32x32: float32 (3, 32, 32) in [0, 1]."
     return render(pipe, prompt, steps=steps, size=32, seed=seed, guidance_scale=guidance)[0]
@@ -268,6 +287,7 @@ def render_trained(pipe, prompt: str, seed: int = 0, steps: int = TRAINED_STEPS,
 # %% ../nbs/14_trained.ipynb #0d9b4c55
 def _is_core(fqn: str) -> bool: return '.attention.' in fqn or '.feed_forward.' in fqn  # the attention and MLP Linears
 
+# %% ../nbs/14_trained.ipynb #e47fd25b
 def linear_counts(transformer=None, schemes=None, min_features=(0, 512)) -> pd.DataFrame:
     "Per scheme and `min_features`: how many of the DiT's Linears the lab's plan quantises, and how many of its attention + MLP Linears."
     from diffq_lab.schemes import SCHEMES
@@ -300,6 +320,7 @@ _BY_CAPTION = {caption(*p): p for p in scene_params()}
 
 TRIANGLE_TAPER, SQUARE_FILL = 0.65, 0.88  # measured on the data: taper 0.26-0.29 vs 1.0; fill 0.81 vs 1.0 (0.75-0.86 vs 0.89-1.0 in reconstructions)
 
+# %% ../nbs/14_trained.ipynb #86402d1f
 def _describe(core: np.ndarray) -> dict:
     "Shape of a boolean `core` mask: its taper (top third's mean width over the bottom third's) and bounding-box fill."
     ys, xs = np.nonzero(core)
@@ -310,6 +331,7 @@ def _describe(core: np.ndarray) -> dict:
     shape = 'triangle' if taper < TRIANGLE_TAPER else 'square' if fill > SQUARE_FILL else 'circle'
     return dict(shape=shape, fill=float(fill), taper=taper)
 
+# %% ../nbs/14_trained.ipynb #e72c6e18
 def analyse(image) -> dict:
     "Per palette colour, the largest object of that colour in `image` (3, H, W) in [0, 1]: its shape (with fill and taper), area and centroid (fractions of H, W); None when absent."
     import scipy.ndimage as ndi
@@ -334,12 +356,14 @@ def analyse(image) -> dict:
         out[c] = dict(**_describe(ob > 0.5*ob.max()), area=float(len(ys)), cy=(float(ys.mean()) + 0.5)/H, cx=(float(xs.mean()) + 0.5)/W)
     return out
 
+# %% ../nbs/14_trained.ipynb #e236f10a
 def relation_of(a: dict, b: dict) -> str:
     "Where object `a` is relative to `b`, by the dominant axis of their centroids' offset: 'left of', 'right of', 'above' or 'below'."
     dy, dx = b['cy'] - a['cy'], b['cx'] - a['cx']
     if abs(dx) >= abs(dy): return 'left of' if dx > 0 else 'right of'
     return 'above' if dy > 0 else 'below'
 
+# %% ../nbs/14_trained.ipynb #571686c5
 def checks(image, prompt) -> dict:
     "The five checks of `image` against `prompt`: colour A and B present, shape A and B right, relation right."
     sa, ca, r, sb, cb = parse_prompt(prompt)
@@ -348,6 +372,7 @@ def checks(image, prompt) -> dict:
     return dict(colour_a=a is not None, colour_b=b is not None, shape_a=a is not None and a['shape'] == sa,
                 shape_b=b is not None and b['shape'] == sb, relation=a is not None and b is not None and relation_of(a, b) == r)
 
+# %% ../nbs/14_trained.ipynb #5e896335
 def adherence(image, prompt) -> float:
     "Prompt adherence of one render in [0, 1]: the fraction of the five checks (colour A, colour B, shape A, shape B, relation) it passes."
     return sum(checks(image, prompt).values())/len(CHECKS)
@@ -363,6 +388,7 @@ def evaluate(pipe, prompts=None, seeds=(0, 1, 2, 3), **kw) -> pd.DataFrame:
             rows.append(dict(prompt=prompt, seed=seed, **c, adherence=sum(c.values())/len(CHECKS)))
     return pd.DataFrame(rows)
 
+# %% ../nbs/14_trained.ipynb #3f475bee
 def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
     "Measure the dense trained pipeline's adherence on the held-out prompts and as many training prompts; append the summary to `trained_adherence`."
     from diffq_lab.quality import summarise
@@ -409,6 +435,7 @@ def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'),
     dense_row = dict(requested='dense', scheme='dense', adherence=est.mean, adh_lo=est.lo, adh_hi=est.hi, renders=len(pairs), status='ok')
     return pd.DataFrame([dense_row, *run_schemes(schemes, one)])
 
+# %% ../nbs/14_trained.ipynb #4bc423ed
 def record_adherence_by_scheme(root=None, **kw) -> pd.DataFrame:
     "Run `adherence_by_scheme` and append its rows to the `trained_schemes` table."
     from diffq_lab.plan import record_rows

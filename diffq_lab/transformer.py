@@ -66,6 +66,7 @@ def concrete_scheme(scheme, device) -> str | None:
     s = normalize_scheme(scheme)
     return select_scheme('auto', device) if s == 'auto' else s
 
+# %% ../nbs/08_transformer.ipynb #8ca9c43e
 def transformer_filter(transformer, scheme, min_features: int = 512):
     "A `filter_fn(module, fqn)` for `scheme` on denoiser `transformer`; its `.skip_reason` says why a Linear stays dense."
     if normalize_scheme(scheme) in (None, 'auto'):
@@ -84,10 +85,12 @@ def transformer_filter(transformer, scheme, min_features: int = 512):
 # %% ../nbs/08_transformer.ipynb #1217e5f5
 def _compiled(module) -> bool: return bool(getattr(module, '_diffq_compiled', False))
 
+# %% ../nbs/08_transformer.ipynb #18c9f38e
 def is_gguf_linear(module) -> bool:
     "Whether `module` is a Linear whose weight diffusers loaded from a GGUF file (a `GGUFParameter`)."
     return isinstance(module, nn.Linear) and type(module.weight).__name__ == 'GGUFParameter'
 
+# %% ../nbs/08_transformer.ipynb #f966450b
 def _check_denoiser(transformer, family):
     if not isinstance(transformer, nn.Module): raise ValueError(f'a denoiser must be an nn.Module, got {type(transformer).__name__}')
     if family is not None: get_family(family)  # an unknown family is an error, not a silent no-op
@@ -95,6 +98,7 @@ def _check_denoiser(transformer, family):
     if any(is_gguf_linear(m) for m in transformer.modules()):
         raise ValueError('this transformer was loaded from GGUF: its Linears are GGUF-quantised already; load the dense one')
 
+# %% ../nbs/08_transformer.ipynb #a5ac057f
 def plan_transformer(transformer: nn.Module, scheme, *, min_features: int = 512, family=None, backend: str = 'auto',
                      device=None) -> ComponentPlan:
     "The plan of `scheme` ('auto': the device ladder) for the FLOP-heavy Linears of denoiser `transformer`; nothing changes."
@@ -109,6 +113,7 @@ def plan_transformer(transformer: nn.Module, scheme, *, min_features: int = 512,
     if normalize_scheme(scheme) == 'auto': p.note = f'auto -> {s or "dense"} on {device_name(dev)}'
     return p
 
+# %% ../nbs/08_transformer.ipynb #893265be
 def quantize_transformer(transformer: nn.Module, scheme, *, min_features: int = 512, family=None, backend: str = 'auto',
                          device=None) -> ComponentPlan:
     "Quantise the FLOP-heavy Linears of denoiser `transformer` in place with `scheme`, all or nothing; the applied plan."
@@ -124,6 +129,7 @@ def dynamo_counters() -> dict[str, int]:
     return dict(frames=int(counters['frames']['ok']), graphs=int(counters['stats']['unique_graphs']),
                 graph_breaks=int(sum(counters['graph_break'].values())))
 
+# %% ../nbs/08_transformer.ipynb #c3aae9d1
 def compile_stats(fn, runs: int = 2) -> dict:
     "Call `fn` once (compilation happens there), then `runs` times: first-call seconds, frames compiled then, recompiles after."
     c0, t0 = dynamo_counters(), time.perf_counter()
@@ -147,6 +153,7 @@ class CompileReport:
         return f"{self.method}: {len(self.regions)} regions of {', '.join(self.block_classes)}" + (f' {self.options}' if self.options else '')
     def __repr__(self): return f'CompileReport({self.summary()})'
 
+# %% ../nbs/08_transformer.ipynb #6842f733
 def compile_regions(transformer: nn.Module) -> tuple[str, list[str]]:
     "How `transformer` compiles regionally: ('compile_repeated_blocks', fqns) from `_repeated_blocks`, else ('per_block', top-level ModuleList blocks)."
     names = tuple(getattr(transformer, '_repeated_blocks', None) or ())
@@ -157,6 +164,7 @@ def compile_regions(transformer: nn.Module) -> tuple[str, list[str]]:
     if not blocks: raise ValueError(f'{type(transformer).__name__} has neither _repeated_blocks nor top-level ModuleList blocks to compile')
     return 'per_block', blocks
 
+# %% ../nbs/08_transformer.ipynb #4d76562f
 def compile_transformer(transformer: nn.Module, mode: str | None = None, **compile_kwargs) -> CompileReport:
     "Compile the repeated blocks of `transformer` in place (after quantisation); `mode`/`compile_kwargs` go to `torch.compile`."
     if _compiled(transformer): raise ValueError(f'{type(transformer).__name__} is already compiled')
