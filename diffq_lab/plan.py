@@ -6,7 +6,7 @@
 from __future__ import annotations
 import hashlib, json, logging, re, shutil, tempfile, warnings
 from collections import Counter
-from dataclasses import dataclass, field, asdict
+from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 import pandas as pd
 import torch
@@ -21,7 +21,7 @@ _log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan',
-           'ComponentPlan', 'QuantPlan', 'QuantPolicy', 'dense_plan', 'plan_linears', 'QuantizationError',
+           'ComponentPlan', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears', 'QuantizationError',
            'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config',
            'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows', 'run_schemes']
 
@@ -195,11 +195,27 @@ class QuantPolicy:
         "The width floor for a model: the one place the tiny-model exception is decided."
         return self.min_features if self.min_features is not None else TINY_MIN_FEATURES if tiny else REAL_MIN_FEATURES
 
+    def floor(self, module: nn.Module) -> int:
+        "The width floor for `module`: tiny when none of its Linears is `REAL_MIN_FEATURES` wide both ways."
+        widths = [min(m.in_features, m.out_features) for m in module.modules() if isinstance(m, nn.Linear)]
+        return self.features(tiny=not widths or max(widths) < REAL_MIN_FEATURES)
+
     @classmethod
     def split(cls, kw: dict) -> tuple[QuantPolicy, dict]:
         "A policy from the policy fields among `kw`, and the rest of `kw`."
         names = set(cls.__dataclass_fields__)
         return cls(**{k: v for k, v in kw.items() if k in names}), {k: v for k, v in kw.items() if k not in names}
+
+# %% ../nbs/04_plan.ipynb #d0ca2325
+def as_policy(policy: QuantPolicy | None = None, # the caller's policy (default: `QuantPolicy()`)
+              **settings, # QuantPolicy fields that override it (e.g. min_features=0, backend='emulate')
+             ) -> QuantPolicy:
+    "The policy a call runs under: `policy` with `settings` laid over it; an unknown setting names the valid ones."
+    if policy is not None and not isinstance(policy, QuantPolicy):
+        raise ValueError(f'policy must be a QuantPolicy, got {type(policy).__name__}')
+    unknown = sorted(set(settings) - set(QuantPolicy.__dataclass_fields__))
+    if unknown: raise ValueError(f'unknown setting {unknown}; QuantPolicy fields are {list(QuantPolicy.__dataclass_fields__)}')
+    return replace(policy or QuantPolicy(), **settings)
 
 # %% ../nbs/04_plan.ipynb #b8c1fb4e
 def _linear_shapes(module) -> dict[str, tuple[int, int]]:
