@@ -8,6 +8,7 @@ from torch import nn
 import diffq_lab.transformer as T
 from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.pipelines import TINY_FAMILIES, get_family, render, tiny_pipeline
+from diffq_lab.plan import QuantPolicy
 from diffq_lab.schemes import quantized_linears
 from diffq_lab.transformer import denoisers, plan_transformer, quantize_transformer
 
@@ -26,6 +27,20 @@ def test_tiny_m_tokens_name_exactly_the_linears_that_run_at_batch_rows(pipes, fa
         by_token = {f for f in rows.index if any(t in f for t in embed + modulation)}
         assert set(rows[rows <= 2].index) == by_token, family
         assert type(mod).__name__ == get_family(family).denoiser and get_family(family).tiny_m is not None
+
+
+@pytest.mark.parametrize('family', TINY_FAMILIES)
+def test_the_width_floor_and_backend_are_the_policys(pipes, family):
+    "A tiny denoiser (32-64 wide) plans as at min_features=0; a policy or keyword settings set floor and backend."
+    for mod in denoisers(pipes[family]).values():
+        assert plan_transformer(mod, 'int8').quantized == plan_transformer(mod, 'int8', min_features=0).quantized
+        assert plan_transformer(mod, 'int8', policy=QuantPolicy(min_features=512)).n_quantized == 0
+        emu = plan_transformer(mod, 'int8', policy=QuantPolicy(backend='emulate'))
+        assert emu.quantized and {emu.linears[f].backend for f in emu.quantized} == {'emulate'}, family
+        over = plan_transformer(mod, 'int8', policy=QuantPolicy(backend='emulate'), backend='torchao')  # settings win
+        assert {over.linears[f].backend for f in over.quantized} == {'torchao'}
+        with pytest.raises(ValueError, match='QuantPolicy fields'): plan_transformer(mod, 'int8', min_feature=0)
+        with pytest.raises(ValueError, match='QuantPolicy'): T.transformer_filter(mod, 'int8', 512)
 
 
 def test_real_dims_z_image_plans_every_scheme_on_meta():
