@@ -21,9 +21,10 @@ _log = logging.getLogger(__name__)
 
 # %% auto #0
 __all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan',
-           'ComponentPlan', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears', 'QuantizationError',
-           'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config',
-           'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows', 'run_schemes']
+           'ComponentPlan', 'component_role', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears',
+           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
+           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows',
+           'run_schemes']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -109,6 +110,11 @@ def _component_from_json(c, p) -> ComponentPlan:
     if bad: raise _bad_plan(c, f'{bad[0]!r} is not a Linear name')
     return ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'), p.get('note') or '')
 
+# %% ../nbs/04_plan.ipynb #a0efbf7f
+def component_role(name: str) -> str:
+    "The role a pipeline component plays in results rows: 'te' (a text encoder), 'transformer' (a denoiser), '' (a bare module)."
+    return '' if not name else 'te' if name.startswith('text_encoder') else 'transformer'
+
 # %% ../nbs/04_plan.ipynb #2b421d2a
 @dataclass
 class QuantPlan:
@@ -152,13 +158,20 @@ class QuantPlan:
         return pd.concat(parts, ignore_index=True)[['component', 'fqn', 'in', 'out', 'scheme', 'backend', 'reason']] \
             if parts else pd.DataFrame(columns=['component', 'fqn', 'in', 'out', 'scheme', 'backend', 'reason'])
     def columns(self) -> dict:
-        "What a results row records of this plan: applied scheme and backend per component, counts, digest."
+        "What a results row records of this plan, in the lab's one vocabulary: scheme, backend and counts per role, digest."
+        roles = {}
+        for c, p in self.components.items(): roles.setdefault(component_role(c), []).append(p)
         cols = {}
-        for c, p in self.components.items():
-            pre = f'{c}_' if c else ''
-            cols.update({f'{pre}scheme': p.scheme or 'dense', f'{pre}backend': p.backend or '',
-                         f'{pre}quantized': f'{p.n_quantized}/{p.n_linear}'})
+        for role, ps in roles.items():
+            pre = f'{role}_' if role else ''
+            cols.update({f'{pre}scheme': '+'.join(sorted({p.scheme or 'dense' for p in ps})),
+                         f'{pre}backend': '+'.join(sorted({p.backend for p in ps if p.backend})),
+                         f'{pre}quantized': f'{sum(p.n_quantized for p in ps)}/{sum(p.n_linear for p in ps)}'})
         return {**cols, 'plan': self.digest()}
+    def label(self) -> str:
+        "The applied schemes as one name: the encoders' then the denoisers' ('int8', 'fp8/int8', 'dense')."
+        cols = self.columns()
+        return '/'.join(dict.fromkeys(cols[k] for k in ('scheme', 'te_scheme', 'transformer_scheme') if k in cols)) or 'dense'
 
 # %% ../nbs/04_plan.ipynb #be96f8bf
 ON_UNAVAILABLE = ('dense', 'raise')  # a scheme that cannot run: fall back to dense with the reason, or refuse
