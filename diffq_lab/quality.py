@@ -15,15 +15,16 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import package_version
+from .stats import (Estimate, _bootstrap, _values, ci_label, inf_mean, interleaved_times, paired_bootstrap,
+                             paired_ratio, rank_schemes, speed_vs, summarise, time_once, warm_up, EMULATED_SPEED,
+                             MIN_ROUNDS)  # moved to 00a_stats; re-exported here until every importer switches
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LPIPS_NETS', 'ST_LPIPS_NETS', 'ST_LPIPS_PACKAGE', 'EMULATED_SPEED', 'MIN_ROUNDS', 'QUALITY_PROMPTS',
-           'as_frames', 'psnr', 'ssim_map', 'ssim', 'hidden_cosine', 'MetricUnavailable', 'lpips_available',
-           'lpips_distance', 'st_lpips_weights', 'STLPIPS', 'st_lpips', 'quality_metrics', 'quality_table', 'Estimate',
-           'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'time_once', 'warm_up', 'interleaved_times',
-           'ci_label', 'speed_vs', 'quality_pairs', 'record_quality']
+__all__ = ['log', 'LPIPS_NETS', 'ST_LPIPS_NETS', 'ST_LPIPS_PACKAGE', 'QUALITY_PROMPTS', 'as_frames', 'psnr', 'ssim_map', 'ssim',
+           'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance', 'st_lpips_weights', 'STLPIPS',
+           'st_lpips', 'quality_metrics', 'quality_table', 'quality_pairs', 'record_quality']
 
 # %% ../nbs/11_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:
@@ -278,150 +279,6 @@ def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
     "`quality_metrics` of each render in `renders` (name -> image or clip) vs `ref`, one row per name."
     if not renders: raise ValueError('quality_table needs at least one render')
     return pd.DataFrame([dict(scheme=k, **quality_metrics(v, ref, **kwargs)) for k, v in renders.items()])
-
-# %% ../nbs/11_quality.ipynb #66b4f302
-@dataclass
-class Estimate:
-    "A point estimate (the mean, or the statistic named) with its bootstrap confidence interval."
-    mean: float
-    lo: float
-    hi: float
-    n: int
-    level: float = 0.95
-    stat: str = 'mean'
-    @property
-    def excludes_zero(self) -> bool: return self.lo > 0 or self.hi < 0
-    @property
-    def excludes_one(self) -> bool: return self.lo > 1 or self.hi < 1
-    def __str__(self): return f'{self.stat} {self.mean:.4g} [{self.lo:.4g}, {self.hi:.4g}] ({self.level:.0%} CI, n={self.n})'
-
-# %% ../nbs/11_quality.ipynb #73b4b75d
-def _values(v, name='values') -> np.ndarray:
-    a = np.asarray(v.detach().cpu() if isinstance(v, torch.Tensor) else v, dtype=np.float64).reshape(-1)
-    if a.size == 0: raise ValueError(f'{name} is empty: nothing to summarise')
-    if not np.isfinite(a).all():
-        raise ValueError(f'{name} has NaN/inf values {a[~np.isfinite(a)][:3].tolist()}: a mean of them means nothing '
-                         f'(the PSNR of identical renders is inf; compare SSIM, or drop or report such pairs)')
-    return a
-
-# %% ../nbs/11_quality.ipynb #b9f939b5
-def _bootstrap(a: np.ndarray, n: int, seed: int, level: float, statistic=np.mean) -> Estimate:
-    "scipy's BCa bootstrap of `statistic` over `a` (percentile where BCa degenerates; no width when `a` has no spread)."
-    if not isinstance(n, int) or n < 100: raise ValueError(f'n (bootstrap resamples) must be an int >= 100, got {n!r}')
-    if not 0 < level < 1: raise ValueError(f'level must be in (0, 1), got {level}')
-    point, name = float(statistic(a)), getattr(statistic, '__name__', 'statistic')
-    if a.size < 2 or np.ptp(a) == 0: return Estimate(point, point, point, int(a.size), level, name)
-    lo = hi = float('nan')
-    for method in ('BCa', 'percentile'):  # BCa corrects the percentile bootstrap's narrowness with few pairs
-        with warnings.catch_warnings():
-            warnings.simplefilter('ignore')  # scipy's DegenerateDataWarning: the percentile interval takes over
-            ci = scipy.stats.bootstrap((a,), statistic, n_resamples=n, confidence_level=level, method=method,
-                                       random_state=seed).confidence_interval
-        lo, hi = float(ci.low), float(ci.high)
-        if np.isfinite(lo) and np.isfinite(hi): break
-    return Estimate(point, lo, hi, int(a.size), level, name)
-
-# %% ../nbs/11_quality.ipynb #455815b0
-def summarise(values, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
-    "Mean of `values` with a BCa bootstrap `level` confidence interval from `n` resamples (seeded, scipy)."
-    return _bootstrap(_values(values), n, seed, level)
-
-# %% ../nbs/11_quality.ipynb #369cce7c
-def paired_bootstrap(a, b, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
-    "Mean of `a - b` over paired samples (same seeds/prompts) with a bootstrap CI that resamples the pairs."
-    a, b = _values(a, 'a'), _values(b, 'b')
-    if a.shape != b.shape: raise ValueError(f'a and b must be paired (same length), got {a.size} and {b.size}')
-    return _bootstrap(a - b, n, seed, level)
-
-# %% ../nbs/11_quality.ipynb #21c59f32
-def paired_ratio(num, den, n: int = 2000, seed: int = 0, level: float = 0.95) -> Estimate:
-    "Median of `num / den` over paired samples (e.g. dense and quantised render times, interleaved) with its BCa interval."
-    a, b = _values(num, 'num'), _values(den, 'den')
-    if a.shape != b.shape: raise ValueError(f'num and den must be paired (same length), got {a.size} and {b.size}')
-    if (b <= 0).any() or (a <= 0).any(): raise ValueError('a ratio of times needs positive values')
-    return _bootstrap(a / b, n, seed, level, np.median)
-
-# %% ../nbs/11_quality.ipynb #4bc974c4
-def rank_schemes(values: dict, higher_is_better: bool = True, n: int = 2000, seed: int = 0, level: float = 0.95) -> pd.DataFrame:
-    "Schemes ranked by mean of their paired scores (`scheme -> values`), with CIs and whether each is ahead of the next one."
-    if not values: raise ValueError('rank_schemes needs at least one scheme')
-    arr = {k: _values(v, k) for k, v in values.items()}
-    sizes = {k: a.size for k, a in arr.items()}
-    if len(set(sizes.values())) > 1: raise ValueError(f'schemes must be scored on the same pairs; counts differ: {sizes}')
-    order = sorted(arr, key=lambda k: arr[k].mean(), reverse=higher_is_better)
-    rows = []
-    for i, k in enumerate(order):
-        s = _bootstrap(arr[k], n, seed, level)
-        row = dict(rank=i + 1, scheme=k, mean=s.mean, lo=s.lo, hi=s.hi, n=s.n)
-        if i + 1 < len(order):
-            d = _bootstrap(arr[k] - arr[order[i + 1]], n, seed, level)
-            ahead = d.lo > 0 if higher_is_better else d.hi < 0
-            row.update(next=order[i + 1], vs_next=d.mean, vs_next_lo=d.lo, vs_next_hi=d.hi, ahead_of_next=bool(ahead))
-        rows.append(row)
-    return pd.DataFrame(rows)
-
-# %% ../nbs/11_quality.ipynb #7c1a9e02
-def time_once(fn, device=None) -> float:
-    "Seconds of one call of `fn`: CUDA events on a CUDA device (kernel time), else a wall clock around the call."
-    device = torch.device(device) if device is not None else torch.device('cpu')
-    if device.type == 'cuda':
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record(); fn(); b.record()
-        torch.cuda.synchronize(device)
-        return a.elapsed_time(b) / 1e3
-    t = time.perf_counter(); fn()
-    return time.perf_counter() - t
-
-# %% ../nbs/11_quality.ipynb #22cedd55
-def warm_up(fns: dict, device=None, most: int = 5, tol: float = 0.25) -> dict[str, int]:
-    "Call each of `fns` until two consecutive timings agree within `tol` (at most `most` calls): lazy init and compile are paid here."
-    calls = {}
-    for name, fn in fns.items():
-        last, n = None, 0
-        while n < most:
-            s = time_once(fn, device); n += 1
-            if last is not None and abs(s - last) <= tol * min(s, last): break
-            last = s
-        calls[name] = n
-    return calls
-
-# %% ../nbs/11_quality.ipynb #f1c65769
-def interleaved_times(fns: dict, rounds: int, device=None) -> dict[str, list[float]]:
-    "Seconds of every callable in `fns` per round, called in ABBA order (forward on even rounds, reversed on odd)."
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 1:
-        raise ValueError(f'rounds must be an int >= 1, got {rounds!r}')
-    if not fns: raise ValueError('nothing to time')
-    out, names = {k: [] for k in fns}, list(fns)
-    for r in range(rounds):
-        for k in (names if r % 2 == 0 else names[::-1]): out[k].append(time_once(fns[k], device))
-    return out
-
-EMULATED_SPEED = 'emulated: numerics only, not a speed claim'
-
-MIN_ROUNDS = 5  # fewer paired rounds give no interval worth the name (the coverage table above)
-
-# %% ../nbs/11_quality.ipynb #495ff737
-def ci_label(level: float) -> str:
-    "A confidence level as printed: 0.995 -> '99.5%', 0.95 -> '95%' (never rounded up to '100%')."
-    return f'{100 * level:g}%'
-
-# %% ../nbs/11_quality.ipynb #9ad6ef10
-def speed_vs(base, times, level: float = 0.95, max_width: float = 0.25, min_effect: float = 0.05, emulated: bool = False,
-             n: int = 2000) -> dict:
-    "Paired speed of `times` against `base` (same rounds): the median ratio base/time with its interval, and what it may be read as."
-    r = paired_ratio(base, times, n=n, level=level)
-    width = (r.hi - r.lo) / r.mean
-    if emulated: verdict = EMULATED_SPEED
-    elif r.n < MIN_ROUNDS: verdict = f'noise: {r.n} rounds are too few for an interval (>= {MIN_ROUNDS})'
-    elif r.lo > 1 + min_effect: verdict = 'faster'  # the whole interval beyond the timing floor, however wide
-    elif r.hi < 1 - min_effect: verdict = 'slower'
-    elif width > max_width:
-        verdict = (f'noise: the {ci_label(level)} interval [{r.lo:.3g}, {r.hi:.3g}] reaches inside the '
-                   f'{min_effect:.0%} timing floor and is {width:.0%} of the ratio wide')
-    elif not r.excludes_one: verdict = 'no clear difference (the interval holds 1)'
-    elif abs(r.mean - 1) < min_effect: verdict = f'no clear difference (under {min_effect:.0%}, the timing floor)'  # drift of 2-3%
-    else: verdict = 'faster' if r.lo > 1 else 'slower'
-    return dict(ratio=r.mean, ratio_lo=r.lo, ratio_hi=r.hi, ci_level=level, rounds=r.n, verdict=verdict)
 
 # %% ../nbs/11_quality.ipynb #b5893ba4
 QUALITY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',

@@ -204,47 +204,13 @@ def test_lpips_trunk_location_follows_torchvision():
     assert Q._lpips_trunk_checkpoint('vgg').name.startswith('vgg16-')
 
 
-# ---- statistics ---------------------------------------------------------------------------------------------------
+# ---- statistics: moved to 00a_stats, still importable from quality ------------------------------------------
 
-def test_summarise_interval_and_determinism():
-    v = np.random.default_rng(0).normal(5, 1, 40)
-    e = Q.summarise(v)
-    assert e.lo < e.mean < e.hi and e.n == 40 and e.mean == pytest.approx(v.mean())
-    # the percentile interval of a mean of 40 normals is about +-1.96 * sd / sqrt(n)
-    assert (e.hi - e.lo) / 2 == pytest.approx(1.96 * v.std() / math.sqrt(40), rel=0.2)
-    assert Q.summarise(v) == e and Q.summarise(v, seed=1) != e
-    assert Q.summarise(v, level=0.5).hi - Q.summarise(v, level=0.5).lo < e.hi - e.lo
-    assert Q.summarise(torch.tensor(v)).mean == pytest.approx(e.mean)
-    assert '95% CI, n=40' in str(e)
-
-
-def test_paired_bootstrap_sign_and_pairing():
-    rng = np.random.default_rng(3)
-    base = rng.normal(30, 3, 16)  # PSNR per (seed, prompt): large shared variation
-    a, b = base + 0.5 + rng.normal(0, 0.1, 16), base + rng.normal(0, 0.1, 16)
-    d = Q.paired_bootstrap(a, b)
-    assert d.excludes_zero and 0.3 < d.lo < d.mean < d.hi < 0.7
-    assert Q.paired_bootstrap(b, a).hi < 0
-    assert Q.paired_bootstrap(a, a).mean == 0 and not Q.paired_bootstrap(a, a).excludes_zero
-    sa, sb = Q.summarise(a), Q.summarise(b)
-    assert sa.lo < sb.hi  # unpaired intervals overlap: only the paired one resolves the 0.5 dB
-    with pytest.raises(ValueError, match='paired'): Q.paired_bootstrap(a, b[:3])
-    with pytest.raises(ValueError, match='NaN'): Q.paired_bootstrap(a, np.r_[b[:-1], np.nan])
-
-
-def test_rank_schemes():
-    rng = np.random.default_rng(4)
-    base = rng.normal(0.95, 0.02, 12)
-    vals = {'nvfp4': base - 0.02, 'fp8': base - 0.001 + rng.normal(0, 1e-4, 12), 'int8': base - 0.0011 + rng.normal(0, 1e-4, 12)}
-    r = Q.rank_schemes(vals)
-    assert list(r.scheme) == ['fp8', 'int8', 'nvfp4'] and list(r['rank']) == [1, 2, 3]
-    assert r.ahead_of_next.iloc[1] and r.next.iloc[0] == 'int8'
-    lower = Q.rank_schemes({k: -v for k, v in vals.items()}, higher_is_better=False)
-    assert list(lower.scheme) == ['fp8', 'int8', 'nvfp4'] and bool(lower.ahead_of_next.iloc[1])
-    tie = Q.rank_schemes({'a': base, 'b': base})
-    assert not tie.ahead_of_next.iloc[0] and tie.vs_next.iloc[0] == 0
-    with pytest.raises(ValueError, match='at least one'): Q.rank_schemes({})
-    with pytest.raises(ValueError, match='counts differ'): Q.rank_schemes({'a': [1., 2.], 'b': [1., 2., 3.]})
+def test_statistics_and_timing_are_reexported_from_stats():
+    import diffq_lab.stats as S
+    for k in ('Estimate', 'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'inf_mean', 'time_once',
+              'warm_up', 'interleaved_times', 'ci_label', 'speed_vs', 'EMULATED_SPEED', 'MIN_ROUNDS'):
+        assert getattr(Q, k) is getattr(S, k), k
 
 
 # ---- the measured pairs -------------------------------------------------------------------------------------------
