@@ -5,7 +5,7 @@
 # %% ../nbs/12_crossover.ipynb #29598be0
 from __future__ import annotations
 import contextlib, copy, functools, math, re, statistics, warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 import numpy as np
 import pandas as pd
@@ -13,6 +13,8 @@ import torch
 from torch import nn
 from .core import (append_rows, device_name, markdown_table, repo_root, resolve_device)
 from .capability import gpu_capability, hardware_gate
+from .gpus import (COMPILER_SETTINGS, REQUIRED_GPUS, SPEC_COLS, gpu_schemes, gpu_spec, gpu_specs,
+                            same_compiler_settings)   # they live in 11a_gpus; importable from here too
 from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
@@ -20,61 +22,23 @@ from .memory import denoiser_kwargs
 from .quality import interleaved_times, speed_vs, time_once, warm_up
 
 # %% auto #0
-__all__ = ['SPEC_COLS', 'ROOFLINE_SCHEMES', 'REQUIRED_GPUS', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS',
-           'CALIBRATION_MAX_ERR', 'CUBE_SIZES', 'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES',
-           'EMULATED_LABEL', 'COMPILER_SETTINGS', 'BENCH_COLS', 'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'gpu_specs',
-           'gpu_spec', 'gpu_schemes', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
-           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'same_compiler_settings',
+__all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS', 'CALIBRATION_MAX_ERR', 'CUBE_SIZES',
+           'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'BENCH_COLS',
+           'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
+           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
            'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
            'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
-SPEC_COLS = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
-             'nvfp4': 'fp4_tflops'}   # roofline scheme -> the spec column of its tensor-core peak
-ROOFLINE_SCHEMES = tuple(SPEC_COLS)
-REQUIRED_GPUS = ('a100', 'h100', 'h200', 'l40s', 'rtx4090', 'rtx5090', 'b200')
-
-def _norm(name) -> str: return re.sub(r'[^a-z0-9]', '', str(name).lower().replace('nvidia', '').replace('geforce', ''))
-
-# %% ../nbs/12_crossover.ipynb #368b0904
-@functools.lru_cache(maxsize=4)
-def _load_specs(path: str) -> pd.DataFrame:
-    df = pd.read_csv(path)
-    bad = [g for g in df.gpu[df.source.fillna('').str.strip() == '']]
-    if bad: raise ValueError(f'{path}: GPUs without a source: {bad}')
-    return df
-
-# %% ../nbs/12_crossover.ipynb #76e4a13f
-def gpu_specs(path=None) -> pd.DataFrame:
-    "The committed GPU spec table (`data/gpu_specs.csv`): dense peaks per dtype, bandwidth, and each row's source."
-    return _load_specs(str(path or repo_root()/'data'/'gpu_specs.csv')).copy()
-
-# %% ../nbs/12_crossover.ipynb #fde24710
-def gpu_spec(gpu) -> dict:
-    "One GPU's spec as a dict, by table key, alias or `torch.cuda.get_device_name()` string; a dict passes through."
-    if isinstance(gpu, dict):
-        missing = {'gpu', 'bf16_tflops', 'mem_bw_tbs'} - set(gpu)
-        if missing: raise ValueError(f'a spec dict needs {sorted(missing)}; got keys {sorted(gpu)}')
-        return gpu
-    specs = gpu_specs()
-    key = _norm(gpu)
-    for row in specs.to_dict('records'):
-        names = [row['gpu'], row['name'], *str(row['aliases']).split('|')]
-        if key and key in {_norm(n) for n in names}: return row
-    raise ValueError(f'unknown gpu {gpu!r}; choose one of {", ".join(specs.gpu)} (or a device name they list as alias)')
-
-# %% ../nbs/12_crossover.ipynb #b2e6cc39
-def gpu_schemes(gpu) -> tuple[str, ...]:
-    "The roofline schemes `gpu` has tensor cores for (bf16 always; fp8 from Ada, fp4 and MX from Blackwell)."
-    spec = gpu_spec(gpu)
-    return tuple(s for s, c in SPEC_COLS.items() if pd.notna(spec.get(c)) and spec.get(c, 0) > 0)
+ROOFLINE_SCHEMES = tuple(SPEC_COLS)   # the formats with a tensor-core peak in the spec table
 
 # %% ../nbs/12_crossover.ipynb #7e95ce88
 def as_shape(shape) -> tuple[int, int, int]:
     "`shape` as a validated (M, K, N) tuple of positive ints."
     ok = (isinstance(shape, (tuple, list)) and len(shape) == 3
           and all(isinstance(v, (int, np.integer)) and not isinstance(v, bool) and v > 0 for v in shape))
-    if not ok: raise ValueError(f'a GEMM shape is (M, K, N) with positive ints (x: M x K, weight: N x K), got {shape!r}')
+    if not ok:
+        raise ValueError(f'a GEMM shape is (M, K, N) with positive ints (x: M x K, weight: N x K), got {shape!r}')
     return tuple(int(v) for v in shape)
 
 # %% ../nbs/12_crossover.ipynb #24afabf5
@@ -103,12 +67,14 @@ def _passes(M, K, N, scheme) -> list[tuple[str, str | None, object, object]]:
 def gemm_passes(shape, scheme) -> pd.DataFrame:
     "The passes (kernels) a `scheme` Linear of `shape` (M, K, N) runs: math dtype, FLOPs and bytes moved."
     M, K, N = as_shape(shape)
-    rows = [dict(kernel=k, math=m or 'memory', flops=f, bytes=b) for k, m, f, b in _passes(M, K, N, _check_scheme(scheme))]
+    rows = [dict(kernel=k, math=m or 'memory', flops=f, bytes=b)
+            for k, m, f, b in _passes(M, K, N, _check_scheme(scheme))]
     return pd.DataFrame(rows)
 
 # %% ../nbs/12_crossover.ipynb #ebcd30be
 EFFICIENCY = dict(mma_eff=0.70, gemm_bw_eff=0.90, quant_bw_eff=0.41, gemm_latency_s=0.7e-6, kernel_floor_s=1e-6)
-MEASURED_EFF = dict(mma_eff=1.0, gemm_bw_eff=1.0, quant_bw_eff=1.0, gemm_latency_s=0.0, kernel_floor_s=0.0)  # peaks measured, not datasheet
+# peaks measured, not datasheet
+MEASURED_EFF = dict(mma_eff=1.0, gemm_bw_eff=1.0, quant_bw_eff=1.0, gemm_latency_s=0.0, kernel_floor_s=0.0)
 
 def as_eff(eff=None) -> dict:
     "The efficiency parameters: `EFFICIENCY` updated with `eff`; unknown names or out-of-range values raise."
@@ -117,7 +83,8 @@ def as_eff(eff=None) -> dict:
     if unknown: raise ValueError(f'unknown efficiency parameter(s) {sorted(unknown)}; the model has {list(EFFICIENCY)}')
     for k, v in eff.items():
         arr = np.asarray(v, dtype=float)
-        if k.endswith('_eff') and not ((arr > 0) & (arr <= 1.5)).all(): raise ValueError(f'{k} must be in (0, 1.5], got {v}')
+        if k.endswith('_eff') and not ((arr > 0) & (arr <= 1.5)).all():
+            raise ValueError(f'{k} must be in (0, 1.5], got {v}')
         if k.endswith('_s') and not (arr >= 0).all(): raise ValueError(f'{k} must be >= 0 seconds, got {v}')
     return eff
 
@@ -135,12 +102,19 @@ def _pass_times(spec, M, K, N, scheme, eff) -> list[tuple[str, object]]:
     out = []
     for name, math_dtype, flops, nbytes in _passes(M, K, N, scheme):
         if math_dtype is None: t = np.maximum(nbytes / (bw * eff['quant_bw_eff']), eff['kernel_floor_s'])
-        else: t = np.maximum(flops / (_peak(spec, math_dtype) * eff['mma_eff']), nbytes / (bw * eff['gemm_bw_eff'])) + eff['gemm_latency_s']
+        else: t = np.maximum(flops / (_peak(spec, math_dtype) * eff['mma_eff']),
+                             nbytes / (bw * eff['gemm_bw_eff'])) + eff['gemm_latency_s']
         out.append((name, t))
     return out
 
 # %% ../nbs/12_crossover.ipynb #f4a5bfcc
-def predict_time(gpu, M, K, N, scheme, eff=None):
+def predict_time(gpu, # a GPU name or spec dict
+                 M, # tokens (rows of x); int or numpy array
+                 K, # in features; int or numpy array
+                 N, # out features; int or numpy array
+                 scheme, # a roofline scheme (`ROOFLINE_SCHEMES`)
+                 eff=None, # efficiency parameters over `EFFICIENCY`
+                ):
     "Predicted seconds of a `scheme` Linear on `gpu` (vectorised: M, K, N may be numpy arrays)."
     spec, eff = gpu_spec(gpu), as_eff(eff)
     return sum(t for _, t in _pass_times(spec, M, K, N, _check_scheme(scheme), eff))
@@ -153,14 +127,18 @@ def roofline(gpu, shape, scheme, eff=None) -> dict:
     total, bf16 = sum(passes.values()), float(predict_time(spec, M, K, N, 'bf16', eff))
     bw = float(spec['mem_bw_tbs']) * 1e12
     gemm = next(p for p in _passes(M, K, N, scheme) if p[1])
-    bound = 'compute' if gemm[2] / (_peak(spec, gemm[1]) * eff['mma_eff']) >= gemm[3] / (bw * eff['gemm_bw_eff']) else 'memory'
+    compute = gemm[2] / (_peak(spec, gemm[1]) * eff['mma_eff']) >= gemm[3] / (bw * eff['gemm_bw_eff'])
+    bound = 'compute' if compute else 'memory'
     return dict(gpu=spec['gpu'], scheme=scheme, M=M, K=K, N=N, time_s=total, tflops=2*M*K*N / total / 1e12,
-                speedup_vs_bf16=bf16 / total, gemm_bound=bound, overhead_share=1 - passes['gemm'] / total, passes=passes)
+                speedup_vs_bf16=bf16 / total, gemm_bound=bound, overhead_share=1 - passes['gemm'] / total,
+                passes=passes)
 
 # %% ../nbs/12_crossover.ipynb #2a8f44a9
 FIT_PARAMS = ('quant_bw_eff', 'gemm_latency_s')
-FIT_GRIDS = {'quant_bw_eff': np.round(np.arange(0.05, 1.0001, 0.01), 2), 'gemm_latency_s': np.round(np.arange(0, 10.01e-6, 0.1e-6), 9),
-             'mma_eff': np.round(np.arange(0.3, 1.0001, 0.01), 2), 'gemm_bw_eff': np.round(np.arange(0.3, 1.0001, 0.01), 2),
+FIT_GRIDS = {'quant_bw_eff': np.round(np.arange(0.05, 1.0001, 0.01), 2),
+             'gemm_latency_s': np.round(np.arange(0, 10.01e-6, 0.1e-6), 9),
+             'mma_eff': np.round(np.arange(0.3, 1.0001, 0.01), 2),
+             'gemm_bw_eff': np.round(np.arange(0.3, 1.0001, 0.01), 2),
              'kernel_floor_s': np.round(np.arange(0, 5.01e-6, 0.1e-6), 9)}
 CALIBRATION_MAX_ERR = 0.10   # the stated bound: every published point within 10%
 
@@ -184,14 +162,15 @@ def calibrate(eff=None, published=None) -> pd.DataFrame:
 
 # %% ../nbs/12_crossover.ipynb #785c60a4
 def fit_efficiency(published=None, params=FIT_PARAMS, base=None) -> tuple[dict, pd.DataFrame]:
-    "Grid-fit `params` (one or two of `EFFICIENCY`) to the published speedups; returns the fitted parameters and `calibrate`'s table."
+    "Grid-fit `params` (one or two of `EFFICIENCY`) to the published speedups: fitted values, `calibrate`'s table."
     params = tuple(params)
     bad = [p for p in params if p not in FIT_GRIDS]
     if bad or not 1 <= len(params) <= 2: raise ValueError(f'fit one or two of {list(FIT_GRIDS)}; got {params!r}')
     pub = published_ratios() if published is None else published
     mesh = np.meshgrid(*[FIT_GRIDS[p] for p in params], indexing='ij')
     eff = as_eff(dict(base or {}, **dict(zip(params, mesh))))
-    logerr = np.stack([np.log(np.asarray(s) / v) * np.ones(mesh[0].shape) for s, v in zip(_predicted_speedups(pub, eff), pub.speedup)])
+    logerr = np.stack([np.log(np.asarray(s) / v) * np.ones(mesh[0].shape)
+                       for s, v in zip(_predicted_speedups(pub, eff), pub.speedup)])
     best = np.unravel_index(np.argmin((logerr ** 2).mean(0)), mesh[0].shape)
     fitted = dict(base or {}, **{p: float(m[best]) for p, m in zip(params, mesh)})
     return fitted, calibrate(fitted, pub)
@@ -223,19 +202,28 @@ def _first_win_from(sizes, wins):
     return int(sizes[losing[-1] + 1]) if losing.size else int(sizes[0])
 
 # %% ../nbs/12_crossover.ipynb #47b53493
-def find_crossover(gpu, scheme_a, scheme_b, M=SURFACE_M, K=SURFACE_KN, N=SURFACE_KN, eff=None) -> Crossover:
+def find_crossover(gpu, # a GPU name or spec dict
+                   scheme_a, # the challenger
+                   scheme_b, # the reference it must beat
+                   M=SURFACE_M, # token counts of the surface
+                   K=SURFACE_KN, # in features of the surface
+                   N=SURFACE_KN, # out features of the surface
+                   eff=None, # efficiency parameters over `EFFICIENCY`
+                  ) -> Crossover:
     "Where `scheme_a` beats `scheme_b` on `gpu`: the M = K = N size, and the M/K/N surface of their speedup."
     spec, eff = gpu_spec(gpu), as_eff(eff)
     for s in (scheme_a, scheme_b):
         if _check_scheme(s) not in gpu_schemes(spec):
             raise ValueError(f"{spec['gpu']} has no {s} tensor cores; its schemes: {', '.join(gpu_schemes(spec))}")
     n = np.asarray(CUBE_SIZES, dtype=float)
-    cube = _first_win_from(CUBE_SIZES, predict_time(spec, n, n, n, scheme_a, eff) < predict_time(spec, n, n, n, scheme_b, eff))
+    wins = predict_time(spec, n, n, n, scheme_a, eff) < predict_time(spec, n, n, n, scheme_b, eff)
+    cube = _first_win_from(CUBE_SIZES, wins)
     grid = pd.DataFrame(list(product(M, K, N)), columns=['M', 'K', 'N'])
     if grid.empty: raise ValueError('M, K and N each need at least one size')
     as_shape(tuple(int(grid[c].min()) for c in 'MKN'))        # positive ints
     m, k, nn_ = (grid[c].to_numpy(dtype=float) for c in 'MKN')
-    grid['t_a'], grid['t_b'] = predict_time(spec, m, k, nn_, scheme_a, eff), predict_time(spec, m, k, nn_, scheme_b, eff)
+    grid['t_a'] = predict_time(spec, m, k, nn_, scheme_a, eff)
+    grid['t_b'] = predict_time(spec, m, k, nn_, scheme_b, eff)
     grid['speedup'] = grid.t_b / grid.t_a
     grid['a_wins'] = grid.speedup > 1
     rows = [dict(K=kk, N=n_, M_star=_first_win_from(g.M.to_numpy(), g.a_wins.to_numpy()) or np.nan)
@@ -245,12 +233,13 @@ def find_crossover(gpu, scheme_a, scheme_b, M=SURFACE_M, K=SURFACE_KN, N=SURFACE
 # %% ../nbs/12_crossover.ipynb #d0866c5f
 BENCH_SCHEMES = ('bf16',) + SCHEMES   # the dense baseline, then every registered scheme
 CPU_SHAPES = ((128, 1024, 1024), (512, 1024, 4096), (1024, 2048, 2048))
-GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),
-              (4224, 3840, 3840), (4224, 3840, 10240), (4224, 10240, 3840), (4608, 3072, 12288))  # cubes; Z-Image, FLUX.1 at 1024px
+GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),   # cubes
+              (4224, 3840, 3840), (4224, 3840, 10240), (4224, 10240, 3840),                  # Z-Image at 1024px
+              (4608, 3072, 12288))                                                            # FLUX.1 at 1024px
 EMULATED_LABEL = 'emulated (fake-quant numerics, NOT the kernel)'
 
 def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
-    "Seconds per call of `fn` (`quality.time_once`: CUDA events on a GPU, a wall clock elsewhere), after `warmup` calls."
+    "Seconds per call of `fn` (`time_once`: CUDA events on a GPU, a wall clock elsewhere), after `warmup` calls."
     for _ in range(warmup): fn()
     return [time_once(fn, device) for _ in range(repeats)]
 
@@ -290,27 +279,9 @@ def _copy_tbs(device) -> float:
     "Device copy bandwidth (read + write) in TB/s: a large bf16 tensor copied into a preallocated one."
     x = torch.empty((64 if device.type == 'cpu' else 1024) * 2 ** 19, dtype=torch.bfloat16, device=device).normal_()
     y = torch.empty_like(x)
-    t = statistics.median(_timer(lambda: y.copy_(x), device, 5, 2))   # no allocation: page faults would dominate a CPU clone
+    # no allocation: page faults would dominate a CPU clone
+    t = statistics.median(_timer(lambda: y.copy_(x), device, 5, 2))
     return 2 * x.numel() * x.element_size() / t / 1e12
-
-COMPILER_SETTINGS = "torchao's recommended inductor settings for every configuration, dense included"
-
-# %% ../nbs/12_crossover.ipynb #27f8bb58
-@contextlib.contextmanager
-def same_compiler_settings():
-    "torchao's recommended inductor settings for every configuration compared (dense too), room to compile each; all restored after."
-    # quantize_ applies these globally (set_inductor_config=True) once a scheme is quantised: a dense baseline compiled
-    # before it would compile under other settings. Private: torch's config snapshots and torchao's setter (test_crossover checks)
-    import torch._dynamo.config as dynamo_config
-    import torch._inductor.config as inductor_config
-    from torchao.quantization.utils import recommended_inductor_config_setter
-    saved = inductor_config.get_config_copy(), dynamo_config.get_config_copy()
-    try:
-        recommended_inductor_config_setter()
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)  # each configuration's weight types recompile
-        yield COMPILER_SETTINGS
-    finally:
-        inductor_config.load_config(saved[0]); dynamo_config.load_config(saved[1])
 
 # %% ../nbs/12_crossover.ipynb #bd48ad85
 def _check_bench_args(shapes, schemes, repeats, warmup):
@@ -320,7 +291,8 @@ def _check_bench_args(shapes, schemes, repeats, warmup):
     bad = [s for s in schemes if s not in BENCH_SCHEMES]
     if bad: raise ValueError(f'unknown bench scheme(s) {bad}; choose from {", ".join(BENCH_SCHEMES)}')
     for name, v, low in (('repeats', repeats, 1), ('warmup', warmup, 0)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < low: raise ValueError(f'{name} must be an int >= {low}, got {v!r}')
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise ValueError(f'{name} must be an int >= {low}, got {v!r}')
     return shapes, ['bf16'] + [s for s in schemes if s != 'bf16']   # bf16 first: every ratio needs it
 
 # %% ../nbs/12_crossover.ipynb #3736586a
@@ -338,7 +310,7 @@ def _bench_call(base, scheme, path, x, device, compile, backend='torchao'):
 
 # %% ../nbs/12_crossover.ipynb #7bea7ac3
 def _warmed(calls: dict, rows: dict, device, most: int) -> dict:
-    "The calls whose warm-up (and compile) succeeds; a failure marks its row failed with the reason instead of losing it."
+    "The calls whose warm-up (and compile) succeeds; a failure marks its row failed with the reason."
     ok = {}
     for k, call in calls.items():
         try: warm_up({k: call}, device, most=max(1, most)); ok[k] = call
@@ -348,8 +320,9 @@ def _warmed(calls: dict, rows: dict, device, most: int) -> dict:
     return ok
 
 # %% ../nbs/12_crossover.ipynb #3af0b707
-def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, seed, common, level) -> list[dict]:
-    "One shape: every configuration built, warmed up, then timed interleaved in `repeats` rounds; paired speedups vs bf16."
+def _bench_shape(M, K, N, schemes, device, t: BenchTiming, emulated, compile, common) -> list[dict]:
+    "One shape: every configuration built, warmed up, timed interleaved in `t.repeats` rounds; paired speedups vs bf16."
+    repeats, warmup, seed, level = t.repeats, t.warmup, t.seed, t.level
     g = torch.Generator().manual_seed(seed)
     base = nn.Linear(K, N, dtype=torch.bfloat16)
     with torch.no_grad():
@@ -358,7 +331,8 @@ def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, s
     rows, calls, raw = {}, {}, {}
     for scheme in schemes:
         status, path, reason = _bench_path(scheme, device)
-        row = rows[(scheme, status)] = dict(M=M, K=K, N=N, scheme=scheme, path=path, status=status, reason=reason, **common)
+        row = rows[(scheme, status)] = dict(M=M, K=K, N=N, scheme=scheme, path=path, status=status, reason=reason,
+                                            **common)
         if status == 'ok':
             try:
                 calls[(scheme, 'ok')] = _bench_call(base, scheme, path, x, device, compile)
@@ -376,34 +350,59 @@ def _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, s
     for k, ts in times.items():
         rows[k].update(median_s=statistics.median(ts), min_s=min(ts))
         if bf16 is None: continue
-        if k == ('bf16', 'ok'): rows[k].update(speedup_vs_bf16=1.0, speedup_lo=1.0, speedup_hi=1.0, speed='baseline'); continue
+        if k == ('bf16', 'ok'):
+            rows[k].update(speedup_vs_bf16=1.0, speedup_lo=1.0, speedup_hi=1.0, speed='baseline'); continue
         sp = speed_vs(bf16, ts, level=level, emulated=k[1] == 'emulated')
-        rows[k].update(speedup_vs_bf16=sp['ratio'], speedup_lo=sp['ratio_lo'], speedup_hi=sp['ratio_hi'], speed=sp['verdict'])
+        rows[k].update(speedup_vs_bf16=sp['ratio'], speedup_lo=sp['ratio_lo'], speedup_hi=sp['ratio_hi'],
+                       speed=sp['verdict'])
     return list(rows.values())
 
+# %% ../nbs/12_crossover.ipynb #36e7b8dd
+@dataclass(frozen=True)
+class BenchTiming:
+    "How `gemm_bench` times: rounds, warm-up calls, the seed of its inputs and the level of its intervals."
+    repeats: int | None = None    # timed rounds (None: 8 on a CPU, 20 on a GPU)
+    warmup: int | None = None     # warm-up calls per configuration (None: 3 on a CPU, 5 on a GPU)
+    seed: int = 0                 # seed of each shape's weight and input
+    level: float = 0.95           # confidence level of the paired speedup intervals
+    def on(self, device) -> BenchTiming:
+        "These settings with the device's defaults filled in."
+        cpu = device.type == 'cpu'
+        return replace(self, repeats=self.repeats if self.repeats is not None else 8 if cpu else 20,
+                       warmup=self.warmup if self.warmup is not None else 3 if cpu else 5)
+
 # %% ../nbs/12_crossover.ipynb #5d834a33
-def gemm_bench(shapes=None, schemes=BENCH_SCHEMES, device=None, repeats=None, warmup=None, emulated=False,
-               compile=False, seed=0, level: float = 0.95) -> pd.DataFrame:
-    "Time Linear-shaped GEMMs (M, K, N): bf16 and each scheme's real path interleaved in `repeats` rounds; median seconds, TFLOPS, paired speedup vs bf16."
+def gemm_bench(shapes=None, # (M, K, N) shapes (None: `CPU_SHAPES` on a CPU, `GPU_SHAPES` on a GPU)
+               schemes=BENCH_SCHEMES, # schemes timed beside dense bf16
+               device=None, # where to time (None: the best device here)
+               emulated: bool = False, # also time the fake-quant emulation where the kernel cannot run
+               compile: bool = False, # torch.compile every configuration (under `same_compiler_settings`)
+               timing: BenchTiming | None = None, # rounds, warm-up, seed, interval level
+               **settings, # `BenchTiming` fields laid over `timing` (repeats=1, warmup=0, ...)
+              ) -> pd.DataFrame:
+    "Time Linear GEMMs (M, K, N), bf16 and each scheme's real path interleaved; median s, TFLOPS, paired speedup."
     device = resolve_device(device)
+    unknown = sorted(set(settings) - set(BenchTiming.__dataclass_fields__))
+    if unknown:
+        raise ValueError(f'unknown setting(s) {unknown}; BenchTiming fields: {list(BenchTiming.__dataclass_fields__)}')
+    t = replace(timing or BenchTiming(), **settings).on(device)
     shapes = shapes if shapes is not None else CPU_SHAPES if device.type == 'cpu' else GPU_SHAPES
-    repeats = repeats if repeats is not None else 8 if device.type == 'cpu' else 20
-    warmup = warmup if warmup is not None else 3 if device.type == 'cpu' else 5
-    shapes, schemes = _check_bench_args(shapes, schemes, repeats, warmup)
-    common = dict(repeats=repeats, warmup=warmup, timer='cuda events' if device.type == 'cuda' else 'wall clock',
-                  timing='configurations interleaved in rounds (ABBA); speedup = median paired ratio with its BCa interval',
-                  threads=torch.get_num_threads(), compiled=bool(compile), compiler=COMPILER_SETTINGS if compile else 'eager',
-                  copy_tbs=_copy_tbs(device))
+    shapes, schemes = _check_bench_args(shapes, schemes, t.repeats, t.warmup)
+    common = dict(repeats=t.repeats, warmup=t.warmup, timer='cuda events' if device.type == 'cuda' else 'wall clock',
+                  timing='configurations interleaved in rounds (ABBA); speedup = median paired ratio, BCa interval',
+                  threads=torch.get_num_threads(), compiled=bool(compile),
+                  compiler=COMPILER_SETTINGS if compile else 'eager', copy_tbs=_copy_tbs(device))
     with same_compiler_settings() if compile else contextlib.nullcontext():
-        rows = [r for M, K, N in shapes for r in _bench_shape(M, K, N, schemes, device, repeats, warmup, emulated, compile, seed,
-                                                              common, level)]
+        rows = [r for M, K, N in shapes
+                for r in _bench_shape(M, K, N, schemes, device, t, emulated, compile, common)]
     return _finish_bench(pd.DataFrame(rows))
 
 # %% ../nbs/12_crossover.ipynb #4db1afac
 def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
     "Median seconds of the bare GEMM kernel; NaN with a warning when that kernel does not run here."
     try:
-        with torch.inference_mode(): return statistics.median(_timer(_raw_gemm(kind, M, K, N, device), device, repeats, warmup))
+        with torch.inference_mode():
+            return statistics.median(_timer(_raw_gemm(kind, M, K, N, device), device, repeats, warmup))
     except Exception as e:  # noqa: BLE001
         warnings.warn(f'bare {kind} GEMM {M}x{K}x{N} does not run on {device}: {type(e).__name__}: {e}')
         return float('nan')
@@ -418,12 +417,13 @@ def _finish_bench(df: pd.DataFrame) -> pd.DataFrame:
     df['gemm_only_tflops'] = flops / df.gemm_only_s / 1e12
     return df
 
-BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi', 'speed',
+BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi',
+              'speed',
               'gemm_only_tflops', 'path', 'reason']
 
 # %% ../nbs/12_crossover.ipynb #4cb61828
 def record_gemm_bench(root=None, device=None, **kwargs) -> pd.DataFrame:
-    "Run `gemm_bench` on `device` (its default sweep, emulated rows included) and append the rows to the 'gemm_bench' table."
+    "Run `gemm_bench` on `device` (its default sweep, emulated rows included); append the rows to table 'gemm_bench'."
     device = resolve_device(device)
     df = gemm_bench(device=device, **{'emulated': True, **kwargs})
     append_rows('gemm_bench', df.to_dict('records'), root=root, device=device)
@@ -441,28 +441,33 @@ def measured_spec(bench: pd.DataFrame) -> dict:
 
 # %% ../nbs/12_crossover.ipynb #850489cf
 def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
-    "Measured vs predicted time, overhead beyond the bare GEMM, and speedup over bf16, for each measured row the roofline models."
+    "Measured vs predicted time, overhead beyond the bare GEMM and speedup vs bf16, per row the roofline models."
     per_shape = False
     if gpu is None:
         try: gpu = gpu_spec(str(bench.device_name.iloc[0]))
-        except (ValueError, AttributeError): per_shape, eff = True, eff or MEASURED_EFF  # no datasheet: the device's own GEMMs
+        except (ValueError, AttributeError):   # no datasheet: the device's own GEMMs
+            per_shape, eff = True, eff or MEASURED_EFF
     rows = bench[bench.status.eq('ok') & bench.scheme.isin(ROOFLINE_SCHEMES)].reset_index(drop=True)
     out = []
     for r in rows.itertuples():
         shape = (int(r.M), int(r.K), int(r.N))
-        spec = measured_spec(bench[(bench.M == r.M) & (bench.K == r.K) & (bench.N == r.N)]) if per_shape else gpu_spec(gpu)
+        same = (bench.M == r.M) & (bench.K == r.K) & (bench.N == r.N)
+        spec = measured_spec(bench[same]) if per_shape else gpu_spec(gpu)
         if r.scheme not in gpu_schemes(spec): continue
         p = roofline(spec, shape, r.scheme, eff)
-        out.append(dict(M=r.M, K=r.K, N=r.N, scheme=r.scheme, compiled=getattr(r, 'compiled', False), measured_s=r.median_s,
+        out.append(dict(M=r.M, K=r.K, N=r.N, scheme=r.scheme, compiled=getattr(r, 'compiled', False),
+                        measured_s=r.median_s,
                         predicted_s=p['time_s'], measured_overhead_s=r.median_s - r.gemm_only_s,
                         predicted_overhead_s=p['time_s'] - p['passes']['gemm'], measured_speedup=r.speedup_vs_bf16,
-                        predicted_speedup=p['speedup_vs_bf16'], spec=spec['gpu'] if not per_shape else 'measured GEMMs of each shape'))
+                        predicted_speedup=p['speedup_vs_bf16'],
+                        spec=spec['gpu'] if not per_shape else 'measured GEMMs of each shape'))
     out = pd.DataFrame(out)
     if not out.empty: out['speedup_error'] = out.predicted_speedup / out.measured_speedup - 1
     return out
 
 # %% ../nbs/12_crossover.ipynb #83af3be7
-from .memory import MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, meta_transformer  # moved to 09_memory; importable here
+# moved to 09_memory; importable here
+from .memory import MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, meta_transformer
 
 # %% ../nbs/12_crossover.ipynb #b22c72d9
 _inputs = denoiser_kwargs  # the forward-kwargs recipe lives in 09_memory
@@ -470,28 +475,37 @@ _inputs = denoiser_kwargs  # the forward-kwargs recipe lives in 09_memory
 def _as_grid(tokens) -> tuple[int, int, int]:
     if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool) and tokens > 0:
         side = math.isqrt(int(tokens))
-        if side * side != tokens: raise ValueError(f'{tokens} image tokens is not a square grid: pass (height, width) or (frames, height, width)')
+        if side * side != tokens:
+            raise ValueError(f'{tokens} image tokens is not a square grid: pass (height, width) or '
+                             '(frames, height, width)')
         return (1, side, side)
-    if isinstance(tokens, (tuple, list)) and len(tokens) in (2, 3) and all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in tokens):
+    if isinstance(tokens, (tuple, list)) and len(tokens) in (2, 3) and \
+            all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in tokens):
         return tuple(tokens) if len(tokens) == 3 else (1, *tokens)
-    raise ValueError(f'tokens must be a positive int (a square grid) or (h, w) / (f, h, w) token counts, got {tokens!r}')
+    raise ValueError(f'tokens must be a positive int (a square grid) or (h, w) / (f, h, w) token counts, '
+                     f'got {tokens!r}')
 
 # %% ../nbs/12_crossover.ipynb #3675bf4e
 def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -> pd.DataFrame:
-    "(M, K, N) of every Linear call in one forward of `transformer` (a module or a model name) at `tokens` image tokens."
-    if text_tokens is not None and (isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 1):
+    "(M, K, N) of every Linear call in one forward of `transformer` (a module or model name) at `tokens` image tokens."
+    bad_tt = isinstance(text_tokens, bool) or not isinstance(text_tokens, int) or text_tokens < 1
+    if text_tokens is not None and bad_tt:
         raise ValueError(f'text_tokens must be a positive int, got {text_tokens!r}')
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1: raise ValueError(f'batch must be an int >= 1, got {batch!r}')
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f'batch must be an int >= 1, got {batch!r}')
     if isinstance(transformer, (str, Family)):
         m = get_model(transformer)
         text_tokens = m.text_tokens if text_tokens is None else text_tokens
         return _cached_shapes(m.name, _as_grid(tokens), text_tokens, batch).copy()
-    if not isinstance(transformer, nn.Module): raise ValueError(f'transformer must be an nn.Module or a model name, got {type(transformer).__name__}')
-    if text_tokens is None: raise ValueError('text_tokens is needed for a transformer module (a model name has a default)')
+    if not isinstance(transformer, nn.Module):
+        raise ValueError(f'transformer must be an nn.Module or a model name, got {type(transformer).__name__}')
+    if text_tokens is None:
+        raise ValueError('text_tokens is needed for a transformer module (a model name has a default)')
     kwargs = _inputs(transformer, _as_grid(tokens), text_tokens, batch)
     rows, hooks = [], []
     def record(fqn):
-        def hook(mod, args): rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
+        def hook(mod, args):
+            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
         return hook
     try:
         for fqn, mod in transformer.named_modules():
@@ -521,11 +535,17 @@ def layer_policy(times: dict, nvfp4_margin: float = NVFP4_MARGIN, margin: float 
     return 'bf16'
 
 # %% ../nbs/12_crossover.ipynb #fe75bf67
-def analyse_layers(shapes: pd.DataFrame, gpu, eff=None, nvfp4_margin: float = NVFP4_MARGIN, margin: float = MIN_GAIN) -> pd.DataFrame:
-    "Per Linear of `shapes` (from `model_linear_shapes`): predicted time per scheme on `gpu`, the fastest, and the policy."
+def analyse_layers(shapes: pd.DataFrame, # fqn, M, K, N per Linear call (from `model_linear_shapes`)
+                   gpu, # a GPU name or spec dict
+                   eff=None, # efficiency parameters over `EFFICIENCY`
+                   nvfp4_margin: float = NVFP4_MARGIN, # NVFP4 must beat the best 8-bit format by this share
+                   margin: float = MIN_GAIN, # an 8-bit format must beat bf16 by this share
+                  ) -> pd.DataFrame:
+    "Per Linear of `shapes`: predicted time per scheme on `gpu`, the fastest, and the suggested scheme."
     spec, eff = gpu_spec(gpu), as_eff(eff)
     missing = {'fqn', 'M', 'K', 'N'} - set(shapes.columns)
-    if missing: raise ValueError(f'shapes needs columns fqn, M, K, N (from model_linear_shapes); missing {sorted(missing)}')
+    if missing:
+        raise ValueError(f'shapes needs columns fqn, M, K, N (from model_linear_shapes); missing {sorted(missing)}')
     out = shapes.copy()
     if 'gflop' not in out: out['gflop'] = 2 * out.M * out.K * out.N / 1e9
     schemes = gpu_schemes(spec)
@@ -543,15 +563,17 @@ def analyse_layers(shapes: pd.DataFrame, gpu, eff=None, nvfp4_margin: float = NV
 
 # %% ../nbs/12_crossover.ipynb #24a99eb5
 def summarise_layers(layers: pd.DataFrame) -> dict:
-    "Totals of `analyse_layers`: Linear time per uniform scheme and for the policy, speedups, FLOP share above the NVFP4 crossover."
+    "Totals of `analyse_layers`: Linear time per uniform scheme and policy, speedups, FLOP share above the crossover."
     schemes = layers.attrs.get('schemes') or [c[2:] for c in layers if c.startswith('t_') and c != 't_policy']
     total = {s: float(layers[f't_{s}'].sum()) for s in schemes}
     flops = float(layers.gflop.sum())
     has4 = 'nvfp4' in schemes
-    return dict(gpu=layers.attrs.get('gpu'), linears=len(layers), gflop=flops, time_s=total, policy_s=float(layers.t_policy.sum()),
-                speedup={s: total['bf16'] / t for s, t in total.items()}, policy_speedup=total['bf16'] / float(layers.t_policy.sum()),
+    policy_s = float(layers.t_policy.sum())
+    return dict(gpu=layers.attrs.get('gpu'), linears=len(layers), gflop=flops, time_s=total, policy_s=policy_s,
+                speedup={s: total['bf16'] / t for s, t in total.items()}, policy_speedup=total['bf16'] / policy_s,
                 best_uniform=min(total, key=total.get),
-                flop_share_above_nvfp4_crossover=float(layers.gflop[layers.above_crossover].sum() / flops) if has4 else float('nan'),
+                flop_share_above_nvfp4_crossover=float(layers.gflop[layers.above_crossover].sum() / flops) if has4
+                else float('nan'),
                 policy_counts=layers.policy.value_counts().to_dict(),
                 nvfp4_vs_fp8_total=total['fp8'] / total['nvfp4'] if has4 else float('nan'))
 
@@ -575,18 +597,28 @@ def layers_table(layers: pd.DataFrame, group: bool = True) -> pd.DataFrame:
 # %% ../nbs/12_crossover.ipynb #68232760
 def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
     sp = ', '.join(f'{k} {v:.2f}x' for k, v in s['speedup'].items() if k != 'bf16')
-    lines = [f"{model} at {size}px (token grid {grid}) on {s['gpu']}: {s['linears']} Linear calls, {s['gflop']:.0f} GFLOP per forward",
-             f"predicted Linear time, every Linear in one scheme: " + ', '.join(f'{k} {v*1e3:.2f} ms' for k, v in s['time_s'].items()),
+    lines = [f"{model} at {size}px (token grid {grid}) on {s['gpu']}: {s['linears']} Linear calls, "
+             f"{s['gflop']:.0f} GFLOP per forward",
+             "predicted Linear time, every Linear in one scheme: "
+             + ', '.join(f'{k} {v*1e3:.2f} ms' for k, v in s['time_s'].items()),
              f"speedup over bf16: {sp}; best uniform scheme: {s['best_uniform']}",
-             f"suggested policy: {s['policy_s']*1e3:.2f} ms ({s['policy_speedup']:.2f}x bf16), layers per scheme {s['policy_counts']}"]
+             f"suggested policy: {s['policy_s']*1e3:.2f} ms ({s['policy_speedup']:.2f}x bf16), "
+             f"layers per scheme {s['policy_counts']}"]
     if not math.isnan(s['flop_share_above_nvfp4_crossover']):
         lines.append(f"NVFP4 vs fp8: {s['nvfp4_vs_fp8_total']:.2f}x in total; share of FLOPs above the NVFP4 crossover "
                      f"(NVFP4 faster than fp8): {s['flop_share_above_nvfp4_crossover']:.0%}")
-    else: lines.append(f"NVFP4: {s['gpu']} has no fp4 tensor cores, so there is no NVFP4 crossover to place layers against")
+    else: lines.append(f"NVFP4: {s['gpu']} has no fp4 tensor cores: no NVFP4 crossover to place layers against")
     return '\n'.join(lines)
 
 # %% ../nbs/12_crossover.ipynb #a36f3026
-def cli_crossover(gpu='h200', model='z-image', size: int = 1024, frames=None, text_tokens=None, group: bool = True, eff=None) -> str:
+def cli_crossover(gpu='h200', # a GPU name or spec dict
+                  model='z-image', # a family with real dims
+                  size: int = 1024, # image side in pixels
+                  frames=None, # video frames (video families; None: the family's default)
+                  text_tokens=None, # prompt tokens (None: the family's default)
+                  group: bool = True, # group repeated blocks into one row
+                  eff=None, # efficiency parameters over `EFFICIENCY`
+                 ) -> str:
     "The printable per-layer table and totals of `model`'s Linears at `size` px on `gpu` (`diffq-lab crossover`)."
     spec, m = gpu_spec(gpu), get_model(model)
     grid = latent_grid(m, size, frames)
@@ -594,8 +626,10 @@ def cli_crossover(gpu='h200', model='z-image', size: int = 1024, frames=None, te
     table = layers_table(layers, group)
     head = (f"# {m.name} on {spec['name']} (roofline prediction, not a measurement)\n"
             f"model dims: {m.dims_source}\nGPU spec: {spec['source']}\n"
-            f"efficiency: {', '.join(f'{k}={v:g}' for k, v in as_eff(eff).items())} (fitted on published B200 ratios)\n")
-    fmt = {c: '{:.1f}'.format for c in table if c.endswith('_us')} | {'gflop': '{:.1f}'.format, 'nvfp4_vs_fp8': '{:.2f}x'.format}
+            f"efficiency: {', '.join(f'{k}={v:g}' for k, v in as_eff(eff).items())} "
+            "(fitted on published B200 ratios)\n")
+    fmt = {c: '{:.1f}'.format for c in table if c.endswith('_us')}
+    fmt |= {'gflop': '{:.1f}'.format, 'nvfp4_vs_fp8': '{:.2f}x'.format}
     body = table.to_string(index=False, formatters=fmt)
     return head + '\n' + body + '\n\n' + _fmt_summary(summarise_layers(layers), m.name, size, grid)
 
@@ -605,8 +639,15 @@ def _dominant_m(layers) -> int:
     return int(layers.groupby('M').gflop.sum().idxmax())
 
 # %% ../nbs/12_crossover.ipynb #f3270325
-def plot_crossover(gpu='b200', scheme_a='nvfp4', scheme_b='fp8', layers=None, eff=None, M=None, title=None):
-    "Figure of the predicted `scheme_a`/`scheme_b` speedup: over (M, K=N), and over (K, N) at one M, with `layers` on both."
+def plot_crossover(gpu='b200', # a GPU name or spec dict
+                   scheme_a='nvfp4', # the challenger
+                   scheme_b='fp8', # the reference
+                   layers=None, # `analyse_layers` rows to mark on both panels
+                   eff=None, # efficiency parameters over `EFFICIENCY`
+                   M=None, # tokens of the right panel (None: the layers' dominant M, else 4096)
+                   title=None, # figure title (None: one naming the schemes and GPU)
+                  ):
+    "Figure of the predicted `scheme_a`/`scheme_b` speedup over (M, K=N) and over (K, N) at one M, `layers` on both."
     import matplotlib.pyplot as plt
     from matplotlib.colors import TwoSlopeNorm
     spec, eff = gpu_spec(gpu), as_eff(eff)
