@@ -88,7 +88,9 @@ def test_plan_bad_inputs():
 
 # ---- the whole-pipeline memory model (pipeline_memory, trace_ops) ----------------------------------
 
+import diffq_lab.memory as M
 from diffq_lab.memory import pipeline_memory, pipeline_trace, quantised_linears, trace_ops
+from diffq_lab.plan import QuantPolicy
 
 
 def test_trace_counts_a_known_forward_exactly():
@@ -108,16 +110,16 @@ def test_activations_grow_with_batch_and_size():
 
 
 def test_resident_bytes_agree_with_plan_memory_under_the_lab_rules():
-    e = pipeline_memory('z-image', 'int8', 1024, 1)
+    e = pipeline_memory('z-image', 'int8', M.Workload(1024, 1))
     p = plan_memory('z-image', 'int8', 'cpu', free_bytes=2**40)
     assert e.weights['transformer'] == p.quant_bytes
     assert e.resident_bytes == p.quant_bytes + p.rest_bytes
 
 
 def test_load_modes_order_the_peaks():
-    peaks = {m: pipeline_memory('z-image', 'nvfp4', 1024, 1, load=m).load_peak for m in ('after-load', 'at-load', 'none')}
+    peaks = {m: pipeline_memory('z-image', 'nvfp4', size=1024, batch=1, load=m).load_peak for m in ('after-load', 'at-load', 'none')}
     assert peaks['after-load'] > peaks['at-load'] > peaks['none']
-    assert pipeline_memory('z-image', None, 1024, 1, load='after-load').load_peak == pipeline_memory('z-image').resident_bytes
+    assert pipeline_memory('z-image', None, M.Workload(), load='after-load').load_peak == pipeline_memory('z-image').resident_bytes
 
 
 def test_rules_choose_the_linears():
@@ -127,7 +129,34 @@ def test_rules_choose_the_linears():
 
 
 @pytest.mark.parametrize('kw,match', [(dict(load='lazy'), 'after-load'), (dict(batch=0), 'batch'),
-                                      (dict(rules='some'), 'selective'), (dict(family='sdxl'), 'z-image')])
+                                      (dict(rules='some'), 'selective'), (dict(family='sdxl'), 'z-image'),
+                                      (dict(workload=1024), 'must be a Workload'), (dict(size=1000), 'multiple of 16'),
+                                      (dict(min_feature=0), 'QuantPolicy fields')])
 def test_pipeline_memory_bad_inputs(kw, match):
     args = dict(family='z-image', scheme='int8') | kw
     with pytest.raises(ValueError, match=match): pipeline_memory(**args)
+
+
+def test_a_workload_is_one_record_whether_given_or_spelled_out():
+    "Workload(size, batch, ...) and the same fields as keywords give one estimate; a policy sets the lab rules' floor."
+    w = M.Workload(512, 2, text_tokens=64)
+    a, b = pipeline_memory('z-image', 'int8', w), pipeline_memory('z-image', 'int8', size=512, batch=2, text_tokens=64)
+    assert a == b and (a.size, a.batch) == (512, 2)
+    assert pipeline_memory('z-image', 'int8', w, batch=4).batch == 4  # keywords laid over the record
+    assert a.activations == {k: t.peak_bytes for k, t in pipeline_trace('z-image', 512, 2, None, 64).items()}
+    floor0 = quantised_linears('flux.1-dev', 'int8', policy=QuantPolicy(min_features=0))
+    assert floor0 == quantised_linears('flux.1-dev', 'int8', min_features=0) > quantised_linears('flux.1-dev', 'int8')
+    p = plan_memory('flux.1-dev', 'int8', 'cpu', policy=QuantPolicy(free_bytes=2**40, reserve=0.25))
+    assert (p.free_bytes, p.reserve, p.budget) == (2**40, 0.25, int(2**40 * 0.75))
+    assert plan_memory('flux.1-dev', 'int8', 'cpu', free_bytes=2**40, reserve=0.25).budget == p.budget
+
+
+def test_one_way_to_build_a_real_denoiser_on_meta():
+    "meta_transformer is real_dims_components' transformer (one builder), also for a family whose other parts are unknown."
+    a, b = M.meta_transformer('z-image'), real_dims_components('z-image')['transformer']
+    assert type(a) is type(b) and a.config == b.config and all(t.device.type == 'meta' for t in a.parameters())
+    assert [(n, t.shape, t.dtype) for n, t in a.named_parameters()] == [(n, t.shape, t.dtype) for n, t in b.named_parameters()]
+    only = [f for f in M.MODELS if not M.get_family(f).real_dims]
+    for f in only:  # a transformer alone: the family's pipeline is not known at real dims
+        assert type(M.meta_transformer(f)).__name__ == M.get_family(f).denoiser
+        with pytest.raises(ValueError, match='no real-dims configs'): real_dims_components(f)
