@@ -5,6 +5,7 @@
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
 import contextlib, copy, html, math, os, statistics, subprocess, tempfile, textwrap, time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 import numpy as np
 import pandas as pd
@@ -18,22 +19,24 @@ from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic
 from .core import fidelity
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
-from .plan import QuantPlan, quantize, record_rows, run_schemes, save_plans
+from .plan import QuantPlan, QuantPolicy, as_policy, quantize
+from .harness import Experiment, summary_columns
 from .pipelines import tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders, weights_digest
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf
 from .loader import load_pipeline_quantized
-from .quality import Estimate, interleaved_times, quality_metrics, speed_vs, summarise, warm_up
+from .quality import quality_metrics
+from .stats import interleaved_times, speed_vs, warm_up
 from .crossover import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
 __all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block', 'probe_tokens',
-           'scheme_numerics', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
+           'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
            'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note', 'default_study',
-           'image_quality', 'transformer_bench', 'record_transformer_bench', 'cli_transformer_bench']
+           'image_quality', 'transformer_bench', 'record_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -56,24 +59,32 @@ def probe_tokens(kind='gaussian', tokens=64, width=512, seed=0, dtype=torch.bflo
     return x.to(resolve_device(device), dtype)
 
 # %% ../nbs/15_study.ipynb #ec229c5b
-def scheme_numerics(schemes=SCHEMES, device=None, backend='auto', kinds=('gaussian', 'outliers')) -> pd.DataFrame:
-    "Apply each scheme to a fresh `probe_block` through `plan.quantize(..., backend)`; its output vs dense bf16, per token kind."
-    device = resolve_device(device)
+def scheme_numerics(schemes=SCHEMES, # the schemes, each on a fresh `probe_block`
+                    device=None, # where it runs
+                    policy: QuantPolicy | None = None, # the backend that runs each kernel (and the width floor)
+                    kinds=('gaussian', 'outliers'), # the token kinds of `probe_tokens`
+                    **settings, # QuantPolicy fields instead of `policy` (backend='emulate', ...)
+                   ) -> pd.DataFrame:
+    "Apply each scheme to a fresh `probe_block` through `plan.quantize`; its output vs dense bf16, per token kind."
+    device, policy = resolve_device(device), as_policy(policy, **settings)
     dense = probe_block(device=device)
     xs = {k: probe_tokens(k, device=device) for k in kinds}
     with torch.inference_mode(): refs = {k: dense(x) for k, x in xs.items()}
     def one(s):
         block = copy.deepcopy(dense)
-        applied = QuantPlan({'': quantize(block, s, make_filter_fn(min_features=512), backend=backend, device=device)})
+        filt = make_filter_fn(min_features=policy.floor(block))
+        applied = QuantPlan({'': quantize(block, s, filt, backend=policy.backend, device=device)})
         p = applied.components['']
         with torch.inference_mode():
             per_kind = {k: fidelity(block(x), refs[k]) for k, x in xs.items()}
         return applied, dict(runs_as='emulated' if p.backend == 'emulate' else real_path(p.scheme), per_kind=per_kind)
-    rows = []
-    for r in run_schemes(schemes, one):  # one row per scheme and token kind, keyed by the applied scheme
+    ex, rows = Experiment('study_numerics'), []
+    for r in ex.run(schemes, one):  # one row per scheme and token kind, keyed by the applied scheme
         for k, f in r.pop('per_kind', {}).items(): rows.append(dict(r, tokens=k, **f))
         if r['status'] != 'ok': rows.append(r)
-    return pd.DataFrame(rows)
+    out = pd.DataFrame(rows)
+    out.attrs['plans'] = ex.plans
+    return out
 
 # %% ../nbs/15_study.ipynb #12aed81b
 STUDY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
@@ -103,14 +114,14 @@ def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **ren
     return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
 
 # %% ../nbs/15_study.ipynb #7a0b6b32
-def _speed(t_dense, t_quant, backend, level: float = 0.95) -> dict:
+def _speed(t_dense, t_quant, emulated: bool, level: float = 0.95) -> dict:
     "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
-    sp = speed_vs(t_dense, t_quant, level=level, emulated=bool(backend) and 'emulate' in backend)
+    sp = speed_vs(t_dense, t_quant, level=level, emulated=emulated)
     return dict(latency_s=float(np.median(t_quant)), vs_dense=sp['ratio'], vs_dense_lo=sp['ratio_lo'], vs_dense_hi=sp['ratio_hi'],
                 ci_level=level, speed=sp['verdict'])
 
 # %% ../nbs/15_study.ipynb #b9d09bc2
-def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
+def _check_study_args(family, model, schemes, renders: Renders):
     "Refuse bad input before any work, naming what is valid: a study never writes partial results for bad arguments."
     get_family(family) if family is not None else None
     if model is not None and not Path(model).exists() and str(model).count('/') != 1:
@@ -118,46 +129,97 @@ def _check_study_args(family, model, schemes, steps, size, seeds, prompts):
     if not schemes: raise ValueError(f'no schemes to study; {scheme_choices()}')
     bad = [s for s in schemes if normalize_scheme(s) is None]
     if bad: raise ValueError(f'{bad} is not a scheme to study; {scheme_choices()}')
-    for name, v in (('steps', steps), ('size', size)):
+    for name, v in (('steps', renders.steps), ('size', renders.size)):
         if not isinstance(v, int) or v < 1: raise ValueError(f'{name} must be an integer >= 1, got {v!r}')
-    if not seeds or not prompts: raise ValueError('a study needs at least one seed and one prompt')
+    if not renders.seeds or not renders.prompts: raise ValueError('a study needs at least one seed and one prompt')
 
 # %% ../nbs/15_study.ipynb #3ee9bab4
 def _adherence(imgs, pairs) -> dict:
     "Prompt adherence of the trained pipeline's renders (the task metric of 14_trained), mean with its bootstrap interval."
-    a = summarise([adherence(imgs[k][0], k[1]) for k in pairs])
-    return dict(adherence=a.mean, adherence_lo=a.lo, adherence_hi=a.hi)
-
-# %% ../nbs/15_study.ipynb #a4c7eff1
-def _plan_columns(plan: QuantPlan, dens) -> dict:
-    "The study's view of an applied plan: encoders and transformer, each with the scheme and backend that ran."
-    enc = [p for a, p in plan.components.items() if a not in dens]
-    tr = [p for a, p in plan.components.items() if a in dens]
-    join = lambda ps, attr: '+'.join(sorted({getattr(p, attr) or ('dense' if attr == 'scheme' else '') for p in ps} - {''})) or None
-    count = lambda ps: f'{sum(p.n_quantized for p in ps)}/{sum(p.n_linear for p in ps)}'
-    return dict(te_scheme=join(enc, 'scheme'), te_backend=join(enc, 'backend'), te_quantized=count(enc),
-                transformer_scheme=join(tr, 'scheme'), transformer_backend=join(tr, 'backend'), transformer_quantized=count(tr))
+    return summary_columns({'adherence': [adherence(imgs[k][0], k[1]) for k in pairs]})
 
 # %% ../nbs/15_study.ipynb #5bc5595e
-def run_study(family='z-image', model=None, schemes=SCHEMES, *, trained=False, te_quant=True, transformer_quant=True, steps=None,
-              size=32, seeds=(0, 1), prompts=None, compile=False, device=None, min_features=None, progress=True,
-              rounds: int = 1, threads: int | None = 1, control: bool = True) -> pd.DataFrame:
-    "Per scheme: quantise the pipeline's encoder(s) and transformer, render every (seed, prompt), measure latency, memory, quality vs dense."
+@dataclass(frozen=True)
+class Renders:
+    "What every arm of a study renders: each seed with each prompt, `steps` steps at `size` pixels, timed in `rounds`."
+    seeds: tuple = (0, 1)         # each seed is rendered with every prompt
+    prompts: tuple | None = None  # None: held-out captions on the trained pipeline, else the first two STUDY_PROMPTS
+    steps: int | None = None      # None: TRAINED_STEPS on the trained pipeline, else 2
+    size: int = 32                # image side in pixels
+    rounds: int = 1               # ABBA timing rounds per pair
+
+    def resolved(self, trained: bool) -> Renders:
+        "The defaults filled in for the trained (or a tiny) pipeline."
+        prompts = self.prompts if self.prompts is not None else heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]
+        steps = self.steps if self.steps is not None else TRAINED_STEPS if trained else 2
+        if not isinstance(self.rounds, int) or self.rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {self.rounds!r}')
+        return replace(self, seeds=tuple(self.seeds), prompts=tuple(prompts), steps=steps)
+
+    @property
+    def pairs(self) -> list[tuple]: return [(s, p) for s in self.seeds for p in self.prompts]
+
+# %% ../nbs/15_study.ipynb #7d738cd4
+_STUDY_RUN = dict(parts=('te', 'transformer'), progress=True, threads=1, control=True)  # a study's run options
+_BENCH_RUN = dict(dtype=torch.bfloat16, with_lpips=True, threads=1, level=0.95, progress=False)  # a bench's
+_BENCH_RENDERS = dict(seeds=(0,), prompts=('a photo of a cat',), steps=2, size=32, rounds=6)  # one pair, six rounds
+
+def _sort_options(renders: Renders | None, policy, options: dict, run_defaults: dict) -> tuple[Renders, QuantPolicy, dict]:
+    "Sort keywords into `Renders`, `QuantPolicy` and run options (older names mapped); an unknown one names the valid ones."
+    o = dict(options)
+    if 'te_quant' in o or 'transformer_quant' in o:  # the booleans of old
+        on = dict(te=o.pop('te_quant', True), transformer=o.pop('transformer_quant', True))
+        o.setdefault('parts', tuple(p for p, v in on.items() if v))
+    for old, new, wrap in (('runs', 'rounds', False), ('seed', 'seeds', True), ('prompt', 'prompts', True)):
+        if old in o: o[new] = (o.pop(old),) if wrap else o.pop(old)
+    fields = lambda cls: set(cls.__dataclass_fields__)
+    valid = fields(Renders) | fields(QuantPolicy) | set(run_defaults)
+    if unknown := sorted(set(o) - valid): raise ValueError(f'unknown option {unknown}; choose from {sorted(valid)}')
+    renders = replace(renders or Renders(), **{k: v for k, v in o.items() if k in fields(Renders)})
+    run = {**run_defaults, **{k: v for k, v in o.items() if k in run_defaults}}
+    if 'parts' in run and (not run['parts'] or set(run['parts']) - {'te', 'transformer'}):
+        raise ValueError(f"parts must name 'te', 'transformer' or both, got {run['parts']!r}")
+    return renders, as_policy(policy, **{k: v for k, v in o.items() if k in fields(QuantPolicy)}), run
+
+# %% ../nbs/15_study.ipynb #dd4c697b
+@dataclass
+class _StudyJob:
+    "One study's settings, resolved: what `_study` runs."
+    build: object
+    renders: Renders
+    policy: QuantPolicy
+    run: dict
+    device: torch.device
+    trained: bool
+    model: str | None
+
+    @property
+    def render_kw(self) -> dict: return dict(guidance_scale=TRAINED_GUIDANCE) if self.trained else {}
+
+# %% ../nbs/15_study.ipynb #59bf75a4
+def run_study(family: str = 'z-image', # the family: its tiny pipeline (or the trained one), or the family of `model`
+              model: str | None = None, # a hub id or folder of a real pipeline, instead of the family's tiny one
+              schemes=SCHEMES, # the schemes, each quantising the parts named by the option `parts`
+              *,
+              trained: bool = False, # the lab's trained tiny z-image (data/trained) instead of a random-weight one
+              renders: Renders | None = None, # seeds, prompts, steps, size and timing rounds (or give them as keywords)
+              policy: QuantPolicy | None = None, # width floor, backend, compile, ... (or give its fields as keywords)
+              device=None, # where it runs (default: cuda if present)
+              **options, # parts=('te', 'transformer'), progress, threads, control; `Renders` and `QuantPolicy` fields
+             ) -> pd.DataFrame:
+    "Per scheme: quantise the pipeline's encoder(s) and/or transformer, render every pair, time it against dense, measure quality."
+    renders, policy, run = _sort_options(renders, policy, options, _STUDY_RUN)
     if trained and (model is not None or get_family(family).name != 'z-image'):
         raise ValueError('trained=True studies the trained tiny z-image pipeline of data/trained: give no model and family z-image')
-    if steps is None: steps = TRAINED_STEPS if trained else 2
-    if prompts is None: prompts = heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]  # the trained model's held-out captions
-    _check_study_args(family, model, schemes, steps, size, seeds, prompts)
+    renders = renders.resolved(trained)
+    _check_study_args(family, model, schemes, renders)
     device = resolve_device(device)
-    render_kw = dict(guidance_scale=TRAINED_GUIDANCE) if trained else {}
-    build = ((lambda: load_trained_pipeline().to(device)) if trained else (lambda: tiny_pipeline(family).to(device)) if model is None
-             else (lambda: load_pipeline(model, family=family, device=device)))
-    min_features = (0 if model is None else 512) if min_features is None else min_features  # tiny Linears are 32-64 wide
-    if not isinstance(rounds, int) or rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {rounds!r}')
-    pairs = [(seed, p) for seed in seeds for p in prompts]
-    with _cpu_threads(threads if device.type == 'cpu' else None), same_compiler_settings() if compile else contextlib.nullcontext():
-        return _study(build, pairs, [None, *schemes] if control else list(schemes), trained, model, te_quant,
-                      transformer_quant, steps, size, compile, device, min_features, progress, rounds, render_kw)
+    build = ((lambda: load_trained_pipeline().to(device)) if trained else (lambda: tiny_pipeline(family).to(device))
+             if model is None else (lambda: load_pipeline(model, family=family, device=device)))
+    job = _StudyJob(build, renders, policy, run, device, trained, model)
+    arms = [None, *schemes] if run['control'] else list(schemes)
+    with (_cpu_threads(run['threads'] if device.type == 'cpu' else None),
+          same_compiler_settings() if policy.compile else contextlib.nullcontext()):
+        return _study(job, arms)
 
 # %% ../nbs/15_study.ipynb #9e763755
 @contextlib.contextmanager
@@ -169,56 +231,71 @@ def _cpu_threads(n):
     finally: torch.set_num_threads(old)
 
 # %% ../nbs/15_study.ipynb #8f6b8faf
-def _study(build, pairs, schemes, trained, model, te_quant, transformer_quant, steps, size, compile, device, min_features,
-           progress, rounds, render_kw):
-    dense = build()
-    fam = family_of(dense)
-    seed, prompt = pairs[0]
-    warm_up({'dense': lambda: render(dense, prompt, steps=steps, size=size, seed=seed, **render_kw)}, device)
-    mark = memory_mark(device)
-    ref = {pair: render(dense, pair[1], steps=steps, size=size, seed=pair[0], **render_kw) for pair in pairs}
-    dense_extra = peak_extra_bytes(mark, device)
-    label = 'trained tiny z-image (data/trained)' if trained else f'tiny {fam} (random weights)'
-    base = dict(family=fam, model=model or label, steps=steps, size=size, pairs=len(pairs), compile=compile, rounds=rounds,
-                threads=torch.get_num_threads(), timing='CUDA events' if device.type == 'cuda' else 'wall clock',
-                compiler=COMPILER_SETTINGS if compile else 'eager',
-                memory='CUDA allocated bytes above the resident weights' if device.type == 'cuda' else
+def _study_base(job: _StudyJob, fam: str, n_pairs: int) -> dict:
+    "The columns every row of one study shares: what ran, how it was timed and measured."
+    r, cuda = job.renders, job.device.type == 'cuda'
+    label = 'trained tiny z-image (data/trained)' if job.trained else f'tiny {fam} (random weights)'
+    return dict(family=fam, model=job.model or label, steps=r.steps, size=r.size, pairs=n_pairs, compile=job.policy.compile,
+                rounds=r.rounds, threads=torch.get_num_threads(), timing='CUDA events' if cuda else 'wall clock',
+                compiler=COMPILER_SETTINGS if job.policy.compile else 'eager',
+                memory='CUDA allocated bytes above the resident weights' if cuda else
                        'process resident set (VmHWM) above its level before the renders',
                 paired='ABBA per (seed, prompt): dense, scheme, scheme, dense')
-    renders, dense_secs = {}, []
-    level = 1 - 0.05 / max(1, len(schemes))  # Bonferroni: the study's speed intervals hold together at 95%
+
+# %% ../nbs/15_study.ipynb #3b568e84
+def _quality_columns(q: list[dict]) -> dict:
+    "PSNR and SSIM against dense with their intervals (the harness's convention), and (ST-)LPIPS where it ran."
+    cols = summary_columns({'psnr': [m['psnr'] for m in q], 'ssim': [m['ssim'] for m in q]})
+    for k in ('st_lpips', 'lpips'):
+        if k in q[0]: cols[k] = float(np.mean([m[k] for m in q]))
+        elif f'{k}_unavailable' in q[0]: cols[f'{k}_unavailable'] = str(q[0][f'{k}_unavailable'])[:120]
+    return cols
+
+# %% ../nbs/15_study.ipynb #5365fed7
+def _floored(policy: QuantPolicy, pipe) -> QuantPolicy:
+    "`policy` with its width floor fixed from `pipe`'s denoiser: 0 for the lab's tiny pipelines, 512 for real ones."
+    return replace(policy, min_features=policy.floor(next(iter(denoisers(pipe).values()))))
+
+# %% ../nbs/15_study.ipynb #0e165984
+def _study(job: _StudyJob, arms) -> pd.DataFrame:
+    "The study's loop: the dense reference, then each arm through the harness, ABBA-timed against dense."
+    r, kw = job.renders, job.render_kw
+    dense = job.build()
+    fam, pairs = family_of(dense), r.pairs
+    policy = _floored(job.policy, dense)
+    warm_up({'dense': lambda: render(dense, pairs[0][1], steps=r.steps, size=r.size, seed=pairs[0][0], **kw)}, job.device)
+    mark = memory_mark(job.device)
+    ref = {k: render(dense, k[1], steps=r.steps, size=r.size, seed=k[0], **kw) for k in pairs}
+    dense_extra = peak_extra_bytes(mark, job.device)
+    base = _study_base(job, fam, len(pairs))
+    shown, dense_secs = {}, []
+    level = 1 - 0.05 / max(1, len(arms))  # Bonferroni: the study's speed intervals hold together at 95%
     def one(s):
-        pipe, st = load_pipeline_quantized(build(), family=fam, te_quant=s if te_quant else None,
-                                           transformer_quant=s if transformer_quant else None, compile=compile, device=device,
-                                           min_features=min_features)
-        plan = st['quant_plan']
-        cols = _plan_columns(plan, denoisers(pipe))
-        imgs, t_dense, t_quant, extra = _interleaved(dense, pipe, pairs, steps, size, device, rounds, **render_kw)
+        parts = job.run['parts']
+        pipe, st = load_pipeline_quantized(job.build(), family=fam, te_quant=s if 'te' in parts else None,
+                                           transformer_quant=s if 'transformer' in parts else None, device=job.device,
+                                           policy=policy)
+        imgs, t_dense, t_quant, extra = _interleaved(dense, pipe, pairs, r.steps, r.size, job.device, r.rounds, **kw)
         dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
-        same = any(math.isinf(m['psnr']) for m in q)  # renders identical to dense (a fallback, the control): no mean of inf dB
-        psnr_ = Estimate(math.inf, math.inf, math.inf, len(q)) if same else summarise([m['psnr'] for m in q])
-        ssim_ = summarise([m['ssim'] for m in q])
-        if s is not None: renders[s] = imgs[pairs[0]]  # the control renders what dense renders
-        return plan, dict(base, scheme='/'.join(dict.fromkeys(x for x in (cols['te_scheme'], cols['transformer_scheme']) if x)),
-                          **cols, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
-                          mem_load_MiB=_mib(st.get('mem_load_bytes')),
-                          **_speed(t_dense, t_quant, '+'.join(filter(None, (cols['te_backend'], cols['transformer_backend']))), level),
-                          peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q),
-                          **_weights_MiB(pipe),
-                          psnr=psnr_.mean, psnr_lo=psnr_.lo, psnr_hi=psnr_.hi, ssim=ssim_.mean, ssim_lo=ssim_.lo, ssim_hi=ssim_.hi,
-                          **(_adherence(imgs, pairs) if trained else {}),
-                          **({'lpips': float(np.mean([m['lpips'] for m in q]))} if 'lpips' in q[0] else
-                             {'lpips_unavailable': q[0]['lpips_unavailable'][:120]}))
-    rows = [{**base, **r} for r in run_schemes(schemes, one, progress=progress, desc='study')]
-    for r in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
-        if r['requested'] == 'dense': r.update(requested='dense (control)', speed='control: two identical dense pipelines')
+        if s is not None: shown[s] = imgs[pairs[0]]  # the control renders what dense renders
+        backends = '+'.join(filter(None, (st['quant_plan'].columns().get(c) for c in ('te_backend', 'transformer_backend'))))
+        return st['quant_plan'], dict(
+            base, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
+            mem_load_MiB=_mib(st.get('mem_load_bytes')), **_speed(t_dense, t_quant, 'emulate' in backends, level),
+            peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q), **_weights_MiB(pipe),
+            **_quality_columns(q), **(_adherence(imgs, pairs) if job.trained else {}))
+    ex = Experiment('study', progress=job.run['progress'])
+    rows = [{**base, **row} for row in ex.run(arms, one, desc='study')]
+    for row in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
+        if row['requested'] == 'dense': row.update(requested='dense (control)', speed='control: two identical dense pipelines')
     dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
-                     vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense), **(_adherence(ref, pairs) if trained else {}),
+                     vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense),
+                     **(_adherence(ref, pairs) if job.trained else {}),
                      weights=weights_digest(dense),  # the identity of the weights every row of this table ran from
                      status='ok')
     df = pd.DataFrame([dense_row, *rows])
-    df.attrs.update(renders=renders, reference=ref[pairs[0]], pair=pairs[0])
+    df.attrs.update(renders=shown, reference=ref[pairs[0]], pair=pairs[0], plans=ex.plans)
     return df
 
 # %% ../nbs/15_study.ipynb #675e510d
@@ -403,12 +480,22 @@ def recorded_note(counts: dict, root=None) -> str:
 REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into its report folder
 
 # %% ../nbs/15_study.ipynb #d332380f
-def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None, log=print, progress=True,
-                  allow_dirty: bool = False, publish=None, **study_kw) -> dict:
+def default_study(device=None, # where it runs (default: cuda if present)
+                  schemes=SCHEMES, # the schemes studied
+                  out=None, # the report folder (None: no report)
+                  record: bool = True, # append the rows to the results tables (checked before any work)
+                  root=None, # the results folder (default: data/results)
+                  log=print, # where the terminal summary goes
+                  allow_dirty: bool = False, # record from a tree with uncommitted changes (rows say +dirty)
+                  publish=None, # the folder the report in `out` moves to, in the same commit as the rows
+                  **study_kw, # `run_study`'s arguments and options (family, model, trained, seeds, progress, ...)
+                 ) -> dict:
     "The embedded default study on `device`: capability report, per-scheme numerics, the tiny pipeline study; report under `out`."
     device = resolve_device(device)
-    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes, 2 if study_kw.get('steps') is None else study_kw['steps'],
-                      study_kw.get('size', 32), study_kw.get('seeds', (0,)), STUDY_PROMPTS if study_kw.get('prompts') is None else study_kw['prompts'])
+    opts = {k: v for k, v in study_kw.items() if k not in ('family', 'model', 'trained', 'renders', 'policy')}
+    renders = _sort_options(study_kw.get('renders'), study_kw.get('policy'), opts, _STUDY_RUN)[0]
+    _check_study_args(study_kw.get('family', 'z-image'), study_kw.get('model'), schemes,
+                      renders.resolved(study_kw.get('trained', False)))
     # every output is checked before any work: a study never leaves some of its rows or half a report behind
     if record: check_recordable(('capability', 'study_numerics', 'study'), root, allow_dirty)
     if out is not None: check_writable(out)
@@ -418,7 +505,7 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
     num = scheme_numerics(schemes, device)
     summary = numerics_summary(num)
     log(f'## Scheme numerics on a bf16 MLP block ({device_name(device)})\n\n{_short_numerics(summary)}\n')
-    study = run_study(schemes=schemes, device=device, progress=progress, **study_kw)
+    study = run_study(schemes=schemes, device=device, **study_kw)
     full = f'the full table ({len([c for c in STUDY_COLS if c in study])} columns) is in report.md and report.html'
     log(f'## {study.model.iloc[0]}: encoder + transformer quantised per scheme ({device_name(device)})\n\n'
         f'{short_table(study)}\n' + _fill(full + (' (pass out= to write it)' if out is None else f' in {out}')) + '\n')
@@ -426,7 +513,7 @@ def default_study(device=None, schemes=SCHEMES, out=None, record=True, root=None
         write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}',
                      tables={'Capability': cap, 'Scheme numerics on a bf16 MLP block': summary})
     if record:
-        save_plans([*num.plan, *study.plan], root)  # each row's digest opens its applied plan
+        Experiment('study', plans={**num.attrs['plans'], **study.attrs['plans']}).save_plans([*num.plan, *study.plan], root)
         # all three tables, and the report staged in `out` moved into `publish`, in one commit: all of it or none
         record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
                        'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty,
@@ -469,84 +556,106 @@ def _swapped(host, dens: dict, **render_kw):
     return go
 
 # %% ../nbs/15_study.ipynb #35c1d971
-def transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), steps: int = 2, size: int = 32, runs: int = 6,
-                      compile: bool = False, device=None, *, gguf: str | None = 'Q8_0', dims: str = 'tiny', min_features: int = 512,
-                      backend: str = 'auto', dtype=torch.bfloat16, seed: int = 0, prompt: str = 'a photo of a cat',
-                      with_lpips: bool = True, threads: int | None = 1, level: float = 0.95, progress: bool = False) -> pd.DataFrame:
-    "One row per configuration (GGUF, dense, each scheme): built side by side, first call, then `runs` interleaved rounds; paired ratios, memory, quality."
-    device, dtype = resolve_device(device), as_dtype(dtype)
-    if isinstance(runs, bool) or not isinstance(runs, int) or runs < 1: raise ValueError(f'runs must be an int >= 1, got {runs!r}')
+@dataclass
+class _Bench:
+    "The configurations of one transformer bench: built one by one, each rendering through the first one's host pipeline."
+    fresh: object
+    renders: Renders
+    policy: QuantPolicy
+    device: torch.device
+    dtype: torch.dtype
+    gguf: str | None
+    glabel: str | None
+    tmp: Path
+    dims: str
+    calls: dict = field(default_factory=dict)
+    outs: dict = field(default_factory=dict)
+    host: list = field(default_factory=list)
+
+    def build(self, scheme, label=None):
+        "Build one configuration and make its first call: (applied plan, its columns)."
+        pipe, r, gpath = self.fresh(), self.renders, None
+        if label == self.glabel and self.gguf:  # a GGUF type is written from this pipeline's dense weights; a file is taken
+            gpath = ({a: write_gguf(m, self.tmp/f'{a}-{self.gguf}.gguf', self.gguf) for a, m in denoisers(pipe).items()}
+                     if self.gguf in GGUF_TYPES else self.gguf)
+        policy = replace(_floored(self.policy, pipe), validate=scheme is not None)
+        pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, device=self.device, dtype=self.dtype,
+                                           policy=policy)
+        if not self.host: self.host.append(pipe)  # the first pipeline renders every configuration
+        config = label or scheme or 'dense'
+        go = self.calls[config] = _swapped(self.host[0], denoisers(pipe), prompt=r.prompts[0], steps=r.steps, size=r.size,
+                                           seed=r.seeds[0])
+        if self.device.type == 'cuda': torch.cuda.reset_peak_memory_stats(self.device)
+        mark = memory_mark(self.device)
+        cs = compile_stats(go, runs=1)  # the first call (compilation happens there), then one: frames and recompiles
+        self.outs[config] = cs['output']
+        plan = st['quant_plan']
+        return plan, dict(
+            family=st['family'], config=config, scheme=plan.columns().get('transformer_scheme', 'dense'), path=st['path'], backend=st['backend'] or '', compile=policy.compile,
+            compiler=COMPILER_SETTINGS if policy.compile else 'eager',
+            quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=r.steps, size=r.size, runs=r.rounds,
+            dims=self.dims, first_s=cs['first_call_s'], frames_first_call=cs['frames_first_call'],
+            recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
+            peak_gen_MiB=_mib(peak_extra_bytes(mark, self.device)), finite=bool(torch.isfinite(cs['output']).all()),
+            fallback_reason=st['fallback_reason'], weights=st.weights)
+
+# %% ../nbs/15_study.ipynb #add22eaf
+def _bench_speed(row: dict, times: dict, glabel, rounds: int, level: float, threads: int):
+    "Fill a bench row's timing: the median, and paired ratios against dense and GGUF with their intervals."
+    row.update(threads=threads, load_avg_1m=round(os.getloadavg()[0], 2), timing=f'{rounds} interleaved rounds (ABBA); '
+               f'vs_dense / vs_gguf: median paired ratio with its BCa interval ({level:.0%})')
+    ts = times.get(row['config'])
+    if ts is None: return
+    row['median_s'] = statistics.median(ts)
+    for base, col in (('dense', 'vs_dense'), (glabel, 'vs_gguf')):
+        if base is None or base not in times: continue
+        sp = speed_vs(times[base], ts, level=level, emulated='emulate' in row.get('backend', ''))
+        row.update({col: sp['ratio'], f'{col}_lo': sp['ratio_lo'], f'{col}_hi': sp['ratio_hi']})
+        if col == 'vs_dense': row['speed'] = 'baseline' if row['config'] == 'dense' else sp['verdict']
+
+# %% ../nbs/15_study.ipynb #02d1083d
+def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dims random-weight pipeline) or a pipeline
+                      schemes=('int8', 'fp8'), # the schemes benched beside dense and GGUF
+                      *,
+                      renders: Renders | None = None, # one seed and prompt, steps, size, `rounds` timing rounds (default 6)
+                      gguf: str | None = 'Q8_0', # GGUF baseline: a type written from the dense weights, a .gguf file, None
+                      dims: str = 'tiny', # 'tiny' or 'real' (random weights at the family's real dimensions)
+                      policy: QuantPolicy | None = None, # width floor, backend, compile, ... (or its fields as keywords)
+                      device=None, # where it runs (default: cuda if present)
+                      **options, # dtype, with_lpips, threads, level, progress; `Renders` / `QuantPolicy` fields; runs, seed, prompt
+                     ) -> pd.DataFrame:
+    "One row per configuration (GGUF, dense, each scheme) built side by side, first call, interleaved rounds; ratios, memory, quality."
+    renders, policy, run = _sort_options(Renders(**_BENCH_RENDERS) if renders is None else renders, policy, options, _BENCH_RUN)
+    device, dtype, r = resolve_device(device), as_dtype(run['dtype']), renders
+    if isinstance(r.rounds, bool) or not isinstance(r.rounds, int) or r.rounds < 1:
+        raise ValueError(f'runs must be an int >= 1, got {r.rounds!r}')
     if gguf is not None and gguf not in GGUF_TYPES and not Path(gguf).is_file():
-        raise ValueError(f'gguf must be one of {list(GGUF_TYPES)} (written from the dense weights), a .gguf file, or None; got {gguf!r}')
-    fresh = _fresh(pipe_or_family, dims, device, dtype, seed)
+        raise ValueError(f'gguf must be one of {list(GGUF_TYPES)} (written from the dense weights), a .gguf file, or None; '
+                         f'got {gguf!r}')
+    fresh = _fresh(pipe_or_family, dims, device, dtype, r.seeds[0])
     glabel = None if gguf is None else 'gguf-' + (gguf if gguf in GGUF_TYPES else Path(gguf).stem)
-    with (_cpu_threads(threads if device.type == 'cpu' else None), tempfile.TemporaryDirectory() as tmp,
-          same_compiler_settings() if compile else contextlib.nullcontext()):
-        calls, outs, host = {}, {}, []
-        def one(scheme, label=None):
-            pipe = fresh()
-            gpath = None
-            if label == glabel and gguf:  # a GGUF type is written from this pipeline's dense weights; a file is taken as it is
-                gpath = ({a: write_gguf(m, Path(tmp)/f'{a}-{gguf}.gguf', gguf) for a, m in denoisers(pipe).items()}
-                         if gguf in GGUF_TYPES else gguf)
-            pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, compile=compile, device=device, dtype=dtype,
-                                               min_features=min_features, backend=backend, validate=scheme is not None)
-            if not host: host.append(pipe)  # the first pipeline renders every configuration; the others keep only their denoisers
-            config = label or scheme or 'dense'
-            go = calls[config] = _swapped(host[0], denoisers(pipe), prompt=prompt, steps=steps, size=size, seed=seed)
-            if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
-            mark = memory_mark(device)
-            cs = compile_stats(go, runs=1)  # the first call (compilation happens there), then one: frames and recompiles
-            outs[config] = cs['output']
-            plan = st['quant_plan']
-            parts = [plan.components[a] for a in denoisers(pipe)]
-            return plan, dict(family=st['family'], config=config, scheme='+'.join(sorted({p.scheme or 'dense' for p in parts})),
-                              path=st['path'], backend=st['backend'] or '', compile=compile, compiler=COMPILER_SETTINGS if compile else 'eager',
-                              quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=steps, size=size,
-                              runs=runs, dims=_dims_label(pipe_or_family, dims), first_s=cs['first_call_s'],
-                              frames_first_call=cs['frames_first_call'], recompiles=cs['recompiles'],
-                              mem_load_MiB=st['mem_load_bytes'] / 2**20, peak_gen_MiB=_mib(peak_extra_bytes(mark, device)),
-                              finite=bool(torch.isfinite(cs['output']).all()), fallback_reason=st['fallback_reason'],
-                              weights=st.weights)
-        rows = run_schemes([None], lambda s: one(None, glabel), progress, 'bench: GGUF') if gguf else []  # GGUF, dense, each scheme
-        rows += run_schemes([None, *schemes], one, progress, 'bench: build + first call')
-        rows = [{'config': r['requested'], **r} for r in rows]  # a failed scheme keeps its row
-        warm_up(calls, device)
-        if progress: print(f'bench: {len(calls)} configurations x {runs} interleaved rounds', flush=True)
-        times = interleaved_times(calls, runs, device)
+    ex = Experiment('transformer_bench', progress=run['progress'])
+    with (_cpu_threads(run['threads'] if device.type == 'cpu' else None), tempfile.TemporaryDirectory() as tmp,
+          same_compiler_settings() if policy.compile else contextlib.nullcontext()):
+        bench = _Bench(fresh, r, policy, device, dtype, gguf, glabel, Path(tmp), _dims_label(pipe_or_family, dims))
+        rows = ex.run([None], lambda s: bench.build(None, glabel), 'bench: GGUF') if gguf else []  # GGUF, dense, schemes
+        rows += ex.run([None, *schemes], bench.build, 'bench: build + first call')
+        rows = [{'config': row['requested'], **row} for row in rows]  # a failed scheme keeps its row
+        warm_up(bench.calls, device)
+        if run['progress']: print(f'bench: {len(bench.calls)} configurations x {r.rounds} interleaved rounds', flush=True)
+        times = interleaved_times(bench.calls, r.rounds, device)
         threads_used = torch.get_num_threads()
-    for r in rows:
-        ts = times.get(r['config'])
-        r.update(threads=threads_used, load_avg_1m=round(os.getloadavg()[0], 2), timing=f'{runs} interleaved rounds (ABBA); '
-                 f'vs_dense / vs_gguf: median paired ratio with its BCa interval ({level:.0%})')
-        if ts is None: continue
-        r['median_s'] = statistics.median(ts)
-        for base, col in (('dense', 'vs_dense'), (glabel, 'vs_gguf')):
-            if base is None or base not in times: continue
-            sp = speed_vs(times[base], ts, level=level, emulated='emulate' in r.get('backend', ''))
-            r.update({col: sp['ratio'], f'{col}_lo': sp['ratio_lo'], f'{col}_hi': sp['ratio_hi']})
-            if col == 'vs_dense': r['speed'] = 'baseline' if r['config'] == 'dense' else sp['verdict']
+    for row in rows: _bench_speed(row, times, glabel, r.rounds, run['level'], threads_used)
     df = pd.DataFrame(rows)
-    q = pd.DataFrame([image_quality(outs[c], outs['dense'], with_lpips) if c in outs and 'dense' in outs else {}
-                      for c in df['config']], index=df.index)
-    return pd.concat([df, q], axis=1)
+    q = pd.DataFrame([image_quality(bench.outs[c], bench.outs['dense'], run['with_lpips'])
+                      if c in bench.outs and 'dense' in bench.outs else {} for c in df['config']], index=df.index)
+    out = pd.concat([df, q], axis=1)
+    out.attrs['plans'] = ex.plans
+    return out
 
 # %% ../nbs/15_study.ipynb #edfbd729
 def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
-    "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table (run by hand)."
+    "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table."
     df = transformer_bench(**{'progress': True, **kwargs})
-    record_rows('transformer_bench', df, root=root, device=kwargs.get('device'))
-    return df
-
-# %% ../nbs/15_study.ipynb #79a8ae8e
-def cli_transformer_bench(args) -> pd.DataFrame:
-    "The `diffq-lab study --transformer-quant ...` job: run (and unless `args.no_record`, record) `transformer_bench` from parsed flags."
-    model = getattr(args, 'model', None)
-    target = load_pipeline(model, family=args.family, device='cpu') if model else args.family  # a real model, or a family's
-    tiny = model is None and args.dims == 'tiny'
-    kw = dict(pipe_or_family=target, schemes=args.transformer_quant, steps=args.steps, size=args.size, runs=args.runs,
-              compile=args.compile, device=args.device, gguf=None if args.gguf in (None, 'none') else args.gguf, dims=args.dims,
-              min_features=args.min_features if args.min_features is not None else (0 if tiny else 512))  # tiny Linears are 32-64 wide
-    df = transformer_bench(**kw) if args.no_record else record_transformer_bench(**kw)
-    print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
+    Experiment('transformer_bench', plans=df.attrs['plans']).record(df, root=root, device=kwargs.get('device'))
     return df

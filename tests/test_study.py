@@ -1,5 +1,5 @@
-"diffq_lab.study's transformer benchmark: recorded rows, the CLI job, a GGUF file given as is, bad inputs."
-import argparse, os, warnings
+"diffq_lab.study's transformer benchmark: recorded rows, the tiny floor, a GGUF file given as is, bad inputs."
+import os, warnings
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import numpy as np
 import pytest
@@ -33,12 +33,12 @@ def test_bench_rows_and_record(tmp_path):
     assert 'lpips' in df or df.lpips_unavailable.str.len().gt(0).all()  # a score, or the reason there is none
 
 
-def test_cli_transformer_bench_runs_from_flags(capsys):
-    args = argparse.Namespace(model=None, family='sana', transformer_quant=['int8'], steps=1, size=32, runs=1, compile=False,
-                              device='cpu', gguf='none', dims='tiny', min_features=None, no_record=True)
-    df = S.cli_transformer_bench(args)
-    assert list(df.config) == ['dense', 'int8'] and 'median_s' in capsys.readouterr().out
-    assert df.set_index('config').loc['int8', 'quantized'] == '11/14'  # tiny: min_features 0; the 2 + 1 time Linears stay bf16
+def test_bench_on_a_tiny_pipeline_takes_the_tiny_floor():
+    "No min_features given: the policy's floor for the tiny 32-64-wide DiT is 0, decided from the model itself."
+    df = S.transformer_bench('sana', schemes=['int8'], steps=1, runs=1, gguf=None)
+    assert list(df.config) == ['dense', 'int8'] and df.median_s.notna().all()
+    assert df.set_index('config').loc['int8', 'quantized'] == '11/14'  # the 2 + 1 time Linears stay bf16
+    assert set(df.attrs['plans']) == set(df.plan.dropna())  # every row's plan travels with the table
 
 
 def test_bench_takes_a_gguf_file_and_refuses_nonsense(tmp_path):
