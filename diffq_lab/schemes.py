@@ -4,6 +4,7 @@
 
 # %% ../nbs/01_schemes.ipynb #bb0dbf72
 from __future__ import annotations
+from collections.abc import Sequence
 import contextlib, importlib.util, inspect, warnings
 from collections import Counter
 from dataclasses import dataclass, fields
@@ -14,11 +15,11 @@ from torch import nn
 from .core import package_version
 
 # %% auto #0
-__all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme', 'register_scheme', 'scheme_choices',
-           'normalize_scheme', 'get_scheme', 'make_config', 'schemes_table', 'vocabulary_table', 'FakeQuantLinear',
-           'layerwise_registry', 'is_quantized_linear', 'quantized_linears', 'skip_reason', 'make_filter_fn',
-           'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons', 'apply_kernel',
-           'fp8_gate_bypassed', 'gate_bypassed']
+__all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme', 'register_scheme', 'unregister_scheme',
+           'scheme_choices', 'normalize_scheme', 'get_scheme', 'make_config', 'RegisteredNames', 'schemes_table',
+           'vocabulary_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear', 'quantized_linears',
+           'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons',
+           'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -51,6 +52,10 @@ class Scheme:
     casts_in_place: bool = False              # casts the Parameter itself: a tied weight would drag its other user along
     bias_bytes: int | None = None             # bytes per bias element; None: the compute dtype's
     gemm: str = 'bf16'                        # the bare GEMM the bench times beside it: 'bf16', 'int8' or 'fp8'
+    auto_rank: int | None = None              # its place in `auto`'s ladder (lower is tried first); None: auto never picks it
+    consumer_rank: int | None = None          # its place on consumer GPUs, where int8 leads (None: `auto_rank`)
+    encoder_auto: bool = False                # `auto` may pick it for a text encoder
+    roofline: str | None = None               # the tensor-core format the roofline times its GEMM as; None: not modelled
 
     def __eq__(self, other): return self.name == (other.name if isinstance(other, Scheme) else other)
     def __hash__(self): return hash(self.name)
@@ -78,6 +83,13 @@ def register_scheme(scheme: Scheme) -> Scheme:
     REGISTRY[scheme.name] = scheme
     _LOOKUP.update({k: scheme.name for k in spellings})
     return scheme
+
+# %% ../nbs/01_schemes.ipynb #47c2dc21
+def unregister_scheme(name: str) -> Scheme:
+    "Remove scheme `name` and its spellings from the registry (a test's throwaway scheme); the removed record."
+    s = REGISTRY.pop(normalize_scheme(name))
+    for k in [k for k, v in _LOOKUP.items() if v == s.name]: del _LOOKUP[k]
+    return s
 
 # %% ../nbs/01_schemes.ipynb #8567358c
 def scheme_choices() -> str:
@@ -190,7 +202,8 @@ register_scheme(Scheme(
     weights='int8 per output channel, symmetric', activations='int8 per token, symmetric', config=_int8_dynamic,
     aliases=('int8dq', 'int8_dynamic', 'int8_dynamic_activation', 'int8da', 'int8_dyn', 'w8a8', 'w8a8_int8', 'int8_w8a8'),
     gate=Gate((8, 0), True, 'torch._int_mm: int8 tensor cores on sm_80+, an int8 mm on CPU'),
-    weight_bytes=lambda k, n: n * k + n * 5, gemm='int8'))  # codes, fp32 scale, int8 zero point
+    weight_bytes=lambda k, n: n * k + n * 5, gemm='int8',
+    auto_rank=2, consumer_rank=-1, encoder_auto=True, roofline='int8'))  # codes, fp32 scale, int8 zero point
 
 register_scheme(Scheme(
     'int8wo', 'int8 per-channel weights, bf16 activations',
@@ -206,7 +219,8 @@ register_scheme(Scheme(
     aliases=('fp8dq', 'fp8_dynamic', 'fp8_dyn', 'fp8da', 'float8', 'float8dq', 'float8_dynamic', 'fp8_rowwise',
              'fp8_per_row', 'w8a8_fp8', 'fp8_w8a8'),
     gate=Gate((8, 9), False, 'fp8 tensor cores; torchao asserts sm_89+ for dynamic fp8 and refuses CPU'),
-    weight_bytes=lambda k, n: n * k + n * 4, gemm='fp8'))  # codes, fp32 row scale
+    weight_bytes=lambda k, n: n * k + n * 4, gemm='fp8',
+    auto_rank=0, encoder_auto=True, roofline='fp8'))  # codes, fp32 row scale
 
 register_scheme(Scheme(
     'fp8wo', 'fp8 e4m3 per-row weights, bf16 activations',
@@ -231,7 +245,7 @@ register_scheme(Scheme(
     multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32), zero_weight_hazard=True,  # blocks of 16
     aliases=('nvfp4dq', 'nvfp4_dynamic', 'nvfp4_w4a4', 'w4a4', 'fp4'),
     gate=Gate((10, 0), False, 'fp4 tensor cores; torchao asserts sm_100+ for NVFP4 dynamic'),
-    weight_bytes=_NVFP4_BYTES, gemm=''))
+    weight_bytes=_NVFP4_BYTES, gemm='', roofline='nvfp4'))
 
 register_scheme(Scheme(
     'nvfp4wo', 'NVFP4 weights, bf16 activations',
@@ -248,7 +262,8 @@ register_scheme(Scheme(
     config=_mxfp8_dynamic, multiple_of=(32, 32), dtypes=(torch.bfloat16,),  # blocks of 32
     aliases=('mxfp8_dynamic', 'mx'),
     gate=Gate((10, 0), False, 'block-scaled fp8 GEMM (e8m0 scales) needs sm_100+; no CPU kernel'),
-    weight_bytes=lambda k, n: n * k + _pad(n, 128) * _pad(k // 32, 4), gemm=''))
+    weight_bytes=lambda k, n: n * k + _pad(n, 128) * _pad(k // 32, 4), gemm='',
+    auto_rank=1, roofline='mxfp8'))
 
 # %% ../nbs/01_schemes.ipynb #7542fcc3
 def _int4_weight_only():
@@ -265,7 +280,15 @@ register_scheme(Scheme(
     weight_bytes=lambda k, n: n * k // 2 + n * (k // 128) * 4))  # packed nibbles, bf16 scale + zero per group
 
 # %% ../nbs/01_schemes.ipynb #a1e0c00a
-SCHEMES = tuple(REGISTRY)  # the registered scheme names, in registry order
+class RegisteredNames(Sequence):
+    "The registered scheme names in registry order, read live: a scheme registered later is in it too."
+    def __getitem__(self, i): return tuple(REGISTRY)[i]
+    def __len__(self): return len(REGISTRY)
+    def __eq__(self, other): return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+    def __hash__(self): return hash(tuple(self))
+    def __repr__(self): return repr(tuple(self))
+
+SCHEMES = RegisteredNames()  # the registered scheme names; `tuple(SCHEMES)` for a snapshot
 
 # %% ../nbs/01_schemes.ipynb #a1e0c007
 def schemes_table() -> pd.DataFrame:
