@@ -24,14 +24,16 @@ DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
 def _as_torch_device(device) -> torch.device:
     "`device` parsed by torch; a name torch does not know (or an empty one) raises ValueError naming the choices."
     if isinstance(device, torch.device): return device
-    if isinstance(device, bool) or not isinstance(device, (str, int)) or (isinstance(device, str) and not device.strip()):
+    empty = isinstance(device, str) and not device.strip()
+    if isinstance(device, bool) or not isinstance(device, (str, int)) or empty:
         raise ValueError(f'bad device {device!r}; choose {DEVICE_CHOICES}')
     try: return torch.device(device.strip() if isinstance(device, str) else device)
-    except (RuntimeError, ValueError, TypeError): raise ValueError(f'unknown device {device!r}; choose {DEVICE_CHOICES}') from None
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f'unknown device {device!r}; choose {DEVICE_CHOICES}') from None
 
 # %% ../nbs/00_core.ipynb #4811ff35
 def resolve_device(device=None) -> torch.device:
-    "`device` as a `torch.device`; `None` picks CUDA when present, else CPU; a name torch does not know raises ValueError."
+    "`device` as a `torch.device`; `None` picks CUDA when present, else CPU; a name torch does not know: ValueError."
     if device is None: return torch.device('cuda' if torch.cuda.is_available() else 'cpu')
     device = _as_torch_device(device)
     if device.type == 'cuda' and device.index is None and torch.cuda.is_available():
@@ -40,7 +42,7 @@ def resolve_device(device=None) -> torch.device:
 
 # %% ../nbs/00_core.ipynb #56cd438e
 def module_device(module) -> torch.device:
-    "The device `module`'s weights are on: its first parameter's, or `resolve_device(None)` when it has none or they are on meta."
+    "The device of `module`'s first parameter; `resolve_device(None)` when it has none or they are on meta."
     p = next(module.parameters(), None)
     return p.device if p is not None and p.device.type != 'meta' else resolve_device(None)
 
@@ -52,7 +54,8 @@ def check_device(device=None) -> torch.device:
     if d.type == 'cuda':
         n = torch.cuda.device_count() if torch.cuda.is_available() else 0
         if n == 0: raise ValueError(f"device {str(device)!r} was asked for but this machine has no CUDA GPU: use 'cpu'")
-        if d.index is not None and d.index >= n: raise ValueError(f'no GPU {d.index}: this machine has {n} (cuda:0 to cuda:{n - 1})')
+        if d.index is not None and d.index >= n:
+            raise ValueError(f'no GPU {d.index}: this machine has {n} (cuda:0 to cuda:{n - 1})')
     return d
 
 # %% ../nbs/00_core.ipynb #a8636fe2
@@ -108,7 +111,7 @@ def memory_mark(device=None) -> int | None:
 
 # %% ../nbs/00_core.ipynb #de606dc8
 def peak_extra_bytes(mark: int | None, device=None) -> int | None:
-    "Bytes the peak rose above `mark` (from `memory_mark`) since: CUDA allocated bytes, or the process's resident set on a CPU."
+    "Bytes the peak rose above `mark` (from `memory_mark`) since: CUDA allocated bytes, or the resident set on a CPU."
     device = resolve_device(device)
     if mark is None: return None
     peak = torch.cuda.max_memory_allocated(device) if device.type == 'cuda' else _vm('VmHWM')
@@ -118,11 +121,13 @@ def peak_extra_bytes(mark: int | None, device=None) -> int | None:
 def fidelity(out, ref) -> dict:
     "How close `out` is to the dense `ref`: fp64 cosine, relative error, max-abs error, finiteness."
     y, r = torch.as_tensor(out).detach().double().flatten(), torch.as_tensor(ref).detach().double().flatten()
-    if y.shape != r.shape: raise ValueError(f'fidelity compares equal sizes, got {tuple(out.shape)} vs {tuple(ref.shape)}')
+    if y.shape != r.shape:
+        raise ValueError(f'fidelity compares equal sizes, got {tuple(out.shape)} vs {tuple(ref.shape)}')
     finite = bool(torch.isfinite(y).all())
     if not finite: return dict(cosine=float('nan'), rel_err=float('nan'), max_abs=float('inf'), finite=False)
     d = y - r
-    yr, yy, rr, dd = (y @ r).item(), (y @ y).item(), (r @ r).item(), (d @ d).item()  # dot products: fast even on huge outputs
+    # dot products: fast even on huge outputs
+    yr, yy, rr, dd = (y @ r).item(), (y @ y).item(), (r @ r).item(), (d @ d).item()
     return dict(cosine=yr / max(math.sqrt(yy * rr), 1e-300), rel_err=math.sqrt(dd) / max(math.sqrt(rr), 1e-300),
                 max_abs=d.abs().max().item() if d.numel() else 0.0, finite=True)
 
@@ -143,7 +148,7 @@ def package_version(name: str) -> str | None:
 
 # %% ../nbs/00_core.ipynb #587df299
 def git_sha(path=None) -> str | None:
-    "Short git commit of the checkout holding `path` (default: this package), '+dirty' when its code (not `data/`) has local changes."
+    "Short git commit of the checkout holding `path` (default: this package); '+dirty' if its code (not data/) changed."
     cwd = Path(path or repo_root())
     try:
         run = lambda *a: subprocess.run(['git', *a], cwd=cwd, capture_output=True, text=True, timeout=10)
@@ -197,7 +202,7 @@ def _stage(path: Path, text: str) -> Path:
 
 # %% ../nbs/00_core.ipynb #585f3ec4
 def atomic_write_text(path, text: str):
-    "Write `text` to `path` through a temp file in the same folder and a rename (keeping its mode), so readers never see half a file."
+    "Write `text` to `path` via a temp file beside it and a rename (keeping its mode): readers never see half a file."
     path = Path(path)
     if path.is_dir(): raise ValueError(f'{path} is a folder, not a file to write')
     tmp = _stage(path, text)
@@ -209,9 +214,11 @@ def atomic_write_text(path, text: str):
 # %% ../nbs/00_core.ipynb #cdeef021
 def check_writable(folder) -> Path:
     "`folder`, created if needed, after proving a file can be written there: ValueError naming it otherwise."
-    if isinstance(folder, str) and not folder.strip(): raise ValueError('an output folder must be named, got an empty path')
+    if isinstance(folder, str) and not folder.strip():
+        raise ValueError('an output folder must be named, got an empty path')
     folder = Path(folder)
-    if folder.exists() and not folder.is_dir(): raise ValueError(f'cannot write into {folder}: it is a file, not a folder')
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f'cannot write into {folder}: it is a file, not a folder')
     try:
         folder.mkdir(parents=True, exist_ok=True)
         fd, probe = tempfile.mkstemp(dir=folder, prefix='.write-probe-'); os.close(fd); os.unlink(probe)
@@ -264,7 +271,7 @@ def _parse_strict(path: Path, columns=()) -> pd.DataFrame:
 
 # %% ../nbs/00_core.ipynb #827d45f9
 def load_table(kind, root=None) -> pd.DataFrame:
-    "The results table `kind` as a DataFrame (empty when nothing was recorded yet); a damaged table raises `DamagedTable`."
+    "The results table `kind` as a DataFrame (empty if nothing was recorded yet); a damaged one raises `DamagedTable`."
     path = _table_path(kind, root)
     _recover_pending(path.parent)  # a recording cut short (SIGKILL) is settled first: never read half-committed
     return _parse_strict(path) if path.exists() else pd.DataFrame()
@@ -422,11 +429,13 @@ def _commit(home: Path, texts: dict, report=None, owns=()):
 def _check_clean_tree(root, allow_dirty):
     "Refuse recording into the checkout's own data/results from a code tree with uncommitted changes, unless allowed."
     if allow_dirty or os.environ.get('DIFFQ_LAB_ALLOW_DIRTY') == '1': return
-    if results_dir(root).resolve() != (repo_root()/'data'/'results').resolve(): return  # a scratch folder: anything goes
+    # a scratch folder: anything goes
+    if results_dir(root).resolve() != (repo_root()/'data'/'results').resolve(): return
     sha = git_sha()
     if sha and sha.endswith('+dirty'):
-        raise ValueError(f'the code tree has uncommitted changes ({sha}): commit them before recording into data/results, '
-                         'or allow it (allow_dirty=True, DIFFQ_LAB_ALLOW_DIRTY=1, `--allow-dirty`) and the rows will say +dirty')
+        raise ValueError(f'the code tree has uncommitted changes ({sha}): commit them before recording into '
+                         'data/results, or allow it (allow_dirty=True, DIFFQ_LAB_ALLOW_DIRTY=1, `--allow-dirty`) '
+                         'and the rows will say +dirty')
 
 # %% ../nbs/00_core.ipynb #562b9525
 def check_recordable(kinds, root=None, allow_dirty: bool = False):
@@ -463,7 +472,12 @@ def record_tables(tables: dict,               # {kind: a row or rows (dicts)}; m
     return out
 
 # %% ../nbs/00_core.ipynb #ac5bcb8a
-def append_rows(kind, rows, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
+def append_rows(kind: str, # the table: one CSV per study kind under `results_dir(root)`
+                rows, # a dict or an iterable of dicts, one per row
+                root=None, # the results folder's parent (default: this checkout's data/)
+                device=None, # the device the rows were measured on, for their fingerprint
+                allow_dirty: bool = False, # record from a code tree with uncommitted changes (rows say +dirty)
+               ) -> pd.DataFrame:
     "Append `rows` (dicts) to table `kind`, each stamped with the fingerprint, under a lock; returns the whole table."
     rows = [dict(rows)] if isinstance(rows, dict) else [dict(r) for r in rows]
     if not rows: raise ValueError('append_rows needs at least one row')
@@ -481,7 +495,8 @@ def markdown_table(df: pd.DataFrame, cols=None, floatfmt='.4g') -> str:
     "`df` (optionally only `cols`) as a GitHub markdown table."
     if df.empty: return '_no rows recorded_'
     if cols is not None: df = df[[c for c in cols if c in df]]
-    return df.astype(object).where(df.notna(), None).to_markdown(index=False, floatfmt=floatfmt, missingval='')  # blank, not nan
+    # blank, not nan
+    return df.astype(object).where(df.notna(), None).to_markdown(index=False, floatfmt=floatfmt, missingval='')
 
 # %% ../nbs/00_core.ipynb #00fdf25e
 def provenance(df: pd.DataFrame) -> str:

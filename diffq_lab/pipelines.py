@@ -46,15 +46,20 @@ class Family:
     video: bool = False
     note: str = ''
     denoiser: str = ''                        # diffusers class of the denoiser (`transformer`, or SDXL's `unet`)
-    tiny_m: tuple | None = None               # (embedder, modulation) fqn tokens of the denoiser Linears that run at M = batch
-    read_layers: dict = field(default_factory=dict, hash=False)  # encoder attr -> hidden-state index (or stacked ones) read; absent: last
-    denoiser_dims: dict | None = field(default=None, hash=False) # config overrides giving the released denoiser's dims (None: unknown)
+    # (embedder, modulation) fqn tokens of the denoiser Linears that run at M = batch
+    tiny_m: tuple | None = None
+    # encoder attr -> hidden-state index (or stacked ones) read; absent: last
+    read_layers: dict = field(default_factory=dict, hash=False)
+    # config overrides giving the released denoiser's dims (None: unknown)
+    denoiser_dims: dict | None = field(default=None, hash=False)
     dims_source: str = ''                     # where those dims come from
-    real_dims: dict = field(default_factory=dict, hash=False)    # the other parts at real dims: attr -> (library, class, config) or tokenizer flavour
+    # the other parts at real dims: attr -> (library, class, config) or tokenizer flavour
+    real_dims: dict = field(default_factory=dict, hash=False)
     nominal_params: float | None = None       # the denoiser's parameters as the model card names them
     text_tokens: int = 512                    # a typical prompt length in tokens (the crossover's default)
     frames: int = 1                           # frames of a typical video render (the crossover's default)
-    tiny: Callable | None = field(default=None, hash=False, compare=False, repr=False)  # builds the tiny pipeline: tiny(layers=n)
+    # builds the tiny pipeline: tiny(layers=n)
+    tiny: Callable | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.encoders) != len(self.encoder_arch):
@@ -66,36 +71,45 @@ class Family:
         measured = {'keep_bf16': self.keep_bf16 is not None, 'deny': bool(self.deny), 'auto_dense': self.auto_dense}
         for fact, present in measured.items():
             note = self.sources.get(fact, '')
-            if present and not note.strip(): raise ValueError(f'{self.name}: measured fact {fact!r} needs a source note')
+            if present and not note.strip():
+                raise ValueError(f'{self.name}: measured fact {fact!r} needs a source note')
             if '\n' in note: raise ValueError(f'{self.name}: the source note for {fact!r} must be one line')
         stray = set(self.sources) - set(MEASURED_FACTS)
-        if stray: raise ValueError(f'{self.name}: source notes for unknown facts {sorted(stray)}; facts are {MEASURED_FACTS}')
+        if stray:
+            raise ValueError(f'{self.name}: source notes for unknown facts {sorted(stray)}; facts are {MEASURED_FACTS}')
         if self.tiny_m is not None and (len(self.tiny_m) != 2 or not all(isinstance(g, tuple) for g in self.tiny_m)):
             raise ValueError(f'{self.name}: tiny_m must be (embedder tokens, modulation tokens), two tuples; got {self.tiny_m!r}')
         odd = set(self.read_layers) - set(self.encoders)
-        if odd: raise ValueError(f'{self.name}: read_layers names {sorted(odd)}, which are not among its encoders {self.encoders}')
-        if self.denoiser_dims is not None and not (self.denoiser and self.dims_source.strip() and '\n' not in self.dims_source):
+        if odd:
+            raise ValueError(f'{self.name}: read_layers names {sorted(odd)}, which are not among its encoders {self.encoders}')
+        if self.denoiser_dims is not None and not (self.denoiser and self.dims_source.strip()
+                                                   and '\n' not in self.dims_source):
             raise ValueError(f'{self.name}: denoiser_dims need the denoiser class and a one-line dims_source')
         if self.real_dims and self.denoiser_dims is None:
             raise ValueError(f'{self.name}: real_dims parts need denoiser_dims (the transformer is built from them)')
 
 # %% ../nbs/05_pipelines.ipynb #2b744dab
-QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-                num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, tie_word_embeddings=True, rms_norm_eps=1e-6)
+QWEN3_4B = dict(vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=40960,
+                tie_word_embeddings=True, rms_norm_eps=1e-6)
 CLIP_L = dict(vocab_size=49408, hidden_size=768, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=12,
               max_position_embeddings=77, projection_dim=768, hidden_act='quick_gelu')
-T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64, feed_forward_proj='gated-gelu',
-              relative_attention_num_buckets=32, is_encoder_decoder=False, tie_word_embeddings=False)
+T5_XXL = dict(vocab_size=32128, d_model=4096, d_kv=64, d_ff=10240, num_layers=24, num_heads=64,
+              feed_forward_proj='gated-gelu', relative_attention_num_buckets=32, is_encoder_decoder=False,
+              tie_word_embeddings=False)
 QWEN25_VL_7B = dict(
-    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28, num_attention_heads=28,
-                     num_key_value_heads=4, max_position_embeddings=128000, tie_word_embeddings=False,
-                     rope_parameters=dict(rope_type='default', rope_theta=1e6, mrope_section=[16, 24, 24])),
-    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584, patch_size=14,
-                       spatial_merge_size=2, temporal_patch_size=2, window_size=112, fullatt_block_indexes=[7, 15, 23, 31]),
+    text_config=dict(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_hidden_layers=28,
+                     num_attention_heads=28, num_key_value_heads=4, max_position_embeddings=128000,
+                     tie_word_embeddings=False, rope_parameters=dict(rope_type='default', rope_theta=1e6,
+                                                                     mrope_section=[16, 24, 24])),
+    vision_config=dict(depth=32, hidden_size=1280, intermediate_size=3420, num_heads=16, out_hidden_size=3584,
+                       patch_size=14, spatial_merge_size=2, temporal_patch_size=2, window_size=112,
+                       fullatt_block_indexes=[7, 15, 23, 31]),
     tie_word_embeddings=False)
-FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512), layers_per_block=2,
-                down_block_types=('DownEncoderBlock2D',) * 4, up_block_types=('UpDecoderBlock2D',) * 4, norm_num_groups=32,
-                use_quant_conv=False, use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159, sample_size=1024)
+FLUX_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=(128, 256, 512, 512),
+                layers_per_block=2, down_block_types=('DownEncoderBlock2D',) * 4,
+                up_block_types=('UpDecoderBlock2D',) * 4, norm_num_groups=32, use_quant_conv=False,
+                use_post_quant_conv=False, scaling_factor=0.3611, shift_factor=0.1159, sample_size=1024)
 
 # tiny-M tokens per denoiser class: (embedders: timestep / guidance / pooled text; modulation projections)
 _FLUX1_M = (('time_text_embed',), ('norm1.linear', 'norm1_context.linear', 'norm.linear', 'norm_out.linear'))
@@ -103,8 +117,10 @@ _FLUX2_M = (('time_guidance_embed',), ('stream_modulation', 'norm_out.linear'))
 _QWEN_M = (('time_text_embed',), ('img_mod', 'txt_mod', 'norm_out.linear'))
 _SD3_M = (('time_text_embed',), ('norm1.linear', 'norm1_context.linear', 'norm_out.linear'))
 _WAN_M = (('condition_embedder.time_embedder',), ('condition_embedder.time_proj',))
-_FLUX1_REAL = dict(text_encoder=('transformers', 'CLIPTextModel', CLIP_L), text_encoder_2=('transformers', 'T5EncoderModel', T5_XXL),
-                   vae=('diffusers', 'AutoencoderKL', FLUX_VAE), tokenizer='clip', tokenizer_2='t5')  # tokenizers: the committed BPE
+_FLUX1_REAL = dict(text_encoder=('transformers', 'CLIPTextModel', CLIP_L),
+                   text_encoder_2=('transformers', 'T5EncoderModel', T5_XXL),
+                   # tokenizers: the committed BPE
+                   vae=('diffusers', 'AutoencoderKL', FLUX_VAE), tokenizer='clip', tokenizer_2='t5')
 _FLUX1_DIMS = 'diffusers defaults (19 double + 38 single blocks, 3072 wide)'
 _WAN14_DIMS = 'diffusers defaults = Wan 14B dims (40 layers, 5120 wide): one of the two A14B experts'
 
@@ -116,46 +132,53 @@ _HY_DENSE = f'auto keeps its encoders dense (no speed win worth the drift); {_SE
 
 _FAMILY_LIST = [
     Family('z-image', 'ZImagePipeline', 'Tongyi-MAI/Z-Image-Turbo', ('text_encoder',), ('Qwen3Model',),
-           aliases=('zimage', 'z-image-turbo'), note='Qwen3-4B encoder (hidden_states[-2]); tied embeddings in its config',
-           denoiser='ZImageTransformer2DModel', tiny_m=(('t_embedder',), ('adaLN_modulation',)), read_layers={'text_encoder': -2},
-           denoiser_dims={}, nominal_params=6e9, text_tokens=128,
+           aliases=('zimage', 'z-image-turbo'),
+           note='Qwen3-4B encoder (hidden_states[-2]); tied embeddings in its config',
+           denoiser='ZImageTransformer2DModel', tiny_m=(('t_embedder',), ('adaLN_modulation',)),
+           read_layers={'text_encoder': -2}, denoiser_dims={}, nominal_params=6e9, text_tokens=128,
            dims_source='diffusers defaults = Tongyi-MAI/Z-Image-Turbo (dim 3840, 30 + 2 x 2 refiner layers, 6.15B, 276 Linears)',
-           real_dims=dict(text_encoder=('transformers', 'Qwen3Model', QWEN3_4B), vae=('diffusers', 'AutoencoderKL', FLUX_VAE),
-                          tokenizer='qwen'),
+           real_dims=dict(text_encoder=('transformers', 'Qwen3Model', QWEN3_4B),
+                          vae=('diffusers', 'AutoencoderKL', FLUX_VAE), tokenizer='qwen'),
            tiny=lambda **k: _tiny_z_image(**k)),
     Family('flux.1-dev', 'FluxPipeline', 'black-forest-labs/FLUX.1-dev', ('text_encoder', 'text_encoder_2'),
-           ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux.1', 'flux1', 'flux', 'flux-dev'), note='CLIP-L pooled + T5-XXL',
-           denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': True}, nominal_params=12e9,
+           ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux.1', 'flux1', 'flux', 'flux-dev'),
+           note='CLIP-L pooled + T5-XXL', denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M,
+           denoiser_dims={'guidance_embeds': True}, nominal_params=12e9,
            dims_source=f'{_FLUX1_DIMS} + guidance embedding = FLUX.1-dev, 11.9B', real_dims=_FLUX1_REAL,
            tiny=lambda **k: _tiny_flux1(**k)),
     Family('flux.1-schnell', 'FluxPipeline', 'black-forest-labs/FLUX.1-schnell', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux1-schnell', 'flux-schnell'), note='no guidance embedding',
-           denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': False}, nominal_params=12e9,
-           dims_source=f'{_FLUX1_DIMS}, no guidance embedding = FLUX.1-schnell, 11.9B', real_dims=_FLUX1_REAL,
-           tiny=lambda **k: _tiny_flux1(schnell=True, **k)),
-    Family('flux.2-dev', 'Flux2Pipeline', 'black-forest-labs/FLUX.2-dev', ('text_encoder',), ('Mistral3ForConditionalGeneration',),
-           keep_bf16=(3, 0), keep_bf16_cosine=0.98, aliases=('flux.2', 'flux2', 'flux2-dev'),
+           denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': False},
+           nominal_params=12e9, dims_source=f'{_FLUX1_DIMS}, no guidance embedding = FLUX.1-schnell, 11.9B',
+           real_dims=_FLUX1_REAL, tiny=lambda **k: _tiny_flux1(schnell=True, **k)),
+    Family('flux.2-dev', 'Flux2Pipeline', 'black-forest-labs/FLUX.2-dev', ('text_encoder',),
+           ('Mistral3ForConditionalGeneration',), keep_bf16=(3, 0), keep_bf16_cosine=0.98,
+           aliases=('flux.2', 'flux2', 'flux2-dev'),
            sources={'keep_bf16': f'int8 Mistral-Small-24B, first 3 blocks bf16 -> prompt-embedding cosine ~0.98 vs bf16; {_SEED}'},
            note='Mistral-Small-3.x 24B; stacks hidden states of layers 10, 20, 30',
-           denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)}, denoiser_dims={},
+           denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)},
+           denoiser_dims={},
            dims_source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)',
            tiny=lambda **k: _tiny_flux2(**k)),
-    Family('flux.2-klein', 'Flux2KleinPipeline', 'black-forest-labs/FLUX.2-klein-4B', ('text_encoder',), ('Qwen3ForCausalLM',),
-           aliases=('flux2-klein', 'klein', 'flux.2-klein-4b'), note='Qwen3-4B with tied lm_head/embed_tokens; layers 9, 18, 27',
-           denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)},
-           tiny=lambda **k: _tiny_flux2_klein(**k)),
-    Family('qwen-image', 'QwenImagePipeline', 'Qwen/Qwen-Image', ('text_encoder',), ('Qwen2_5_VLForConditionalGeneration',),
-           keep_bf16=(6, 6), keep_bf16_cosine=0.997, aliases=('qwenimage', 'qwen_image'), call_kwargs={'negative_prompt': ' '},
-           sources={'keep_bf16': _QWEN_KEEP}, note='Qwen2.5-VL-7B-Instruct; vision tower unused for text-to-image',
-           denoiser='QwenImageTransformer2DModel', tiny_m=_QWEN_M, denoiser_dims={}, nominal_params=20e9, text_tokens=256,
+    Family('flux.2-klein', 'Flux2KleinPipeline', 'black-forest-labs/FLUX.2-klein-4B', ('text_encoder',),
+           ('Qwen3ForCausalLM',), aliases=('flux2-klein', 'klein', 'flux.2-klein-4b'),
+           note='Qwen3-4B with tied lm_head/embed_tokens; layers 9, 18, 27', denoiser='Flux2Transformer2DModel',
+           tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: _tiny_flux2_klein(**k)),
+    Family('qwen-image', 'QwenImagePipeline', 'Qwen/Qwen-Image', ('text_encoder',),
+           ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
+           aliases=('qwenimage', 'qwen_image'), call_kwargs={'negative_prompt': ' '}, sources={'keep_bf16': _QWEN_KEEP},
+           note='Qwen2.5-VL-7B-Instruct; vision tower unused for text-to-image', denoiser='QwenImageTransformer2DModel',
+           tiny_m=_QWEN_M, denoiser_dims={}, nominal_params=20e9, text_tokens=256,
            dims_source='diffusers defaults = Qwen-Image (60 blocks, 3072 wide, 20B)',
            real_dims=dict(text_encoder=('transformers', 'Qwen2_5_VLForConditionalGeneration', QWEN25_VL_7B),
                           vae=('diffusers', 'AutoencoderKLQwenImage', {}), tokenizer='qwen'),
            tiny=lambda **k: _tiny_qwen_image(**k)),
-    Family('qwen-image-edit', 'QwenImageEditPipeline', 'Qwen/Qwen-Image-Edit', ('text_encoder',), ('Qwen2_5_VLForConditionalGeneration',),
-           keep_bf16=(6, 6), keep_bf16_cosine=0.997, aliases=('qwenimage-edit',), call_kwargs={'negative_prompt': ' '},
+    Family('qwen-image-edit', 'QwenImageEditPipeline', 'Qwen/Qwen-Image-Edit', ('text_encoder',),
+           ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
+           aliases=('qwenimage-edit',), call_kwargs={'negative_prompt': ' '},
            sources={'keep_bf16': 'inherited from qwen-image: the same Qwen2.5-VL-7B encoder; not re-measured on the edit pipeline'},
-           note='needs an input image; the vision tower is used', denoiser='QwenImageTransformer2DModel', tiny_m=_QWEN_M),
+           note='needs an input image; the vision tower is used', denoiser='QwenImageTransformer2DModel',
+           tiny_m=_QWEN_M),
     Family('sd3', 'StableDiffusion3Pipeline', 'stabilityai/stable-diffusion-3-medium-diffusers',
            ('text_encoder', 'text_encoder_2', 'text_encoder_3'),
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
@@ -167,34 +190,42 @@ _FAMILY_LIST = [
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
            aliases=('sd3.5-large', 'sd35', 'stable-diffusion-3.5'), note='as sd3, with qk-norm in the DiT',
            denoiser='SD3Transformer2DModel', tiny_m=_SD3_M, read_layers={'text_encoder': -2, 'text_encoder_2': -2},
-           denoiser_dims=dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432, pos_embed_max_size=192, qk_norm='rms_norm'),
-           text_tokens=333, dims_source=('stabilityai/stable-diffusion-3.5-large transformer config (38 layers, 2432 wide, 8.1B); '
+           denoiser_dims=dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
+                              pos_embed_max_size=192, qk_norm='rms_norm'),
+           text_tokens=333,
+           dims_source=('stabilityai/stable-diffusion-3.5-large transformer config (38 layers, 2432 wide, 8.1B); '
                                          'diffusers defaults are the 2B-class SD3'),
            tiny=lambda **k: _tiny_sd3(qk_norm='rms_norm', **k)),
-    Family('sdxl', 'StableDiffusionXLPipeline', 'stabilityai/stable-diffusion-xl-base-1.0', ('text_encoder', 'text_encoder_2'),
-           ('CLIPTextModel', 'CLIPTextModelWithProjection'), aliases=('sd-xl', 'stable-diffusion-xl'),
+    Family('sdxl', 'StableDiffusionXLPipeline', 'stabilityai/stable-diffusion-xl-base-1.0',
+           ('text_encoder', 'text_encoder_2'), ('CLIPTextModel', 'CLIPTextModelWithProjection'),
+           aliases=('sd-xl', 'stable-diffusion-xl'),
            note='UNet, not a DiT; the second CLIP has a Linear with an all-zero weight row (per-row fp8 hazard)',
            denoiser='UNet2DConditionModel', tiny_m=(('time_embedding', 'add_embedding'), ('time_emb_proj',)),
            read_layers={'text_encoder': -2, 'text_encoder_2': -2}, tiny=lambda **k: _tiny_sdxl(**k)),
-    Family('sana', 'SanaPipeline', 'Efficient-Large-Model/Sana_1600M_1024px_diffusers', ('text_encoder',), ('Gemma2Model',),
-           aliases=('sana-1600m',), call_kwargs={'use_resolution_binning': False}, note='Gemma-2-2B-it encoder',
-           denoiser='SanaTransformer2DModel', tiny_m=(('time_embed.emb',), ('time_embed.linear',)), tiny=lambda **k: _tiny_sana(**k)),
+    Family('sana', 'SanaPipeline', 'Efficient-Large-Model/Sana_1600M_1024px_diffusers', ('text_encoder',),
+           ('Gemma2Model',), aliases=('sana-1600m',), call_kwargs={'use_resolution_binning': False},
+           note='Gemma-2-2B-it encoder', denoiser='SanaTransformer2DModel',
+           tiny_m=(('time_embed.emb',), ('time_embed.linear',)), tiny=lambda **k: _tiny_sana(**k)),
     Family('wan2.1', 'WanPipeline', 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
-           aliases=('wan', 'wan2.x', 'wan2.1-t2v-1.3b'), call_kwargs={'num_frames': 1}, video=True, note='UMT5-XXL encoder',
-           denoiser='WanTransformer3DModel', tiny_m=_WAN_M, denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30),
-           frames=81, dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)', tiny=lambda **k: _tiny_wan(**k)),
-    Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
-           auto_dense=True, sources={'auto_dense': _WAN_DENSE}, aliases=('wan2.2', 'wan2.2-a14b'),
-           call_kwargs={'num_frames': 1}, video=True, note='two experts (transformer, transformer_2)',
-           denoiser='WanTransformer3DModel', tiny_m=_WAN_M, denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS,
-           tiny=lambda **k: _tiny_wan(two_experts=True, **k)),
+           aliases=('wan', 'wan2.x', 'wan2.1-t2v-1.3b'), call_kwargs={'num_frames': 1}, video=True,
+           note='UMT5-XXL encoder', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), frames=81,
+           dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)',
+           tiny=lambda **k: _tiny_wan(**k)),
+    Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',),
+           ('UMT5EncoderModel',), auto_dense=True, sources={'auto_dense': _WAN_DENSE},
+           aliases=('wan2.2', 'wan2.2-a14b'), call_kwargs={'num_frames': 1}, video=True,
+           note='two experts (transformer, transformer_2)', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: _tiny_wan(two_experts=True, **k)),
     Family('wan2.2-ti2v-5b', 'WanPipeline', 'Wan-AI/Wan2.2-TI2V-5B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
-           aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True, denoiser='WanTransformer3DModel',
-           tiny_m=_WAN_M, note=f'the contrast case to wan2.2-t2v-a14b: its encoder stays quantised under auto, for a real 1.09x ({_SEED})'),
+           aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True,
+           denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           note=f'the contrast case to wan2.2-t2v-a14b: its encoder stays quantised under auto, for a real 1.09x ({_SEED})'),
     Family('hunyuanvideo-1.5', 'HunyuanVideo15Pipeline', 'hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v',
            ('text_encoder', 'text_encoder_2'), ('Qwen2_5_VLTextModel', 'T5EncoderModel'),
-           auto_dense=True, sources={'auto_dense': _HY_DENSE}, aliases=('hunyuanvideo1.5', 'hunyuan-video-1.5', 'hyvideo-1.5'),
-           call_kwargs={'num_frames': 1}, video=True, note='Qwen2.5-VL text model + ByT5 glyph encoder (1472 -> 384 projection)',
+           auto_dense=True, sources={'auto_dense': _HY_DENSE},
+           aliases=('hunyuanvideo1.5', 'hunyuan-video-1.5', 'hyvideo-1.5'), call_kwargs={'num_frames': 1}, video=True,
+           note='Qwen2.5-VL text model + ByT5 glyph encoder (1472 -> 384 projection)',
            denoiser='HunyuanVideo15Transformer3DModel'),
     Family('hunyuanvideo-1.5-720p', 'HunyuanVideo15Pipeline', 'hunyuanvideo-community/HunyuanVideo-1.5-720p_t2v',
            ('text_encoder', 'text_encoder_2'), ('Qwen2_5_VLTextModel', 'T5EncoderModel'),
@@ -234,8 +265,8 @@ def families_table() -> pd.DataFrame:
         keep = '' if f.keep_bf16 is None else f'first {f.keep_bf16[0]} + last {f.keep_bf16[1]}'
         rows.append(dict(family=f.name, pipeline=f.pipeline, base_repo=f.base_repo,
                          encoders=', '.join(f'{a}: {c}' for a, c in zip(f.encoders, f.encoder_arch)),
-                         int8_keep_bf16=keep, keep_bf16_cosine='' if f.keep_bf16_cosine is None else f.keep_bf16_cosine, deny=', '.join(f.deny),
-                         auto_dense=f.auto_dense, tiny=f.name in TINY_FAMILIES,
+                         int8_keep_bf16=keep, keep_bf16_cosine='' if f.keep_bf16_cosine is None else f.keep_bf16_cosine,
+                         deny=', '.join(f.deny), auto_dense=f.auto_dense, tiny=f.name in TINY_FAMILIES,
                          sources=' | '.join(f'{k}: {v}' for k, v in f.sources.items())))
     return pd.DataFrame(rows)
 
@@ -247,7 +278,8 @@ def _disambiguate(pipe, cls_name: str) -> str | None:
         return 'flux.1-dev' if cfg('transformer').guidance_embeds else 'flux.1-schnell'
     if cls_name == 'StableDiffusion3Pipeline' and cfg('transformer') is not None:
         return 'sd3.5' if cfg('transformer').qk_norm else 'sd3'
-    if cls_name == 'WanPipeline': return 'wan2.2-t2v-a14b' if getattr(pipe, 'transformer_2', None) is not None else 'wan2.1'
+    if cls_name == 'WanPipeline':
+        return 'wan2.2-t2v-a14b' if getattr(pipe, 'transformer_2', None) is not None else 'wan2.1'
     return None
 
 # %% ../nbs/05_pipelines.ipynb #587aacc6
@@ -275,12 +307,14 @@ _ENCODER_ATTR = re.compile(r'text_encoder(_\d+)?')
 # %% ../nbs/05_pipelines.ipynb #cdbeaeff
 def text_encoders(pipe) -> dict:
     "The text encoders present in `pipe`, attribute name -> module, in attribute order (missing or None ones left out)."
-    names = sorted((n for n in getattr(pipe, 'components', {}) if _ENCODER_ATTR.fullmatch(n)), key=lambda n: (len(n), n))
+    names = sorted((n for n in getattr(pipe, 'components', {}) if _ENCODER_ATTR.fullmatch(n)),
+                   key=lambda n: (len(n), n))
     return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
 
 # %% ../nbs/05_pipelines.ipynb #264905de
 TOKENIZER_NAME = 'diffq-bpe'
-TOKENIZER_VOCAB = 1024  # a multiple of 32 (the encoders' embedding and lm_head dims stay quantisable); BPE runs out of merges first
+# a multiple of 32 (the encoders' embedding and lm_head dims stay quantisable); BPE runs out of merges first
+TOKENIZER_VOCAB = 1024
 
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<pad>', '<s>', '</s>', '<unk>', '<bos>', '<eos>',
                   '<|startoftext|>', '<think>', '</think>', '[INST]', '[/INST]', '[SYSTEM_PROMPT]', '[/SYSTEM_PROMPT]',
@@ -291,16 +325,17 @@ CORPUS = (
     'A small cactus with a happy face in the Sahara desert.', 'An astronaut riding a horse on the moon.',
     'A bowl of ramen on a wooden table, steam rising, soft morning light.',
     'A lighthouse on a rocky coast at sunset, waves crashing below.', 'A red fox in deep snow, looking at the camera.',
-    'A city street at night in the rain, neon signs reflected in puddles.', 'A watercolor of a mountain lake with pine trees.',
-    'A close-up portrait of an old fisherman with a grey beard.', 'A cup of coffee next to an open book by the window.',
-    'Two dogs playing with a ball in a green park.', 'A sailboat on a calm blue sea under white clouds.',
-    'A bicycle leaning against a yellow wall.', 'A plate of fresh fruit: apples, oranges, grapes and a banana.',
-    'A robot reading a newspaper in a quiet library.', 'A field of sunflowers under a bright summer sky.',
-    'A wooden cabin in a snowy forest with smoke from the chimney.', 'The text "HELLO" written in large gold letters.',
-    'A glass of water on a white marble counter.', 'A child flying a kite on a windy beach.',
-    'A medieval castle on a hill surrounded by fog.', 'A hummingbird drinking from a pink flower.',
-    'A steaming loaf of bread on a kitchen table.', 'A vintage car parked in front of a diner.',
-    'dance monkey', 'a dog is dancing', 'bad quality, blurry, low resolution, deformed hands, watermark',
+    'A city street at night in the rain, neon signs reflected in puddles.',
+    'A watercolor of a mountain lake with pine trees.', 'A close-up portrait of an old fisherman with a grey beard.',
+    'A cup of coffee next to an open book by the window.', 'Two dogs playing with a ball in a green park.',
+    'A sailboat on a calm blue sea under white clouds.', 'A bicycle leaning against a yellow wall.',
+    'A plate of fresh fruit: apples, oranges, grapes and a banana.', 'A robot reading a newspaper in a quiet library.',
+    'A field of sunflowers under a bright summer sky.', 'A wooden cabin in a snowy forest with smoke from the chimney.',
+    'The text "HELLO" written in large gold letters.', 'A glass of water on a white marble counter.',
+    'A child flying a kite on a windy beach.', 'A medieval castle on a hill surrounded by fog.',
+    'A hummingbird drinking from a pink flower.', 'A steaming loaf of bread on a kitchen table.',
+    'A vintage car parked in front of a diner.', 'dance monkey', 'a dog is dancing',
+    'bad quality, blurry, low resolution, deformed hands, watermark',
     'high quality, detailed, sharp focus, realistic lighting, 4k',
     'Describe the image by detailing the color, shape, size, texture, quantity, text, '
     'spatial relationships of the objects and background:',
@@ -361,21 +396,26 @@ def load_tokenizer(flavour: str = 'qwen', root=None):
     "The committed BPE with the special-token conventions of `flavour` ('qwen', 'mistral', 'clip', 't5' or 'gemma')."
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
-    if flavour not in TOKENIZER_FLAVOURS: raise ValueError(f'unknown tokenizer flavour {flavour!r}; choose one of {TOKENIZER_FLAVOURS}')
+    if flavour not in TOKENIZER_FLAVOURS:
+        raise ValueError(f'unknown tokenizer flavour {flavour!r}; choose one of {TOKENIZER_FLAVOURS}')
     path = tokenizer_dir(root)/'tokenizer.json'
     if path.exists(): tok = Tokenizer.from_file(str(path))
     else:  # an install without data/: the rebuild is deterministic and takes milliseconds, but say so
         warnings.warn(f'{path} not found: rebuilding the tokenizer in memory (run build_tokenizer(tokenizer_dir()) to commit it)')
         tok = _train_bpe()
-    wrap = lambda template, *specials: processors.TemplateProcessing(single=template, special_tokens=[(s, tok.token_to_id(s)) for s in specials])
-    if flavour == 'qwen': kw = dict(eos_token='<|im_end|>', pad_token='<|endoftext|>', chat_template=CHAT_TEMPLATE, model_max_length=32768)
-    elif flavour == 'mistral':
-        kw = dict(bos_token='<s>', eos_token='</s>', pad_token='<pad>', unk_token='<unk>', chat_template=MISTRAL_CHAT_TEMPLATE,
+    wrap = lambda template, *specials: processors.TemplateProcessing(single=template,
+                                                                     special_tokens=[(s, tok.token_to_id(s))
+                                                                                     for s in specials])
+    if flavour == 'qwen':
+        kw = dict(eos_token='<|im_end|>', pad_token='<|endoftext|>', chat_template=CHAT_TEMPLATE,
                   model_max_length=32768)
+    elif flavour == 'mistral':
+        kw = dict(bos_token='<s>', eos_token='</s>', pad_token='<pad>', unk_token='<unk>',
+                  chat_template=MISTRAL_CHAT_TEMPLATE, model_max_length=32768)
     elif flavour == 'clip':
         tok.post_processor = wrap('<|startoftext|> $A <|endoftext|>', '<|startoftext|>', '<|endoftext|>')
-        kw = dict(bos_token='<|startoftext|>', eos_token='<|endoftext|>', pad_token='<|endoftext|>', unk_token='<|endoftext|>',
-                  model_max_length=77)
+        kw = dict(bos_token='<|startoftext|>', eos_token='<|endoftext|>', pad_token='<|endoftext|>',
+                  unk_token='<|endoftext|>', model_max_length=77)
     elif flavour == 't5':
         tok.post_processor = wrap('$A </s>', '</s>')
         kw = dict(eos_token='</s>', pad_token='<pad>', unk_token='<unk>', model_max_length=512)
@@ -389,36 +429,39 @@ TINY_HIDDEN = 64  # text hidden size of the tiny encoders (CLIP: 32)
 
 def _qwen3(causal: bool, layers: int, tok):
     import transformers as T
-    cfg = T.Qwen3Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers,
-                        num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                        tie_word_embeddings=True, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    cfg = T.Qwen3Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
+                        eos_token_id=tok.eos_token_id)
     return (T.Qwen3ForCausalLM if causal else T.Qwen3Model)(cfg)
 
 # %% ../nbs/05_pipelines.ipynb #06315229
 def _clip(projection: bool, layers: int, tok):
     import transformers as T
     cfg = T.CLIPTextConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                           num_attention_heads=2, max_position_embeddings=77, projection_dim=32, hidden_act='quick_gelu',
-                           bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+                           num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
+                           hidden_act='quick_gelu', bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                           pad_token_id=tok.pad_token_id)
     return (T.CLIPTextModelWithProjection if projection else T.CLIPTextModel)(cfg)
 
 # %% ../nbs/05_pipelines.ipynb #cc7f8077
 def _t5(umt5: bool, layers: int, tok):
     import transformers as T
     C, M = (T.UMT5Config, T.UMT5EncoderModel) if umt5 else (T.T5Config, T.T5EncoderModel)
-    cfg = C(vocab_size=TOKENIZER_VOCAB, d_model=TINY_HIDDEN, d_kv=32, d_ff=2*TINY_HIDDEN, num_layers=layers, num_heads=2,
-            relative_attention_num_buckets=32, feed_forward_proj='gated-gelu', is_encoder_decoder=False,
+    cfg = C(vocab_size=TOKENIZER_VOCAB, d_model=TINY_HIDDEN, d_kv=32, d_ff=2*TINY_HIDDEN, num_layers=layers,
+            num_heads=2, relative_attention_num_buckets=32, feed_forward_proj='gated-gelu', is_encoder_decoder=False,
             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
     return M(cfg)
 
 # %% ../nbs/05_pipelines.ipynb #9cad1cf2
 def _mistral3(layers: int, tok):
     import transformers as T
-    text = dict(model_type='mistral', vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
-                num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32, max_position_embeddings=1024,
-                sliding_window=None, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(model_type='pixtral', hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=1,
-                  image_size=32, patch_size=8)
+    text = dict(model_type='mistral', vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN,
+                intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
+                head_dim=32, max_position_embeddings=1024, sliding_window=None, bos_token_id=tok.bos_token_id,
+                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    vision = dict(model_type='pixtral', hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                  num_attention_heads=1, image_size=32, patch_size=8)
     cfg = T.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids('[IMG]'),
                            spatial_merge_size=2, tie_word_embeddings=False)
     return T.Mistral3ForConditionalGeneration(cfg)
@@ -427,11 +470,13 @@ def _mistral3(layers: int, tok):
 def _qwen25vl(layers: int, tok):
     import transformers as T
     ids = tok.convert_tokens_to_ids
-    text = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers,
-                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024, bos_token_id=None,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                rope_parameters=dict(rope_type='default', rope_theta=1e6, mrope_section=[4, 6, 6]))  # sums to head_dim/2
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=TINY_HIDDEN, fullatt_block_indexes=[0])
+    text = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+                num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
+                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                # sums to head_dim/2
+                rope_parameters=dict(rope_type='default', rope_theta=1e6, mrope_section=[4, 6, 6]))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=TINY_HIDDEN,
+                  fullatt_block_indexes=[0])
     cfg = T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids('<|image_pad|>'),
                              video_token_id=ids('<|video_pad|>'), vision_start_token_id=ids('<|vision_start|>'),
                              vision_end_token_id=ids('<|vision_end|>'))
@@ -440,32 +485,35 @@ def _qwen25vl(layers: int, tok):
 # %% ../nbs/05_pipelines.ipynb #08520e4f
 def _gemma2(layers: int, tok):
     import transformers as T
-    cfg = T.Gemma2Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers,
-                         num_attention_heads=2, num_key_value_heads=1, head_dim=32, query_pre_attn_scalar=32, sliding_window=256,
-                         max_position_embeddings=2048, tie_word_embeddings=True, bos_token_id=tok.bos_token_id,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    cfg = T.Gemma2Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
+                         query_pre_attn_scalar=32, sliding_window=256, max_position_embeddings=2048,
+                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                         pad_token_id=tok.pad_token_id)
     return T.Gemma2Model(cfg)
 
 # %% ../nbs/05_pipelines.ipynb #792b92b0
 def _kl_vae(block_out_channels, latent_channels, norm_num_groups, **kw):
     from diffusers import AutoencoderKL
     n = len(block_out_channels)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*n, up_block_types=('UpDecoderBlock2D',)*n,
-                         block_out_channels=tuple(block_out_channels), layers_per_block=1, latent_channels=latent_channels,
-                         norm_num_groups=norm_num_groups, sample_size=32, **kw)
+    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*n,
+                         up_block_types=('UpDecoderBlock2D',)*n, block_out_channels=tuple(block_out_channels),
+                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=norm_num_groups,
+                         sample_size=32, **kw)
 
 # %% ../nbs/05_pipelines.ipynb #aa13c678
 def _tiny_z_image(layers, **_):
     import diffusers as D
-    tr = D.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2, n_refiner_layers=1,
-                                    n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=TINY_HIDDEN, rope_theta=256.0,
-                                    t_scale=1000.0, axes_dims=[8, 4, 4], axes_lens=[256, 32, 32])
+    tr = D.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
+                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
+                                    cap_feat_dim=TINY_HIDDEN, rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4],
+                                    axes_lens=[256, 32, 32])
     with torch.no_grad():  # both pad tokens start as torch.empty: uninitialised memory, sometimes NaN
         tr.x_pad_token.normal_(std=0.02); tr.cap_pad_token.normal_(std=0.02)
     vae = _kl_vae((32, 32), 16, 32, scaling_factor=0.3611, shift_factor=0.1159)
     tok = load_tokenizer('qwen')
-    return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_qwen3(False, layers, tok),
-                            tokenizer=tok, transformer=tr)
+    return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                            text_encoder=_qwen3(False, layers, tok), tokenizer=tok, transformer=tr)
 
 # %% ../nbs/05_pipelines.ipynb #b250c65e
 def _tiny_flux1(layers, schnell=False, **_):
@@ -473,20 +521,23 @@ def _tiny_flux1(layers, schnell=False, **_):
     tr = D.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
                                   num_attention_heads=2, joint_attention_dim=TINY_HIDDEN, pooled_projection_dim=32,
                                   axes_dims_rope=[4, 4, 8], guidance_embeds=not schnell)
-    vae = _kl_vae((4,), 1, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+    vae = _kl_vae((4,), 1, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+                  scaling_factor=1.5035)
     clip_tok, t5_tok = load_tokenizer('clip'), load_tokenizer('t5')
-    return D.FluxPipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_clip(False, layers, clip_tok),
-                          tokenizer=clip_tok, text_encoder_2=_t5(False, layers, t5_tok), tokenizer_2=t5_tok, transformer=tr)
+    return D.FluxPipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                          text_encoder=_clip(False, layers, clip_tok), tokenizer=clip_tok,
+                          text_encoder_2=_t5(False, layers, t5_tok), tokenizer_2=t5_tok, transformer=tr)
 
 # %% ../nbs/05_pipelines.ipynb #b6f977c1
 def _flux2_parts(klein: bool, n_stacked: int):
     import diffusers as D
-    tr = D.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                   num_attention_heads=2, joint_attention_dim=n_stacked*TINY_HIDDEN, timestep_guidance_channels=256,
+    tr = D.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
+                                   attention_head_dim=16, num_attention_heads=2,
+                                   joint_attention_dim=n_stacked*TINY_HIDDEN, timestep_guidance_channels=256,
                                    axes_dims_rope=[4, 4, 4, 4], guidance_embeds=not klein)
     vae = D.AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',),
-                               up_block_types=('UpDecoderBlock2D',), block_out_channels=(4,), layers_per_block=1, latent_channels=1,
-                               norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
+                               up_block_types=('UpDecoderBlock2D',), block_out_channels=(4,), layers_per_block=1,
+                               latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
     return tr, vae, D.FlowMatchEulerDiscreteScheduler()
 
 # %% ../nbs/05_pipelines.ipynb #a2b9cdff
@@ -501,27 +552,30 @@ def _tiny_flux2_klein(layers, **_):
     import diffusers as D
     tr, vae, sched = _flux2_parts(True, min(3, layers))
     tok = load_tokenizer('qwen')
-    return D.Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=_qwen3(True, layers, tok), tokenizer=tok, transformer=tr)
+    return D.Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=_qwen3(True, layers, tok), tokenizer=tok,
+                                transformer=tr)
 
 # %% ../nbs/05_pipelines.ipynb #53b3947d
 def _tiny_qwen_image(layers, **_):
     import diffusers as D
-    tr = D.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2, attention_head_dim=16,
-                                       num_attention_heads=2, joint_attention_dim=TINY_HIDDEN, guidance_embeds=False, axes_dims_rope=(8, 4, 4))
-    vae = D.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1, temperal_downsample=[False, True],
-                                   latents_mean=[0.0]*4, latents_std=[1.0]*4)
+    tr = D.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
+                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TINY_HIDDEN,
+                                       guidance_embeds=False, axes_dims_rope=(8, 4, 4))
+    vae = D.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
+                                   temperal_downsample=[False, True], latents_mean=[0.0]*4, latents_std=[1.0]*4)
     tok = load_tokenizer('qwen')
-    return D.QwenImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=_qwen25vl(layers, tok),
-                               tokenizer=tok, transformer=tr)
+    return D.QwenImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
+                               text_encoder=_qwen25vl(layers, tok), tokenizer=tok, transformer=tr)
 
 # %% ../nbs/05_pipelines.ipynb #7e9ac4b4
 def _tiny_sd3(layers, qk_norm=None, **_):
     import diffusers as D
     # CLIP-L and CLIP-G embeddings are concatenated (32 + 32) and zero-padded to the T5 width (64)
-    tr = D.SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8, num_attention_heads=4,
-                                 caption_projection_dim=32, joint_attention_dim=TINY_HIDDEN, pooled_projection_dim=64, out_channels=4,
-                                 qk_norm=qk_norm)
-    vae = _kl_vae((4,), 4, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609, scaling_factor=1.5035)
+    tr = D.SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
+                                 num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=TINY_HIDDEN,
+                                 pooled_projection_dim=64, out_channels=4, qk_norm=qk_norm)
+    vae = _kl_vae((4,), 4, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
+                  scaling_factor=1.5035)
     clip_tok, t5_tok = load_tokenizer('clip'), load_tokenizer('t5')
     return D.StableDiffusion3Pipeline(transformer=tr, scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
                                       text_encoder=_clip(True, layers, clip_tok), tokenizer=clip_tok,
@@ -531,29 +585,35 @@ def _tiny_sd3(layers, qk_norm=None, **_):
 # %% ../nbs/05_pipelines.ipynb #b6764b2d
 def _tiny_sdxl(layers, **_):
     import diffusers as D
-    unet = D.UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=32, in_channels=4, out_channels=4,
-                                  down_block_types=('DownBlock2D', 'CrossAttnDownBlock2D'), up_block_types=('CrossAttnUpBlock2D', 'UpBlock2D'),
-                                  attention_head_dim=(2, 4), use_linear_projection=True, addition_embed_type='text_time',
-                                  addition_time_embed_dim=8, transformer_layers_per_block=(1, 1), cross_attention_dim=64,
-                                  projection_class_embeddings_input_dim=6*8 + 32, norm_num_groups=8)
+    unet = D.UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=32, in_channels=4,
+                                  out_channels=4, down_block_types=('DownBlock2D', 'CrossAttnDownBlock2D'),
+                                  up_block_types=('CrossAttnUpBlock2D', 'UpBlock2D'), attention_head_dim=(2, 4),
+                                  use_linear_projection=True, addition_embed_type='text_time',
+                                  addition_time_embed_dim=8, transformer_layers_per_block=(1, 1),
+                                  cross_attention_dim=64, projection_class_embeddings_input_dim=6*8 + 32,
+                                  norm_num_groups=8)
     vae = _kl_vae((32, 32), 4, 8, scaling_factor=0.13025)
     tok = load_tokenizer('clip')
-    sched = D.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule='scaled_linear', timestep_spacing='leading',
-                                     steps_offset=1)
-    return D.StableDiffusionXLPipeline(vae=vae, text_encoder=_clip(False, layers, tok), text_encoder_2=_clip(True, layers, tok),
-                                       tokenizer=tok, tokenizer_2=load_tokenizer('clip'), unet=unet, scheduler=sched)
+    sched = D.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule='scaled_linear',
+                                     timestep_spacing='leading', steps_offset=1)
+    return D.StableDiffusionXLPipeline(vae=vae, text_encoder=_clip(False, layers, tok),
+                                       text_encoder_2=_clip(True, layers, tok), tokenizer=tok,
+                                       tokenizer_2=load_tokenizer('clip'), unet=unet, scheduler=sched)
 
 # %% ../nbs/05_pipelines.ipynb #c4c62a3a
 def _tiny_sana(layers, **_):
     import diffusers as D
-    tr = D.SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2, attention_head_dim=4,
-                                  num_cross_attention_heads=2, cross_attention_head_dim=4, cross_attention_dim=8,
-                                  caption_channels=TINY_HIDDEN, sample_size=32)
-    vae = D.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2, encoder_block_types=('ResBlock', 'EfficientViTBlock'),
+    tr = D.SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2,
+                                  attention_head_dim=4, num_cross_attention_heads=2, cross_attention_head_dim=4,
+                                  cross_attention_dim=8, caption_channels=TINY_HIDDEN, sample_size=32)
+    vae = D.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2,
+                          encoder_block_types=('ResBlock', 'EfficientViTBlock'),
                           decoder_block_types=('ResBlock', 'EfficientViTBlock'), encoder_block_out_channels=(8, 8),
-                          decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)), decoder_qkv_multiscales=((), (5,)),
-                          encoder_layers_per_block=(1, 1), decoder_layers_per_block=(1, 1), downsample_block_type='conv',
-                          upsample_block_type='interpolate', decoder_norm_types='rms_norm', decoder_act_fns='silu', scaling_factor=0.41407)
+                          decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)),
+                          decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
+                          decoder_layers_per_block=(1, 1), downsample_block_type='conv',
+                          upsample_block_type='interpolate', decoder_norm_types='rms_norm', decoder_act_fns='silu',
+                          scaling_factor=0.41407)
     tok = load_tokenizer('gemma')
     return D.SanaPipeline(tokenizer=tok, text_encoder=_gemma2(layers, tok), vae=vae, transformer=tr,
                           scheduler=D.FlowMatchEulerDiscreteScheduler(shift=7.0))
@@ -561,10 +621,12 @@ def _tiny_sana(layers, **_):
 # %% ../nbs/05_pipelines.ipynb #d77f7219
 def _tiny_wan(layers, two_experts=False, **_):
     import diffusers as D
-    vae = D.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1, temperal_downsample=[False, True, True])
-    dit = lambda: D.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=16,
-                                          out_channels=16, text_dim=TINY_HIDDEN, freq_dim=256, ffn_dim=32, num_layers=2,
-                                          cross_attn_norm=True, qk_norm='rms_norm_across_heads', rope_max_seq_len=32)
+    vae = D.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
+                             temperal_downsample=[False, True, True])
+    dit = lambda: D.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
+                                          in_channels=16, out_channels=16, text_dim=TINY_HIDDEN, freq_dim=256,
+                                          ffn_dim=32, num_layers=2, cross_attn_norm=True,
+                                          qk_norm='rms_norm_across_heads', rope_max_seq_len=32)
     tok = load_tokenizer('t5')
     extra = dict(transformer_2=dit(), boundary_ratio=0.875) if two_experts else {}
     return D.WanPipeline(tokenizer=tok, text_encoder=_t5(True, layers, tok), vae=vae, transformer=dit(),
@@ -576,7 +638,8 @@ def _fp32_modules(model, dtype) -> set[str]:
     keep = set(getattr(model, '_keep_in_fp32_modules', None) or ())
     if type(model).__module__.startswith('transformers'):
         strict = set(getattr(model, '_keep_in_fp32_modules_strict', None) or ())
-        return (keep if dtype == torch.float16 else set()) | (strict if dtype in (torch.float16, torch.bfloat16) else set())
+        return (keep if dtype == torch.float16 else set()) | (strict if dtype in (torch.float16, torch.bfloat16)
+                                                              else set())
     return keep
 
 # %% ../nbs/05_pipelines.ipynb #cf903b7e
@@ -622,7 +685,8 @@ def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_la
     return pipe
 
 # %% ../nbs/05_pipelines.ipynb #9a24cd40
-EXACT_DIGEST_NUMEL = 1 << 22  # tensors up to this size are hashed byte for byte; bigger ones by a sample and their moments
+# tensors up to this size are hashed byte for byte; bigger ones by a sample and their moments
+EXACT_DIGEST_NUMEL = 1 << 22
 
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     "The bytes of `t` as it is stored (bf16 and fp8 included); a big tensor's strided sample and float64 moments instead."
@@ -631,9 +695,11 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
         return b''.join(_tensor_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
     if t.device.type == 'meta': return b'meta'
     flat = t.contiguous().reshape(-1)
-    if flat.numel() > EXACT_DIGEST_NUMEL:  # a real model's 12 GB would take tens of seconds to copy and hash on each load
+    # a real model's 12 GB would take tens of seconds to copy and hash on each load
+    if flat.numel() > EXACT_DIGEST_NUMEL:
         x = flat.double()
-        moments = torch.stack([x.sum(), (x * x).sum(), x[::7919].sum()]).cpu().numpy().tobytes()  # computed where it lives
+        # computed where it lives
+        moments = torch.stack([x.sum(), (x * x).sum(), x[::7919].sum()]).cpu().numpy().tobytes()
         flat = flat[::max(1, flat.numel() // EXACT_DIGEST_NUMEL)]
         return moments + flat.to('cpu').contiguous().view(torch.uint8).numpy().tobytes()
     return flat.to('cpu').view(torch.uint8).numpy().tobytes()
@@ -641,7 +707,8 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
 # %% ../nbs/05_pipelines.ipynb #d0036403
 def weights_digest(model) -> str:
     "sha256 (16 hex digits) of every parameter and buffer of `model`, or of every module of a pipeline, names and shapes included."
-    mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)} if hasattr(model, 'components') else {'': model}
+    mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)} if hasattr(model,
+                                                                                              'components') else {'': model}
     h = hashlib.sha256()
     for a, m in sorted(mods.items()):
         for name, t in sorted(m.state_dict().items()):
@@ -665,11 +732,13 @@ def _derived_kwargs(pipe) -> dict:
     return {'text_encoder_out_layers': tuple(range(n - k + 1, n + 1))}
 
 # %% ../nbs/05_pipelines.ipynb #53354dd9
-def render(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int = 32, seed: int = 0, family=None, **kwargs) -> torch.Tensor:
+def render(pipe, prompt: str = 'a photo of a cat', steps: int = 2, size: int = 32, seed: int = 0, family=None,
+           **kwargs) -> torch.Tensor:
     "Render `prompt` with any family: float32 CPU tensor (frames, 3, size, size) in [0, 1], one frame for image families."
     fam = get_family(family if family is not None else family_of(pipe))
     kw = dict(prompt=prompt, num_inference_steps=steps, height=size, width=size, output_type='pt',
-              generator=torch.Generator('cpu').manual_seed(seed))  # CPU noise: the same seed gives the same start on any device
+              # CPU noise: the same seed gives the same start on any device
+              generator=torch.Generator('cpu').manual_seed(seed))
     kw.update(fam.call_kwargs); kw.update(_derived_kwargs(pipe)); kw.update(kwargs)
     out = pipe(**kw)
     x = out.frames if hasattr(out, 'frames') else out.images
@@ -705,13 +774,16 @@ def check_folder(folder) -> Path:
     "Before any weight loads: every diffusers component's config builds exactly the tensors its safetensors hold; one line otherwise."
     folder = Path(folder)
     try: index = json.loads((folder/'model_index.json').read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e: raise ValueError(f"{folder/'model_index.json'}: not a valid JSON pipeline index ({e})") from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{folder/'model_index.json'}: not a valid JSON pipeline index ({e})") from None
     for a, v in index.items():
-        if a.startswith('_') or not (isinstance(v, list) and len(v) == 2 and v[0] in ('diffusers', 'transformers')): continue
+        if a.startswith('_') or not (isinstance(v, list) and len(v) == 2 and v[0] in ('diffusers', 'transformers')):
+            continue
         sub = folder/a
         if not sub.is_dir() or (keys := _file_keys(sub)) is None: continue
         try: params = _meta_keys(*v, sub)
-        except Exception as e: raise ValueError(f'{sub/"config.json"}: does not build a {v[1]} ({type(e).__name__}: {e})'[:400]) from None
+        except Exception as e:
+            raise ValueError(f'{sub/"config.json"}: does not build a {v[1]} ({type(e).__name__}: {e})'[:400]) from None
         if params is None: continue
         extra, missing = sorted(keys - params), sorted(params - keys)
         if extra: raise ValueError(f'{sub}: its weights hold {len(extra)} tensors its config.json has no place for '
@@ -756,12 +828,14 @@ def measure_tiny_pipeline(family, repeats: int = 3, dtype=torch.bfloat16) -> dic
     encs = text_encoders(pipe)
     med = lambda v: sorted(v)[len(v)//2]
     return dict(family=fam.name, pipeline=fam.pipeline, dtype=str(dtype).removeprefix('torch.'), steps=2, size=32,
-                threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),  # a shared CPU's timings need its load
+                # a shared CPU's timings need its load
+                threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),
                 build_s=round(med(builds), 4), render_s=round(med(runs), 4), total_s=round(med(builds) + med(runs), 4),
                 finite=bool(torch.isfinite(x).all()), encoders=len(encs),
                 encoder_linears=sum(len(_linears(m)) for m in encs.values()),
                 encoder_params=sum(p.numel() for m in encs.values() for p in m.parameters()),
-                pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module) for p in c.parameters()))
+                pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module)
+                                    for p in c.parameters()))
 
 # %% ../nbs/05_pipelines.ipynb #b6164d58
 def record_tiny_pipelines(root=None, families=TINY_FAMILIES, repeats: int = 3):

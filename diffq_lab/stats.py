@@ -123,7 +123,8 @@ def rank_schemes(values: dict, # scheme -> its scores on the same (seed, prompt)
     if not values: raise ValueError('rank_schemes needs at least one scheme')
     arr = {k: _values(v, k) for k, v in values.items()}
     sizes = {k: a.size for k, a in arr.items()}
-    if len(set(sizes.values())) > 1: raise ValueError(f'schemes must be scored on the same pairs; counts differ: {sizes}')
+    if len(set(sizes.values())) > 1:
+        raise ValueError(f'schemes must be scored on the same pairs; counts differ: {sizes}')
     order = sorted(arr, key=lambda k: arr[k].mean(), reverse=higher_is_better)
     rows = []
     for i, k in enumerate(order):
@@ -138,7 +139,7 @@ def rank_schemes(values: dict, # scheme -> its scores on the same (seed, prompt)
 
 # %% ../nbs/00a_stats.ipynb #45086f99
 def inf_mean(values, name: str = 'values') -> tuple[float, int]:
-    "The mean of the finite `values` and the count of +inf ones (identical renders: inf dB); inf when every one is +inf."
+    "The mean of the finite `values` and the count of +inf ones (identical renders: inf dB); inf when all are +inf."
     a, n_inf = _split_inf(values, name)
     return (float(a.mean()) if a.size else math.inf), n_inf
 
@@ -156,7 +157,7 @@ def time_once(fn, device=None) -> float:
 
 # %% ../nbs/00a_stats.ipynb #22cedd55
 def warm_up(fns: dict, device=None, most: int = 5, tol: float = 0.25) -> dict[str, int]:
-    "Call each of `fns` until two timings in a row agree within `tol` (at most `most` calls): lazy init, compile paid here."
+    "Call each of `fns` until two timings in a row agree within `tol` (at most `most` calls): lazy init, compiles paid."
     calls = {}
     for name, fn in fns.items():
         last, n = None, 0
