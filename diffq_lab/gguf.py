@@ -25,7 +25,7 @@ def _roundf(x: torch.Tensor) -> torch.Tensor:
 
 # %% ../nbs/10_gguf.ipynb #3235607a
 def gguf_blocks(w: torch.Tensor, qtype: str = 'Q8_0') -> np.ndarray:
-    "The GGUF `qtype` bytes of 2-D `w` (rows x K, K a multiple of 32): uint8 array rows x (K/32 * block bytes), as gguf-py writes."
+    "The GGUF `qtype` bytes of 2-D `w` (K a multiple of 32): uint8, rows x (K/32 * block bytes), as gguf-py writes."
     if qtype not in GGUF_TYPES: raise ValueError(f'unknown GGUF type {qtype!r}; choose one of {list(GGUF_TYPES)}')
     n, k = w.shape
     if k % 32: raise ValueError(f'GGUF blocks need K divisible by 32, got {k}')
@@ -46,7 +46,7 @@ def gguf_blocks(w: torch.Tensor, qtype: str = 'Q8_0') -> np.ndarray:
 
 # %% ../nbs/10_gguf.ipynb #6d7f925e
 def write_gguf(transformer: nn.Module, path, qtype: str = 'Q8_0') -> Path:
-    "Write `transformer`'s state dict to a .gguf file diffusers' `from_single_file` loads: Linear weights as `qtype`, the rest F32."
+    "Write `transformer`'s state dict as a .gguf file `from_single_file` loads: Linear weights `qtype`, the rest F32."
     import gguf
     if qtype not in GGUF_TYPES: raise ValueError(f'unknown GGUF type {qtype!r}; choose one of {list(GGUF_TYPES)}')
     if quantized_linears(transformer) or any(is_gguf_linear(m) for m in transformer.modules()):
@@ -64,13 +64,13 @@ def write_gguf(transformer: nn.Module, path, qtype: str = 'Q8_0') -> Path:
 
 # %% ../nbs/10_gguf.ipynb #b7a9e011
 def load_gguf_transformer(path, like: nn.Module, dtype=torch.bfloat16, device=None) -> nn.Module:
-    "Load the GGUF file `path` through diffusers (`GGUFQuantizationConfig`, `from_single_file`) as a model of `like`'s class and config."
+    "Load the GGUF file `path` through diffusers' `from_single_file` as a model of `like`'s class and config."
     from diffusers import GGUFQuantizationConfig
     path = Path(path)
     if not path.is_file(): raise ValueError(f'no GGUF file at {path}')
     dtype = as_dtype(dtype)
     with tempfile.TemporaryDirectory() as cfg:
         like.save_config(cfg)  # from_single_file wants a config folder or repo; the dense model's config is the one
-        model = type(like).from_single_file(str(path), config=cfg, quantization_config=GGUFQuantizationConfig(compute_dtype=dtype),
-                                            dtype=dtype, local_files_only=True)
+        model = type(like).from_single_file(str(path), config=cfg, dtype=dtype, local_files_only=True,
+                                            quantization_config=GGUFQuantizationConfig(compute_dtype=dtype))
     return model.to(resolve_device(device)) if device is not None else model
