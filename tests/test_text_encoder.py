@@ -305,3 +305,22 @@ def test_real_kernels_on_gpu(scheme):
     pipe = tiny_pipeline('flux.1-dev').to('cuda')
     t = te.te_cosine(pipe, (scheme,), backend='torchao', keep=(0, 0))
     assert t.backend.iloc[0] == 'torchao' and t.finite.all() and t.cosine.iloc[0] > 0.95, t.to_dict('records')
+
+
+def test_a_policy_passed_whole_is_the_same_call_as_its_fields_by_keyword(fresh):
+    "The QuantPolicy convention: policy=QuantPolicy(...) and the same fields as keywords plan alike; keep=None is the family's."
+    from diffq_lab.plan import QuantPolicy
+    pipe = fresh('qwen-image')
+    by_kw = te.plan_text_encoders(pipe, 'int8', backend='emulate', keep=(1, 0), min_features=0).components['text_encoder']
+    whole = te.plan_text_encoders(pipe, 'int8', policy=QuantPolicy(backend='emulate', keep=(1, 0), min_features=0))
+    assert whole.components['text_encoder'].quantized == by_kw.quantized and by_kw.backend == 'emulate'
+    family = te.plan_text_encoders(pipe, 'int8', backend='emulate').components['text_encoder']  # keep None: the registry's
+    assert family.quantized != by_kw.quantized and any('keep-bf16 block' in r for r in family.skipped.values())
+    enc = pipe.text_encoder
+    assert te.encoder_min_features(enc) == QuantPolicy().floor(enc) == 0  # tiny: every Linear is < 512 both ways
+    wide = nn.Sequential(nn.Linear(1472, 384), nn.Linear(1472, 1472))
+    assert te.plan_encoder(wide, 'int8wo', device='cpu').quantized == ['1']  # real: the floor is 512
+    assert te.plan_encoder(wide, 'int8wo', device='cpu', min_features=0).n_quantized == 2
+    with pytest.raises(ValueError, match='unknown backend'): te.offload_probe('int8', 'model', 'cpu', backend='gpu')
+    with pytest.raises(ValueError, match='QuantPolicy fields'): te.te_cosine(pipe, ('int8',), min_feature=0)
+    with pytest.raises(ValueError, match='policy must be a QuantPolicy'): te.offload_probe('int8', 'model', 'cpu', 'auto')
