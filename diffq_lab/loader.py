@@ -5,24 +5,27 @@
 # %% ../nbs/10b_loader.ipynb #cafc6559
 from __future__ import annotations
 import logging, time
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
 from .capability import SchemeUnavailableError, select_scheme
-from .plan import ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan, dense_plan
+from .plan import (ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan,
+                            dense_plan)
 from .pipelines import get_family, family_of, render, load_pipeline, weights_digest
 from .text_encoder import offload_probe, plan_text_encoders, text_encoders
-from .transformer import DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer, concrete_scheme
+from .transformer import (DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer,
+                                   concrete_scheme)
 from .memory import free_memory, module_bytes, plan_memory
 from .gguf import load_gguf_transformer
 
-log = logging.getLogger(__name__)
-
 # %% auto #0
 __all__ = ['log', 'LoadReport', 'engaged', 'load_pipeline_quantized']
+
+# %% ../nbs/10b_loader.ipynb #cafc655a
+log = logging.getLogger(__name__)
 
 # %% ../nbs/10b_loader.ipynb #9ee9f582
 class _ForwardFailed(RuntimeError):
@@ -48,29 +51,30 @@ def _gguf_paths(gguf, dens: dict) -> dict:
     return {a: Path(p) for a, p in paths.items()}
 
 # %% ../nbs/10b_loader.ipynb #aec6e5b6
-def _placement(pipe, device, free_bytes, reserve) -> tuple[str, str]:
-    "Where `pipe` can run on `device`: 'device' (all of it fits), 'offload' (one component at a time), 'cpu' (not even that)."
-    if free_bytes is None and device.type != 'cuda': return 'device', ''  # a CPU holds what it loaded
-    free = free_memory(device) if free_bytes is None else int(free_bytes)
-    budget = int(free * (1 - reserve))
+def _placement(pipe, device, policy: QuantPolicy) -> tuple[str, str]:
+    "Where `pipe` runs on `device`: 'device' (it all fits), 'offload' (a component at a time), 'cpu' (not even that)."
+    if policy.free_bytes is None and device.type != 'cuda': return 'device', ''  # a CPU holds what it loaded
+    free = free_memory(device) if policy.free_bytes is None else int(policy.free_bytes)
+    budget = int(free * (1 - policy.reserve))
     sizes = {a: module_bytes(m) for a, m in pipe.components.items() if isinstance(m, nn.Module)}
     total, (big, largest) = sum(sizes.values()), max(sizes.items(), key=lambda kv: kv[1], default=('', 0))
-    have = f'{budget / 2**30:.2f} GiB budget ({free / 2**30:.2f} GiB free, {reserve:.0%} reserved)'
+    have = f'{budget / 2**30:.2f} GiB budget ({free / 2**30:.2f} GiB free, {policy.reserve:.0%} reserved)'
     if total <= budget: return 'device', f'all components ({total / 2**30:.2f} GiB) fit the {have}'
-    if largest <= budget: return 'offload', f'all components ({total / 2**30:.2f} GiB) exceed the {have}; the largest, {big}, fits alone'
+    if largest <= budget:
+        return 'offload', f'all components ({total / 2**30:.2f} GiB) exceed the {have}; the largest, {big}, fits alone'
     return 'cpu', f'{big} ({largest / 2**30:.2f} GiB) does not fit even alone in the {have}'
 
 # %% ../nbs/10b_loader.ipynb #c9454e58
 @dataclass
 class LoadReport:
-    "What the loader did: the applied `plan` (scheme, backend and counts are read from it), the path taken and why, placement, compile."
+    "What the loader did: the applied `plan` (scheme, backend, counts are read from it), the path and why, placement."
     plan: QuantPlan                # every encoder and denoiser as applied (a dense fallback says why)
     family: str
     requested: str | None = None   # the transformer scheme asked for
     path: str = 'dense'            # the transformer's path: 'quant', 'gguf' or 'dense'
     fallback_reason: str = ''      # why the transformer is not quantised as asked
     te_fallback_reason: str = ''   # why the encoders stay dense although asked
-    backend_note: str = ''         # why the backend is what it is (an emulation after a failed forward, an offload probe)
+    notes: list[str] = field(default_factory=list)  # the loader's own (an emulation after a failed forward, a probe)
     gguf: str = ''                 # the GGUF file(s) given
     gguf_linears: int = 0          # Linears the GGUF transformer holds as GGUF blocks
     memory: str = ''               # the memory preflight's verdict
@@ -86,40 +90,48 @@ class LoadReport:
     weights: str = ''                # `pipelines.weights_digest` of the pipeline as loaded, before quantisation
 
     def _dens(self) -> list[ComponentPlan]: return [p for a, p in self.plan.components.items() if a in DENOISER_ATTRS]
-    def _one(self, attr) -> str | None: return '+'.join(sorted({getattr(p, attr) for p in self._dens() if getattr(p, attr)})) or None
+    def _one(self, attr) -> str | None:
+        return '+'.join(sorted({getattr(p, attr) for p in self._dens() if getattr(p, attr)})) or None
     @property
     def scheme(self) -> str | None: return self._one('scheme')
     @property
     def backend(self) -> str | None: return self._one('backend')
     @property
-    def linears_quantized(self) -> int: return self.gguf_linears if self.path == 'gguf' else sum(p.n_quantized for p in self._dens())
+    def backend_note(self) -> str:
+        "Why the backend is what it is: the loader's notes, then the denoisers' plans' backend reasons."
+        return '; '.join(n for n in (*self.notes, *sorted({p.backend_reason for p in self._dens()})) if n)
+    @property
+    def linears_quantized(self) -> int:
+        return self.gguf_linears if self.path == 'gguf' else sum(p.n_quantized for p in self._dens())
     @property
     def linears_total(self) -> int: return sum(p.n_linear for p in self._dens())
     @property
     def quant_summary(self) -> str:
-        return ' | '.join(f'{a}: {p.summary()}' for a, p in self.plan.components.items() if a in DENOISER_ATTRS) if self.path == 'quant' else ''
+        if self.path != 'quant': return ''
+        return ' | '.join(f'{a}: {p.summary()}' for a, p in self.plan.components.items() if a in DENOISER_ATTRS)
     @property
-    def quant_plan(self) -> QuantPlan: return self.plan
-    def __getitem__(self, key): return getattr(self, key)  # a view for callers that index it: every value lives once, here
+    def quant_plan(self) -> QuantPlan: return self.plan  # the old status dict's name, for callers not yet on `.plan`
+    def __getitem__(self, key): return getattr(self, key)  # a view for callers that index it: every value lives once
     def get(self, key, default=None): return getattr(self, key, default)
     def summary(self) -> str:
         why = self.fallback_reason or self.backend_note
-        return f'{self.family}: {self.path} {self.scheme or ""} {self.linears_quantized}/{self.linears_total}' + (f' ({why})' if why else '')
+        return (f'{self.family}: {self.path} {self.scheme or ""} {self.linears_quantized}/{self.linears_total}'
+                + (f' ({why})' if why else ''))
 
 # %% ../nbs/10b_loader.ipynb #91f384c2
 def engaged(pipe) -> dict[str, dict]:
-    "Per denoiser and text encoder of `pipe`: the path the loader engaged (quant / gguf / dense), the scheme, the backend and why."
+    "Per denoiser and text encoder of `pipe`: the path the loader engaged (quant / gguf / dense), scheme, backend, why."
     rep = getattr(pipe, '_diffq_report', None)  # the LoadReport the loader leaves on the pipeline
     out = {}
     for a in {**text_encoders(pipe), **denoisers(pipe)}:
         p = rep.plan.components.get(a) if rep is not None else None
+        scheme, backend = (p.scheme, p.backend) if p is not None else (None, None)  # this component's plan, as applied
         if rep is None: out[a] = dict(path='dense', scheme=None, backend=None, reason='not loaded by the lab')
         elif a in DENOISER_ATTRS:
-            out[a] = dict(path=rep.path, scheme=rep.scheme, backend=rep.backend,
+            out[a] = dict(path=rep.path, scheme=scheme, backend=backend,
                           reason=rep.fallback_reason or (rep.gguf if rep.path == 'gguf' else rep.backend_note))
         else:
-            out[a] = dict(path='quant' if p is not None and p.quantized else 'dense', scheme=p.scheme if p is not None else None,
-                          backend=p.backend if p is not None else None,
+            out[a] = dict(path='quant' if p is not None and p.quantized else 'dense', scheme=scheme, backend=backend,
                           reason=rep.te_fallback_reason or (p.note if p is not None else 'dense requested'))
     return out
 
@@ -134,14 +146,14 @@ def _validate(pipe, report: LoadReport, device):
     if device.type == 'cuda': report.mem_gen_peak_bytes = torch.cuda.max_memory_allocated(device)
 
 # %% ../nbs/10b_loader.ipynb #55151faf
-def _quantize_all(pipe, dens, s, backend, policy, device, report, offload=False, encoders=None) -> QuantPlan:
-    "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validation render inside."
-    mf = policy.features(tiny=False)  # the loader's models are real unless the policy says otherwise
-    plan = QuantPlan({a: plan_transformer(tr, s, min_features=mf, backend=backend, device=device) for a, tr in dens.items()})
+def _quantize_all(pipe, dens, s, policy: QuantPolicy, device, report, offload=False, encoders=None) -> QuantPlan:
+    "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validated."
+    plan = QuantPlan({a: plan_transformer(tr, s, device=device, policy=policy) for a, tr in dens.items()})
     if not any(p.quantized for p in plan.components.values()):
-        raise ValueError(f'no Linear qualifies for {s} (min_features={mf})')
+        floors = sorted({policy.floor(tr) for tr in dens.values()})
+        raise ValueError(f'no Linear qualifies for {s} (min_features={"/".join(map(str, floors))})')
     plan = QuantPlan({**(encoders.components if encoders else {}), **plan.components})
-    offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under model offload
+    offload = offload and device.type == 'cuda'  # the rest does not fit beside the transformer: validate under offload
     for tr in dens.values(): tr.to(device)
     homes = {a: next(m.parameters()).device for a, m in pipe.components.items()
              if isinstance(m, nn.Module) and next(m.parameters(), None) is not None}
@@ -151,7 +163,7 @@ def _quantize_all(pipe, dens, s, backend, policy, device, report, offload=False,
             else: pipe.to(device)
             if policy.validate: _validate(pipe, report, device)
         except BaseException:
-            for a, home in homes.items(): getattr(pipe, a).to(home)  # the restore puts the planned Linears back there too
+            for a, home in homes.items(): getattr(pipe, a).to(home)  # the restore puts the planned Linears there too
             raise
         finally:
             if offload: pipe.remove_all_hooks()  # compile comes before placement: the hooks go back on after it
@@ -160,18 +172,22 @@ def _quantize_all(pipe, dens, s, backend, policy, device, report, offload=False,
 # %% ../nbs/10b_loader.ipynb #26f768f5
 class _Fallback:
     "The transformer's fallback: the reason noted in the report and the log, or a refusal under on_unavailable='raise'."
-    def __init__(self, report: LoadReport, policy: QuantPolicy, ggufs: dict): self.report, self.policy, self.ggufs = report, policy, ggufs
+    def __init__(self, report: LoadReport, policy: QuantPolicy, ggufs: dict):
+        self.report, self.policy, self.ggufs = report, policy, ggufs
     def __call__(self, reason: str):
-        if self.policy.on_unavailable == 'raise' and not self.ggufs:  # asked for this scheme or nothing: say why instead
+        if self.policy.on_unavailable == 'raise' and not self.ggufs:  # this scheme or nothing: say why instead
             raise SchemeUnavailableError(f'{self.report.family} transformer: {reason}')
         self.report.fallback_reason = reason
-        log.warning('%s transformer: %s; falling back to %s', self.report.family, reason, 'GGUF' if self.ggufs else 'dense')
+        log.warning('%s transformer: %s; falling back to %s', self.report.family, reason,
+                    'GGUF' if self.ggufs else 'dense')
 
 # %% ../nbs/10b_loader.ipynb #306e0888
 def _plan_encoders(pipe, te_quant, fam, policy: QuantPolicy, device) -> tuple[QuantPlan | None, str]:
-    "The encoders' plan under the family's rules, or (the seed's default) none with the reason: the default path never regresses."
+    "The encoders' plan under the family's rules, or (the seed's default) none with the reason: never a regression."
     if te_quant is None: return None, ''
-    try: return plan_text_encoders(pipe, te_quant, family=fam, backend=policy.backend, device=device, keep=policy.keep), ''
+    # the policy's min_features is the denoisers'; the encoders keep their own floor (`policy.floor(encoder)`)
+    try: return plan_text_encoders(pipe, te_quant, family=fam, device=device,
+                                   policy=replace(policy, min_features=None)), ''
     except (ValueError, SchemeUnavailableError) as e:
         if policy.on_unavailable == 'raise': raise
         why = f'{te_quant}: {_describe(e)}'
@@ -193,22 +209,24 @@ def _transformer_scheme(requested, device, policy: QuantPolicy, fall_back) -> st
 # %% ../nbs/10b_loader.ipynb #c215bdcf
 def _fits(pipe, s, device, policy, report, ggufs, fall_back) -> tuple[str | None, str | None, str]:
     "The memory preflight for `s`: (scheme or None, decision, a note on offload), with the fallback noted."
-    mem = plan_memory(pipe, s, device, free_bytes=policy.free_bytes, min_features=policy.features(tiny=False),
-                      gguf=bool(ggufs), reserve=policy.reserve)
+    mem = plan_memory(pipe, s, device, gguf=bool(ggufs), policy=policy)
     report.memory = mem.summary()
     if mem.decision not in ('dense+quant', 'offload'): fall_back(f'memory plan: {mem.reason}'); return None, None, ''
     if mem.decision == 'offload' and get_scheme(s).library == 'torchao':
-        probe = offload_probe(s, 'model', device, policy.backend)  # the seed skips torchao under offload; here, unless it survives
-        if not probe.ok: fall_back(f'{s} under model CPU offload: its offload probe failed here ({probe.reason})'); return None, None, ''
+        # the seed skips torchao under offload; the lab skips it only when its offload probe fails here
+        probe = offload_probe(s, 'model', device, policy)
+        if not probe.ok:
+            fall_back(f'{s} under model CPU offload: its offload probe failed here ({probe.reason})')
+            return None, None, ''
         return s, mem.decision, f'model-offload probe passed ({probe.device_name})'
     return s, mem.decision, ''
 
 # %% ../nbs/10b_loader.ipynb #7248a447
 def _apply_transformer(pipe, dens, s, policy, device, report, offload, encoders, note, fall_back) -> QuantPlan | None:
-    "Quantise the denoisers (and the encoders) all or nothing; on a CPU a kernel that fails in the forward is emulated instead."
+    "Quantise the denoisers (and the encoders) all or nothing; on a CPU a kernel failing in the forward is emulated."
     tries = [policy.backend] + (['emulate'] if policy.backend == 'auto' and device.type == 'cpu' else [])
     for i, be in enumerate(tries):
-        try: plan = _quantize_all(pipe, dens, s, be, policy, device, report, offload, encoders)
+        try: plan = _quantize_all(pipe, dens, s, replace(policy, backend=be), device, report, offload, encoders)
         except Exception as e:  # noqa: BLE001 -- a transformer failure falls back; the dense Linears are back in place
             if isinstance(e, RestoreError): raise  # never hand back a model that could not be put back
             if isinstance(e, QuantizationError) and e.component not in dens: raise  # the encoders have no fallback
@@ -219,16 +237,14 @@ def _apply_transformer(pipe, dens, s, policy, device, report, offload, encoders,
                 continue
             fall_back(f'{s} ({be}): {_describe(e)}')
             return None
-        parts = [plan.components[a] for a in dens]
-        report.path = 'quant'
-        report.backend_note = '; '.join(n for n in (*note, *sorted({p.backend_reason for p in parts if p.backend_reason})) if n)
+        report.path, report.notes = 'quant', [n for n in note if n]  # with the plan's backend reasons: backend_note
         return plan
     return None
 
 # %% ../nbs/10b_loader.ipynb #3b924d01
 def _place_and_compile(pipe, device, policy, report):
     "Placement from what was loaded (never onto a device it does not fit), then compile, then offload hooks."
-    where, why = _placement(pipe, device, policy.free_bytes, policy.reserve)
+    where, why = _placement(pipe, device, policy)
     if where == 'device':
         pipe.to(device)
         if why: report.placement = f'on {device}: {why}'
@@ -240,39 +256,43 @@ def _place_and_compile(pipe, device, policy, report):
             reps = {a: compile_transformer(m, **(policy.compile_kwargs or {})) for a, m in denoisers(pipe).items()}
             report.compile = ' | '.join(f'{a}: {r.summary()}' for a, r in reps.items())
         except Exception as e:  # noqa: BLE001 -- an uncompiled transformer still renders the same images
-            report.compile = f'failed: {_describe(e)}'; log.warning('%s: compile failed: %s', report.family, report.compile)
+            report.compile = f'failed: {_describe(e)}'
+            log.warning('%s: compile failed: %s', report.family, report.compile)
     if where == 'offload':
-        if device.type == 'cuda': pipe.enable_model_cpu_offload(device=device); report.placement = f'model CPU offload: {why}'
+        if device.type == 'cuda':
+            pipe.enable_model_cpu_offload(device=device); report.placement = f'model CPU offload: {why}'
         else: report.placement = f'model CPU offload planned, not applied on a CPU: {why}'
 
 # %% ../nbs/10b_loader.ipynb #43de0ef6
-def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pipelines.load_pipeline`), or a built pipeline
+def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pipelines.load_pipeline`), or a pipeline
                             transformer_quant=None, # the denoisers' scheme ('auto': the device ladder); None: dense
                             te_quant=None, # the text encoders' scheme, under the family's rules; None: dense
                             *, family=None, # the family, when the pipeline cannot tell
                             gguf=None, # a .gguf file (or {denoiser: file}) to fall back to
                             device=None, # where it runs (default: cuda if present)
                             dtype=torch.bfloat16, # the dense weights' dtype
-                            policy: QuantPolicy | None = None, # min_features, backend, keep, compile, memory reserve, ...
-                            **kw, # QuantPolicy fields instead of `policy` (e.g. compile=True); the rest go to `load_pipeline`
+                            policy: QuantPolicy | None = None, # min_features, backend, keep, compile, reserve, ...
+                            **kw, # QuantPolicy fields instead of `policy`; the rest go to `load_pipeline`
                            ) -> tuple[object, LoadReport]:
-    "Load (or take) a pipeline, quantise its text encoders and transformer, compile; fall back to GGUF or dense with a reason."
+    "Load (or take) a pipeline, quantise its text encoders and transformer, compile; else GGUF or dense, with a reason."
     t0 = time.perf_counter()
     pol, load_kwargs = QuantPolicy.split(kw)
-    if policy is not None and pol != QuantPolicy(): raise ValueError('pass the settings in `policy` or as keywords, not both')
+    if policy is not None and pol != QuantPolicy():
+        raise ValueError('pass the settings in `policy` or as keywords, not both')
     policy = policy or pol
     device, dtype = resolve_device(device), as_dtype(dtype)
     # an unknown name fails before anything loads; a seed's names (vocabulary='unsloth-te' or 'diffu') become the lab's
     requested, te_quant = (normalize_scheme(x, policy.vocabulary) for x in (transformer_quant, te_quant))
     built = hasattr(model_or_pipe, 'components')
     if built and load_kwargs: raise TypeError(f'unexpected arguments for a built pipeline: {sorted(load_kwargs)}')
-    pipe = model_or_pipe if built else load_pipeline(  # the dense load goes to the CPU first: the transformer is quantised there
+    pipe = model_or_pipe if built else load_pipeline(  # the dense load goes to the CPU first: quantised there
         model_or_pipe, family=family, dtype=dtype, device='cpu' if requested or gguf else device, **load_kwargs)
     fam = get_family(family).name if family is not None else family_of(pipe)
     dens = denoisers(pipe)
     ggufs = _gguf_paths(gguf, dens)
     encoders, te_why = _plan_encoders(pipe, te_quant, fam, policy, device)
-    report = LoadReport(QuantPlan(), fam, requested, te_fallback_reason=te_why, gguf=', '.join(map(str, ggufs.values())),
+    report = LoadReport(QuantPlan(), fam, requested, te_fallback_reason=te_why,
+                        gguf=', '.join(map(str, ggufs.values())),
                         weights=weights_digest(pipe),  # the identity of what runs, before anything changes it
                         device=str(device), device_name=device_name(device), dtype=str(dtype).removeprefix('torch.'))
     fall_back = _Fallback(report, policy, ggufs)
@@ -288,7 +308,8 @@ def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pi
     report.plan = plan
     if report.path == 'dense' and ggufs:
         for a, p in ggufs.items(): setattr(pipe, a, load_gguf_transformer(p, dens[a], dtype, device))
-        report.path, report.gguf_linears = 'gguf', sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules())
+        report.path = 'gguf'
+        report.gguf_linears = sum(is_gguf_linear(m) for a in ggufs for m in getattr(pipe, a).modules())
     _place_and_compile(pipe, device, policy, report)
     report.mem_load_bytes = sum(module_bytes(m) for m in denoisers(pipe).values())
     report.device_mem_bytes, report.load_s = _device_bytes(device), round(time.perf_counter() - t0, 3)

@@ -34,17 +34,17 @@ def test_every_scheme_renders_finite_with_the_planned_count(pipes, dense_images,
         planned = n_planned(pipes[family], s)
         quant = sum(len(quantized_linears(m)) for m in denoisers(pipe).values())
         if planned == 0:  # the tiny Sana / Wan have no Linear whose dims fp8 / NVFP4 / MX tile: a clean dense fallback
-            assert (st['path'], st['linears_quantized'], quant) == ('dense', 0, 0), (family, s, st)
-            assert 'no Linear qualifies' in st['fallback_reason']
+            assert (st.path, st.linears_quantized, quant) == ('dense', 0, 0), (family, s, st)
+            assert 'no Linear qualifies' in st.fallback_reason
             assert torch.equal(x, dense_images[family])
             continue
-        assert (st['path'], st['scheme'], st['fallback_reason']) == ('quant', s, ''), (family, s, st)
-        assert st['linears_quantized'] == planned == quant, (family, s, st)
+        assert (st.path, st.scheme, st.fallback_reason) == ('quant', s, ''), (family, s, st)
+        assert st.linears_quantized == planned == quant, (family, s, st)
         for a, m in denoisers(pipe).items():  # the status' applied plan is what the modules hold
-            assert st['quant_plan'].components[a].quantized == quantized_linears(m), (family, s, a)
+            assert st.plan.components[a].quantized == quantized_linears(m), (family, s, a)
         # the real path wherever the capability probe passes: a torchao kernel, or diffusers' cast for fp8_layerwise
         real = 'diffusers' if s == 'fp8_layerwise' else 'torchao' if smoke_probe(s, 'cpu').ok else 'emulate'
-        assert st['backend'] == real or 'failed in the forward' in st['backend_note'], (family, s, st)
+        assert st.backend == real or 'failed in the forward' in st.backend_note, (family, s, st)
         assert not torch.equal(x, dense_images[family]), (family, s)  # something really changed
 
 
@@ -52,8 +52,8 @@ def test_te_quant_alone_quantises_the_encoders_and_leaves_the_transformer_bit_id
     pipe = copy.deepcopy(pipes['flux.1-dev'])
     before = {k: v.clone() for k, v in pipe.transformer.state_dict().items()}
     out, st = load_pipeline_quantized(pipe, te_quant='int8wo', compile=False)
-    assert out is pipe and (st['path'], st['scheme'], st['fallback_reason']) == ('dense', None, ''), st
-    qp = st['quant_plan']
+    assert out is pipe and (st.path, st.scheme, st.fallback_reason) == ('dense', None, ''), st
+    qp = st.plan
     assert list(qp.components) == ['text_encoder', 'text_encoder_2', 'transformer']
     for c in ('text_encoder', 'text_encoder_2'):
         assert qp.components[c].scheme == 'int8wo' and qp.components[c].quantized == quantized_linears(getattr(pipe, c)) != []
@@ -64,7 +64,7 @@ def test_te_quant_alone_quantises_the_encoders_and_leaves_the_transformer_bit_id
 
 def test_auto_on_cpu_stays_dense_with_a_reason(pipes, dense_images):
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='auto', compile=False, min_features=0)
-    assert st['path'] == 'dense' and 'auto' in st['fallback_reason'] and quantized_linears(pipe.transformer) == []
+    assert st.path == 'dense' and 'auto' in st.fallback_reason and quantized_linears(pipe.transformer) == []
     assert torch.equal(render(pipe, steps=1), dense_images['z-image'])
 
 
@@ -72,7 +72,7 @@ def test_unsupported_scheme_falls_back_clean(pipes, dense_images):
     "fp8 dynamic forced onto torchao on a CPU: the hardware gate refuses it before any Linear is converted."
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='fp8', backend='torchao',
                                        compile=False, min_features=0)
-    assert st['path'] == 'dense' and 'fp8 (torchao)' in st['fallback_reason'], st
+    assert st.path == 'dense' and 'fp8 (torchao)' in st.fallback_reason, st
     assert quantized_linears(pipe.transformer) == []
     assert torch.equal(render(pipe, steps=1), dense_images['z-image'])
 
@@ -80,7 +80,7 @@ def test_unsupported_scheme_falls_back_clean(pipes, dense_images):
 def test_loader_compiles_and_reports(pipes):
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['flux.1-schnell']), transformer_quant='int8wo', min_features=0,
                                        compile=True, compile_kwargs=dict(backend='eager'))  # the policy's default: no compile
-    assert st['path'] == 'quant' and st['compile'].startswith('transformer: compile_repeated_blocks: 2 regions')
+    assert st.path == 'quant' and st.compile.startswith('transformer: compile_repeated_blocks: 2 regions')
     assert torch.isfinite(render(pipe, steps=1)).all()
 
 
@@ -98,8 +98,8 @@ def test_a_forward_failure_is_retried_emulated_then_restores_dense_bit_exact(pip
     out, st = load_pipeline_quantized(pipe, transformer_quant='int8', compile=False, min_features=0)
     planned = n_planned(pipes['z-image'], 'int8')
     assert [n for n, _ in seen] == [planned, planned] and seen[0][1] != seen[1][1], seen  # torchao, then emulated
-    assert (st['path'], st['scheme'], st['linears_quantized']) == ('dense', None, 0), st
-    assert st['fallback_reason'] == 'int8 (emulate): _ForwardFailed: RuntimeError: kernel died (forced)', st['fallback_reason']
+    assert (st.path, st.scheme, st.linears_quantized) == ('dense', None, 0), st
+    assert st.fallback_reason == 'int8 (emulate): _ForwardFailed: RuntimeError: kernel died (forced)', st.fallback_reason
     assert quantized_linears(pipe.transformer) == []
     assert all(torch.equal(before[k], v) for k, v in pipe.transformer.state_dict().items())
     assert torch.equal(render(out, steps=1), dense_images['z-image'])
@@ -110,11 +110,11 @@ def test_a_failure_at_a_linear_falls_back_to_gguf(pipes, tmp_path, fail_at_kth_l
     pipe = copy.deepcopy(pipes['z-image'])
     rec = fail_at_kth_linear('int8', 'torchao', 3, exc=torch.OutOfMemoryError('CUDA out of memory (forced)'), within=[pipe.transformer])
     pipe, st = load_pipeline_quantized(pipe, transformer_quant='int8', gguf=gpath, compile=False, min_features=0)
-    assert rec.fired and st['path'] == 'gguf', st
-    assert st['fallback_reason'].startswith('int8 (auto): QuantizationError') and 'out of memory' in st['fallback_reason']
-    assert st['linears_quantized'] == sum(is_gguf_linear(m) for m in pipe.transformer.modules()) > 0
+    assert rec.fired and st.path == 'gguf', st
+    assert st.fallback_reason.startswith('int8 (auto): QuantizationError') and 'out of memory' in st.fallback_reason
+    assert st.linears_quantized == sum(is_gguf_linear(m) for m in pipe.transformer.modules()) > 0
     assert quantized_linears(pipe.transformer) == [] and torch.isfinite(render(pipe, steps=1)).all()
-    assert set(st['quant_plan'].components['transformer'].skipped.values()) == {f'GGUF {gpath}'}
+    assert set(st.plan.components['transformer'].skipped.values()) == {f'GGUF {gpath}'}
 
 
 def test_a_restore_that_fails_is_never_returned(pipes, monkeypatch, fail_at_kth_linear):
@@ -128,15 +128,15 @@ def test_a_restore_that_fails_is_never_returned(pipes, monkeypatch, fail_at_kth_
     fail_at_kth_linear('int8', 'torchao', 10, within=[pipe.transformer])
     try: out, st = load_pipeline_quantized(pipe, transformer_quant='int8', compile=False, min_features=0)
     except Exception: return  # raising is the contract: a half-restored pipeline is never handed back
-    pytest.fail(f"returned path={st['path']!r} with {len(quantized_linears(out.transformer))} quantised Linears left; "
-                f"reason {st['fallback_reason']!r}")
+    pytest.fail(f"returned path={st.path!r} with {len(quantized_linears(out.transformer))} quantised Linears left; "
+                f"reason {st.fallback_reason!r}")
 
 
 def test_a_plan_that_does_not_fit_falls_back(pipes, dense_images, tmp_path):
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', compile=False, min_features=0,
                                        free_bytes=1000)
-    assert st['path'] == 'dense' and st['fallback_reason'].startswith('memory plan: the dense transformer')
-    assert st['memory'].startswith('too-large: ')
+    assert st.path == 'dense' and st.fallback_reason.startswith('memory plan: the dense transformer')
+    assert st.memory.startswith('too-large: ')
     assert quantized_linears(pipe.transformer) == [] and torch.equal(render(pipe, steps=1), dense_images['z-image'])
     z = pipes['z-image'].transformer
     gpath = write_gguf(z, tmp_path/'z.gguf')
@@ -146,7 +146,7 @@ def test_a_plan_that_does_not_fit_falls_back(pipes, dense_images, tmp_path):
     assert p.gguf_bytes + p.rest_bytes <= 0.9 * free < p.quant_bytes + p.rest_bytes
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['z-image']), transformer_quant='int8', gguf=gpath, compile=False,
                                        min_features=0, free_bytes=free)
-    assert st['path'] == 'gguf' and st['fallback_reason'].startswith('memory plan: GGUF'), st
+    assert st.path == 'gguf' and st.fallback_reason.startswith('memory plan: GGUF'), st
 
 
 # ---- GGUF ---------------------------------------------------------------------------------------------------------------
@@ -173,7 +173,7 @@ def test_gguf_written_here_loads_through_diffusers(pipes, dense_images, family, 
         n = sum(is_gguf_linear(m) for d in denoisers(out).values() for m in d.modules())
         expect = sum(isinstance(m, nn.Linear) and m.in_features % 32 == 0 and not set(f.split('.')) & set(d._keep_in_fp32_modules or ())
                      for d in denoisers(pipe).values() for f, m in d.named_modules())  # diffusers keeps those fp32
-        assert st['path'] == 'gguf' and st['linears_quantized'] == n == expect > 0, (family, qt, st)
+        assert st.path == 'gguf' and st.linears_quantized == n == expect > 0, (family, qt, st)
         assert torch.isfinite(render(out, steps=1)).all()
         from diffusers.quantizers.gguf.utils import dequantize_gguf_tensor
         dense = {f'{a}.{f}': m.weight.float() for a, d in denoisers(pipe).items() for f, m in d.named_modules() if isinstance(m, nn.Linear)}

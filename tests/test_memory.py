@@ -58,10 +58,10 @@ def test_the_plan_is_the_loaded_bytes(scheme, tmp_path):
     p = plan_memory(pipe, None if scheme == 'Q8_0' else scheme, 'cpu', min_features=0, free_bytes=2**34)
     gguf = write_gguf(pipe.transformer, tmp_path/'z.gguf') if scheme == 'Q8_0' else None
     out, st = load_pipeline_quantized(pipe, transformer_quant=None if gguf else scheme, gguf=gguf, compile=False, min_features=0)
-    assert st['path'] == ('gguf' if gguf else 'quant' if scheme else 'dense'), st
-    assert st['backend'] in (None, 'torchao', 'diffusers'), st  # real storage, not the bf16 emulation
+    assert st.path == ('gguf' if gguf else 'quant' if scheme else 'dense'), st
+    assert st.backend in (None, 'torchao', 'diffusers'), st  # real storage, not the bf16 emulation
     want = p.gguf_bytes if gguf else p.quant_bytes if scheme else p.dense_bytes
-    assert st['mem_load_bytes'] == want, (scheme, st['mem_load_bytes'], want)
+    assert st.mem_load_bytes == want, (scheme, st.mem_load_bytes, want)
 
 
 def test_plan_from_a_pipeline_folder_equals_the_plan_of_the_pipeline(tmp_path):
@@ -73,7 +73,7 @@ def test_plan_from_a_pipeline_folder_equals_the_plan_of_the_pipeline(tmp_path):
         assert getattr(a, k) == getattr(b, k), k
     # and the loader takes the folder through diffq_lab.pipelines.load_pipeline
     out, st = load_pipeline_quantized(str(tmp_path/'flux'), transformer_quant='int8', compile=False, min_features=0)
-    assert st['path'] == 'quant' and st['linears_quantized'] == a.quantized_linears > 0
+    assert st.path == 'quant' and st.linears_quantized == a.quantized_linears > 0
     assert torch.isfinite(render(out, steps=1)).all()
 
 

@@ -85,7 +85,7 @@ def test_dynamo_counters_still_count_compiles():
 def test_per_block_compile_after_quantisation(pipes):
     "SD3 declares no _repeated_blocks: each top-level block compiles alone (08_transformer renders the repeated-blocks path)."
     pipe, st = load_pipeline_quantized(copy.deepcopy(pipes['sd3']), transformer_quant='int8', compile=False, min_features=0)
-    assert st['path'] == 'quant', st
+    assert st.path == 'quant', st
     ref = render(pipe, steps=1)
     rep = T.compile_transformer(pipe.transformer, backend='eager')
     assert rep.method == 'per_block' and len(rep.regions) == pipe.transformer.config.num_layers
