@@ -6,21 +6,27 @@
 from __future__ import annotations
 import argparse, contextlib, inspect, os, shutil, sys, tempfile
 from pathlib import Path
+from types import SimpleNamespace
 from fastcore.docments import docments
 from fastcore.script import Param
 
+# %% auto #0
+__all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'BAD_INPUTS', 'BAD_WITHOUT_GPU', 'check_model', 'command', 'flag_group', 'parser',
+           'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'probe', 'study', 'bench',
+           'blocks', 'export', 'recommend', 'crossover', 'predict', 'main']
+
+# %% ../nbs/17_cli.ipynb #741c5e79
 # sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
 LIMITS = dict(steps=500, size=4096, seeds=32, prompts=64, prompt_bytes=200, runs=100, min_features=1 << 20,
               crossover_size=16384, frames=1025, text_tokens=8192, prompt_file_bytes=1 << 20, batch=64, forwards=4)
+
+# %% ../nbs/17_cli.ipynb #e972b87c
 DEFAULT_GPU = 'h200'  # one default for every command that models a GPU (the lab's lent machine)
 
+# %% ../nbs/17_cli.ipynb #671debe7
 def _say(msg: str):
     "One line on stderr (a note, or the error of a failed command)."
     print(' '.join(str(msg).split()), file=sys.stderr)
-
-# %% auto #0
-__all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'check_model', 'command', 'parser', 'probe', 'study', 'bench', 'blocks', 'export',
-           'recommend', 'crossover', 'predict', 'main']
 
 # %% ../nbs/17_cli.ipynb #c3f4e228
 def _int_in(lo: int, hi: int, multiple: int = 1):
@@ -33,6 +39,9 @@ def _int_in(lo: int, hi: int, multiple: int = 1):
         return int(v)
     parse.__name__ = 'integer'  # argparse names the type in its own messages
     return parse
+
+# %% ../nbs/17_cli.ipynb #2ef9ec10
+_nonneg = _int_in(0, LIMITS['min_features'])  # a width floor
 
 # %% ../nbs/17_cli.ipynb #8fdb3e08
 def _float_in(lo: float, hi: float, what: str = 'a number'):
@@ -62,7 +71,8 @@ def _scheme_list(allow_auto=False):
         try: out = [normalize_scheme(v) for v in value.split(',') if v.strip()]
         except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
         if not out or None in out or (not allow_auto and 'auto' in out):
-            raise argparse.ArgumentTypeError(f"expected a comma list of schemes{', auto' if allow_auto else ''} or 'all', got {value!r}")
+            auto = ', auto' if allow_auto else ''
+            raise argparse.ArgumentTypeError(f"expected a comma list of schemes{auto} or 'all', got {value!r}")
         return out
     parse.__name__ = 'scheme list'
     return parse
@@ -100,24 +110,24 @@ def _parts(value: str) -> tuple[str, ...]:
 # %% ../nbs/17_cli.ipynb #19e91e5e
 def _prompt_file(value: str) -> list[str]:
     "An argparse type: the prompts of a text file, one a line, '#' lines skipped; bounded in size, count and length."
-    p = Path(value)
-    if not p.is_file(): raise argparse.ArgumentTypeError(f'no prompt file at {value!r}')
+    p, bad = Path(value), argparse.ArgumentTypeError
+    if not p.is_file(): raise bad(f'no prompt file at {value!r}')
     if p.stat().st_size > LIMITS['prompt_file_bytes']:
-        raise argparse.ArgumentTypeError(f"{value!r} is {p.stat().st_size} bytes: a prompt file holds at most {LIMITS['prompt_file_bytes']}")
+        raise bad(f"{value!r} is {p.stat().st_size} bytes: a prompt file holds at most {LIMITS['prompt_file_bytes']}")
     try: text = p.read_text(encoding='utf-8')
-    except (OSError, UnicodeDecodeError) as e: raise argparse.ArgumentTypeError(f'cannot read {value!r}: {e}') from None
+    except (OSError, UnicodeDecodeError) as e: raise bad(f'cannot read {value!r}: {e}') from None
     prompts = [l.strip() for l in text.splitlines() if l.strip() and not l.lstrip().startswith('#')]
-    if not prompts: raise argparse.ArgumentTypeError(f'{value!r} holds no prompt')
+    if not prompts: raise bad(f'{value!r} holds no prompt')
     if len(prompts) > LIMITS['prompts']:
-        raise argparse.ArgumentTypeError(f"{value!r} holds {len(prompts)} prompts: a study takes at most {LIMITS['prompts']}")
+        raise bad(f"{value!r} holds {len(prompts)} prompts: a study takes at most {LIMITS['prompts']}")
     long = [i for i, q in enumerate(prompts, 1) if len(q.encode()) > LIMITS['prompt_bytes']]
-    if long: raise argparse.ArgumentTypeError(f"{value!r}: prompt {long[0]} is {len(prompts[long[0] - 1].encode())} bytes; at most "
-                                              f"{LIMITS['prompt_bytes']} (the tiny pipelines' 256-position text rope)")
+    if long: raise bad(f"{value!r}: prompt {long[0]} is {len(prompts[long[0] - 1].encode())} bytes; at most "
+                       f"{LIMITS['prompt_bytes']} (the tiny pipelines' 256-position text rope)")
     return prompts
 
 # %% ../nbs/17_cli.ipynb #6452f039
 def check_model(model: str | None, flag: str = '--model'):
-    "A real pipeline named on the command line: a diffusers folder, or a hub id that is in the cache when the hub is offline."
+    "A real pipeline named on the command line: a diffusers folder, or a hub id in the cache when the hub is offline."
     if model is None: return None
     m = Path(model)
     if m.exists() and not (m.is_dir() and (m/'model_index.json').is_file()):
@@ -138,10 +148,12 @@ def _check_gguf(value: str):
     from diffq_lab.memory import GGUF_TYPES
     if value.lower() == 'none' or value in GGUF_TYPES: return
     p = Path(value)
-    if not p.is_file(): raise ValueError(f'--gguf {value!r}: choose one of {list(GGUF_TYPES)}, none, or an existing .gguf file')
+    if not p.is_file():
+        raise ValueError(f'--gguf {value!r}: choose one of {list(GGUF_TYPES)}, none, or an existing .gguf file')
     from gguf import GGUFReader
     try: GGUFReader(str(p))
-    except Exception as e: raise ValueError(f'--gguf {value}: not a readable GGUF file ({type(e).__name__}: {e})') from None  # noqa: BLE001
+    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is not GGUF
+        raise ValueError(f'--gguf {value}: not a readable GGUF file ({type(e).__name__}: {e})') from None
 
 # %% ../nbs/17_cli.ipynb #87914959
 class _Parser(argparse.ArgumentParser):
@@ -150,6 +162,7 @@ class _Parser(argparse.ArgumentParser):
         _say(f'{self.prog}: error: {message} (see {self.prog} --help)')
         self.exit(2)
 
+# %% ../nbs/17_cli.ipynb #846ff049
 COMMANDS: dict[str, callable] = {}  # subcommand name -> the function that runs it; its docments are its flags
 
 # %% ../nbs/17_cli.ipynb #741748ae
@@ -158,6 +171,20 @@ def command(fn):
     COMMANDS[fn.__name__] = fn
     return fn
 
+# %% ../nbs/17_cli.ipynb #6286ba9b
+def flag_group(fn):
+    "Mark `fn` as a flag group: a command parameter annotated with it stands for `fn`'s parameters, each a flag."
+    fn.flag_group = True
+    return fn
+
+# %% ../nbs/17_cli.ipynb #a23cf9d0
+def _params(fn) -> dict:
+    "`fn`'s parameters with their evaluated annotations, defaults and docments (fastcore's `docments`)."
+    return docments(fn, full=True, returns=False, eval_str=True)
+
+# %% ../nbs/17_cli.ipynb #f3956c1f
+def _is_group(anno) -> bool: return callable(anno) and getattr(anno, 'flag_group', False) is True
+
 # %% ../nbs/17_cli.ipynb #ffb69de7
 def _shown(v) -> str:
     "A default as a user types it: '0,1' for a list, 'none' for None."
@@ -165,33 +192,116 @@ def _shown(v) -> str:
     return 'none' if v is None else str(v)
 
 # %% ../nbs/17_cli.ipynb #13e72bec
-def _add_flags(p: argparse.ArgumentParser, fn):
-    "One flag per parameter of `fn`: its annotation is the argparse type (or a `Param`), its docment the help, its default shown."
-    for name, d in docments(fn, full=True, returns=False, eval_str=True).items():
+def _add_flags(p, fn):
+    "One flag per parameter of `fn`, a flag group's flags in its place: the annotation its type, the docment its help."
+    for name, d in _params(fn).items():
+        if _is_group(d.anno):
+            titled = isinstance(p, argparse.ArgumentParser)  # a group within a group joins its section
+            _add_flags(p.add_argument_group(d.anno.__name__, d.anno.__doc__) if titled else p, d.anno)
+            continue
         flag, default = '--' + name.replace('_', '-'), None if d.default is inspect.Parameter.empty else d.default
         prm = d.anno if isinstance(d.anno, Param) else Param(type=d.anno)
         kw = dict(dest=name, help=(prm.help or d.docment or '').strip())
         if prm.choices: kw['choices'] = prm.choices
         if d.anno is bool: kw['action'] = 'store_true'
-        else: kw.update(type=prm.type or str, default=default, metavar=prm.type.__name__.strip('_').upper().replace(' ', '_')
-                        if callable(prm.type) and not prm.choices and prm.type is not str else None)
+        else:
+            named = callable(prm.type) and not prm.choices and prm.type is not str
+            kw.update(type=prm.type or str, default=default,
+                      metavar=prm.type.__name__.strip('_').upper().replace(' ', '_') if named else None)
         if d.default is inspect.Parameter.empty: kw['required'] = True
         elif d.anno is not bool and '(default' not in kw['help']: kw['help'] += f' (default: {_shown(default)})'
         p.add_argument(flag, **{k: v for k, v in kw.items() if v is not None})
 
+# %% ../nbs/17_cli.ipynb #12ddfebf
+def _values(fn, flags: dict) -> dict:
+    "The keyword arguments of `fn` from the parsed `flags`: a flag group's value built from its own flags."
+    return {k: d.anno(**_values(d.anno, flags)) if _is_group(d.anno) else flags[k] for k, d in _params(fn).items()}
+
 # %% ../nbs/17_cli.ipynb #fe963cec
 def parser() -> argparse.ArgumentParser:
     "The `diffq-lab` argument parser: one subparser per registered command."
-    p = _Parser(prog='diffq-lab', description='Quantisation studies of diffusion pipelines on low-precision tensor cores.')
+    about = 'Quantisation studies of diffusion pipelines on low-precision tensor cores.'
+    p = _Parser(prog='diffq-lab', description=about)
     sub = p.add_subparsers(dest='command', required=True, metavar='COMMAND')
     for name, fn in COMMANDS.items():
         _add_flags(sub.add_parser(name, help=fn.__doc__, description=fn.__doc__), fn)
     return p
 
-# %% ../nbs/17_cli.ipynb #d5e254e4
-_DEVICE = 'cpu, cuda or cuda:N (default: cuda if present)'
-_nonneg = _int_in(0, LIMITS['min_features'])
+# %% ../nbs/17_cli.ipynb #61a77525
+@flag_group
+def recording(no_record: bool = False, # do not append rows to data/results
+              allow_dirty: bool = False, # record from a code tree with uncommitted changes (the rows say +dirty)
+             ) -> SimpleNamespace:
+    "Whether the command records its rows under data/results, and from what code tree."
+    return SimpleNamespace(no_record=no_record, allow_dirty=allow_dirty)
 
+# %% ../nbs/17_cli.ipynb #f80cafa4
+@flag_group
+def pipeline(family: str = 'z-image', # model family: its tiny pipeline (z-image: the trained one)
+             model: str = None, # hub id or local folder of a real pipeline, instead of the family's tiny one
+             random_weights: bool = False, # the random-weight tiny pipeline, not the trained one
+            ) -> SimpleNamespace:
+    "The pipeline the command runs on: a family's tiny one (z-image: the trained one), or a real one."
+    return SimpleNamespace(family=family, model=model, random_weights=random_weights)
+
+# %% ../nbs/17_cli.ipynb #80bbd3b6
+def _trained(pipe: SimpleNamespace) -> bool:
+    "Whether a `pipeline` group names the lab's trained tiny pipeline (z-image, no --model, no --random-weights)."
+    from diffq_lab.pipelines import get_family
+    return pipe.model is None and get_family(pipe.family).name == 'z-image' and not pipe.random_weights
+
+# %% ../nbs/17_cli.ipynb #27fdfabb
+@flag_group
+def renders(seeds: _int_list = '0,1', # comma list of seeds
+            prompts: _prompt_file = None, # a text file, one prompt a line, '#' comments (default: the lab's prompts)
+            steps: _int_in(1, LIMITS['steps']) = None, # denoising steps (default: 8 on the trained pipeline, else 2)
+            size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
+           ) -> SimpleNamespace:
+    "What the study renders: every seed with every prompt, `steps` denoising steps at `size` px."
+    return SimpleNamespace(seeds=seeds, prompts=prompts, steps=steps, size=size)
+
+# %% ../nbs/17_cli.ipynb #3cf10201
+@flag_group
+def quant(
+    compile: bool = False, # regional torch.compile after quantisation
+    min_features: _nonneg = None, # skip Linears narrower than this (default: 0 on tiny pipelines, 512 on real ones)
+) -> SimpleNamespace:
+    "How the quantised denoiser is built: the width floor of its Linears, compiled or not."
+    return SimpleNamespace(compile=compile, min_features=min_features)
+
+# %% ../nbs/17_cli.ipynb #bb1e594d
+@flag_group
+def bench_target(
+    family: str = 'z-image', # model family (its tiny or real-dims random-weight pipeline)
+    model: str = None, # hub id or local folder of a real pipeline, instead of the family's
+    dims: Param(choices=('tiny', 'real')) = 'tiny', # tiny offline pipeline, or real dims with random weights
+) -> SimpleNamespace:
+    "The transformer the bench times: a family's random-weight one, tiny or at real dims, or a real pipeline's."
+    return SimpleNamespace(family=family, model=model, dims=dims)
+
+# %% ../nbs/17_cli.ipynb #07ef4967
+@flag_group
+def timing(
+    steps: _int_in(1, LIMITS['steps']) = 2, # denoising steps
+    size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
+    runs: _int_in(1, LIMITS['runs']) = 6, # interleaved timing rounds after warm-up (fewer than 5 give no speed verdict)
+) -> SimpleNamespace:
+    "What one timed call renders, and how many interleaved rounds are timed."
+    return SimpleNamespace(steps=steps, size=size, runs=runs)
+
+# %% ../nbs/17_cli.ipynb #33f52ba9
+@flag_group
+def workload(
+    size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
+    batch: _int_in(1, LIMITS['batch']) = 1, # images per pipeline call
+    steps: _int_in(1, LIMITS['steps']) = 28, # denoising steps
+    # denoiser forwards per step (2 with classifier-free guidance)
+    forwards_per_step: _int_in(1, LIMITS['forwards']) = 1,
+) -> SimpleNamespace:
+    "One modelled pipeline call: `batch` images of `size` px, `steps` x `forwards_per_step` denoiser forwards."
+    return SimpleNamespace(size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step)
+
+# %% ../nbs/17_cli.ipynb #d5e254e4
 @command
 def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
           refresh: bool = False, # re-run the cached probes
@@ -199,21 +309,31 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
          ) -> int:
     "Capability report: hardware gates and real-kernel smoke probes per scheme."
     from diffq_lab.capability import capability_report, format_report, record_capability
+    from diffq_lab.core import check_recordable
+    if record: check_recordable(('capability',))  # before any probe
     rep = record_capability(device=device) if record else capability_report(device, refresh=refresh)
     print(format_report(rep))
     return 0
 
-# %% ../nbs/17_cli.ipynb #732662d0
-@contextlib.contextmanager
-def _staged_report(out):
-    "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) only when the run finished."
-    from diffq_lab.core import check_writable, record_tables, recover_commits
-    from diffq_lab.study import REPORT_FILES
+# %% ../nbs/17_cli.ipynb #5f649425
+def _check_out(out) -> Path:
+    "`--out` as a report folder: named, not a file, writable, in a folder that can hold its staged copy."
+    from diffq_lab.core import check_writable
     if not str(out).strip(): raise ValueError('--out must name a folder, got an empty path')
     out = Path(out)
     if out.exists() and not out.is_dir(): raise ValueError(f'--out {out}: it is a file, not a folder')
     if out.exists(): check_writable(out)
-    recover_commits(check_writable(out.parent))  # finish (or drop) a report commit a kill cut short
+    check_writable(out.parent)
+    return out
+
+# %% ../nbs/17_cli.ipynb #732662d0
+@contextlib.contextmanager
+def _staged_report(out):
+    "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) when the run finished."
+    from diffq_lab.core import record_tables, recover_commits
+    from diffq_lab.study import REPORT_FILES
+    out = _check_out(out)
+    recover_commits(out.parent)  # finish (or drop) a report commit a kill cut short
     _drop_dead_stages(out)
     stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.staging-{os.getpid()}-'))
     try:
@@ -232,156 +352,183 @@ def _drop_dead_stages(out: Path):
             except ProcessLookupError: shutil.rmtree(d, ignore_errors=True)
             except PermissionError: pass  # another user's live process
 
+# %% ../nbs/17_cli.ipynb #9cfa6ee2
+@contextlib.contextmanager
+def _dirty_allowed(allow: bool):
+    "Within the block, `--allow-dirty` reaches every table write (`DIFFQ_LAB_ALLOW_DIRTY`, which the store reads)."
+    before = os.environ.get('DIFFQ_LAB_ALLOW_DIRTY')
+    if allow: os.environ['DIFFQ_LAB_ALLOW_DIRTY'] = '1'
+    try: yield
+    finally:
+        if before is None: os.environ.pop('DIFFQ_LAB_ALLOW_DIRTY', None)
+        else: os.environ['DIFFQ_LAB_ALLOW_DIRTY'] = before
+
+# %% ../nbs/17_cli.ipynb #5b4b9f7e
+_STUDY_TABLES = ('capability', 'study_numerics', 'study')  # what a recording study appends to
+
 # %% ../nbs/17_cli.ipynb #86aa79f7
 @command
 def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
           schemes: _scheme_list() = 'all', # comma list of schemes, or 'all'
           parts: _parts = 'te,transformer', # what each scheme quantises: te, transformer, or both (te,transformer)
-          family: str = 'z-image', # model family: its tiny pipeline (z-image: the trained one)
-          model: str = None, # hub id or local folder of a real pipeline, instead of the family's tiny one
-          random_weights: bool = False, # the random-weight tiny pipeline, not the trained one
-          seeds: _int_list = '0,1', # comma list of seeds
-          prompts: _prompt_file = None, # a text file, one prompt a line, '#' comments (default: the lab's prompts)
-          steps: _int_in(1, LIMITS['steps']) = None, # denoising steps (default: 8 on the trained pipeline, else 2)
-          size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
-          compile: bool = False, # regional torch.compile after quantisation
-          min_features: _nonneg = None, # skip Linears narrower than this (default: 0 on tiny pipelines, 512 on real ones)
+          pipe: pipeline = pipeline(), # the pipeline studied
+          render: renders = renders(), # what each configuration renders
+          quantise: quant = quant(), # how its denoiser is quantised
           out: str = 'out/study', # the report folder
-          no_record: bool = False, # do not append rows to data/results
-          allow_dirty: bool = False, # record from a code tree with uncommitted changes (the rows say +dirty)
+          rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The study: every scheme on the text encoder and transformer, renders and quality against dense; rows and a report."
-    from diffq_lab.pipelines import get_family
+    from diffq_lab.core import check_recordable
     from diffq_lab.study import default_study
-    check_model(model)
-    trained = model is None and get_family(family).name == 'z-image' and not random_weights
+    check_model(pipe.model); _check_out(out)
+    if not rec.no_record: check_recordable(_STUDY_TABLES, allow_dirty=rec.allow_dirty)  # before any work
     with _staged_report(out) as stage:
-        default_study(device, schemes=schemes, out=stage, publish=Path(out), record=not no_record, family=family, model=model,
-                      trained=trained, steps=steps, size=size, seeds=seeds, prompts=prompts, compile=compile, te_quant='te' in parts,
-                      transformer_quant='transformer' in parts, min_features=min_features, allow_dirty=allow_dirty,
-                      log=lambda m: print(str(m).replace(str(stage), str(out))))
+        log = lambda m: print(str(m).replace(str(stage), str(out)))  # the report's path, not its stage's
+        default_study(device, schemes=schemes, out=stage, publish=Path(out), record=not rec.no_record,
+                      family=pipe.family, model=pipe.model, trained=_trained(pipe), steps=render.steps,
+                      size=render.size, seeds=render.seeds, prompts=render.prompts, compile=quantise.compile,
+                      te_quant='te' in parts, transformer_quant='transformer' in parts,
+                      min_features=quantise.min_features, allow_dirty=rec.allow_dirty, log=log)
     return 0
 
 # %% ../nbs/17_cli.ipynb #6eb3fad5
 @command
 def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of schemes, 'auto' or 'all'
-          family: str = 'z-image', # model family (its tiny or real-dims random-weight pipeline)
-          model: str = None, # hub id or local folder of a real pipeline, instead of the family's
-          dims: Param(choices=('tiny', 'real')) = 'tiny', # tiny offline pipeline, or real dims with random weights
+          target: bench_target = bench_target(), # the transformer timed
           gguf: str = 'Q8_0', # GGUF baseline: Q8_0 or Q4_0 (written from the dense weights), a .gguf file, or none
-          compile: bool = False, # regional torch.compile after quantisation
-          steps: _int_in(1, LIMITS['steps']) = 2, # denoising steps
-          size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
-          runs: _int_in(1, LIMITS['runs']) = 6, # interleaved timing rounds after warm-up (fewer than 5 give no speed verdict)
-          min_features: _nonneg = None, # skip Linears narrower than this (default: 0 on tiny pipelines, 512 on real ones)
+          quantise: quant = quant(), # how each scheme's transformer is built
+          times: timing = timing(), # what is timed, how often
           device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
-          no_record: bool = False, # do not append rows to data/results
-          allow_dirty: bool = False, # record from a code tree with uncommitted changes (the rows say +dirty)
+          rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The transformer benchmark: dense against GGUF and each scheme, interleaved rounds, paired ratios with intervals."
     from diffq_lab.core import check_recordable
     from diffq_lab.pipelines import load_pipeline
+    from diffq_lab.plan import as_policy
     from diffq_lab.study import BENCH_COLS, record_transformer_bench, transformer_bench
-    check_model(model); _check_gguf(gguf)
-    if not no_record: check_recordable(('transformer_bench',), allow_dirty=allow_dirty)  # before any work
-    target = load_pipeline(model, family=family, device='cpu') if model else family
-    tiny = model is None and dims == 'tiny'
-    kw = dict(pipe_or_family=target, schemes=schemes, steps=steps, size=size, runs=runs, compile=compile, device=device,
-              gguf=None if gguf.lower() == 'none' else gguf, dims=dims, min_features=(0 if tiny else 512) if min_features is None else min_features)
-    df = transformer_bench(**kw) if no_record else record_transformer_bench(**kw)
+    check_model(target.model); _check_gguf(gguf)
+    if not rec.no_record: check_recordable(('transformer_bench',), allow_dirty=rec.allow_dirty)  # before any work
+    pipe = load_pipeline(target.model, family=target.family, device='cpu') if target.model else target.family
+    floor = as_policy(min_features=quantise.min_features).features(tiny=target.model is None and target.dims == 'tiny')
+    kw = dict(pipe_or_family=pipe, schemes=schemes, steps=times.steps, size=times.size, runs=times.runs,
+              compile=quantise.compile, device=device, gguf=None if gguf.lower() == 'none' else gguf, dims=target.dims,
+              min_features=floor)
+    with _dirty_allowed(rec.allow_dirty):  # record_transformer_bench's store reads it
+        df = transformer_bench(**kw) if rec.no_record else record_transformer_bench(**kw)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return 0
 
+# %% ../nbs/17_cli.ipynb #65e39921
+_BACKEND = Param(choices=('auto', 'torchao', 'emulate'))  # who runs the kernels
+
 # %% ../nbs/17_cli.ipynb #d7575f38
 @command
-def blocks(encoder: str, # a family (its tiny encoder), 'minilm', a real encoder (smollm2-135m, gemma3-270m) or a transformers folder
-           scheme: _one_scheme() = 'int8', # the encoder's scheme
-           bar: _float_in(0, 1) = 0.99, # mean per-token cosine the schedule must clear, in (0, 1]
-           min_features: _nonneg = 0, # skip Linears narrower than this
-           read_layer: str = None, # 'last', a hidden_states index, or a comma list (default: the family's)
-           prompts: _int_in(1, 10_000) = None, # use the first N prompts of data/prompts/encoder_prompts.txt (default: all)
-           backend: Param(choices=('auto', 'torchao', 'emulate')) = 'auto', # who runs the kernels: auto (the probe decides), torchao, emulate
-           device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
-          ) -> int:
+def blocks(
+    # a family (its tiny encoder), 'minilm', a real encoder (smollm2-135m, gemma3-270m) or a transformers folder
+    encoder: str,
+    scheme: _one_scheme() = 'int8', # the encoder's scheme
+    bar: _float_in(0, 1) = 0.99, # mean per-token cosine the schedule must clear, in (0, 1]
+    min_features: _nonneg = 0, # skip Linears narrower than this
+    read_layer: str = None, # 'last', a hidden_states index, or a comma list (default: the family's)
+    prompts: _int_in(1, 10_000) = None, # use the first N prompts of data/prompts/encoder_prompts.txt (default: all)
+    backend: _BACKEND = 'auto', # who runs the kernels: auto (the probe decides), torchao, emulate
+    device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
+) -> int:
     "Which encoder blocks must stay bf16: per-block sensitivity and the smallest keep schedule."
     from diffq_lab.block_select import cli_blocks
-    print(cli_blocks(encoder, scheme, bar, min_features, read_layer=read_layer, n_prompts=prompts, backend=backend, device=device))
+    print(cli_blocks(encoder, scheme, bar, read_layer=read_layer, n_prompts=prompts, device=device,
+                     min_features=min_features, backend=backend))
     return 0
 
 # %% ../nbs/17_cli.ipynb #fabd0028
 def _wrote(plan, out: Path) -> str:
     "What a command that wrote a plan prints: its summary and the two paths (the snippet stays in its file)."
-    return f'{plan.summary()}\n\nplan:    {out}\nsnippet: {out.with_suffix(".py")}  (python {out.with_suffix(".py")} loads the model with it)'
+    code = out.with_suffix('.py')
+    return f'{plan.summary()}\n\nplan:    {out}\nsnippet: {code}  (python {code} loads the model with it)'
 
 # %% ../nbs/17_cli.ipynb #037066b4
 @command
-def export(family: str = 'z-image', # a family with real-dims configs (z-image, flux.1-dev, qwen-image, ...)
-           scheme: _one_scheme() = 'int8', # the denoisers' scheme
-           te_scheme: _one_scheme(allow_auto=True) = None, # the text encoders' scheme ('auto': the family's rules); default: dense
-           min_features: _nonneg = 512, # skip Linears narrower than this (the real-model default)
-           model: str = None, # hub id or folder the snippet loads (default: a placeholder to fill in)
-           out: str = 'out/plan.json', # the plan file (.json); its snippet goes beside it as .py
-          ) -> int:
-    "The lab's plan for a family at its real dimensions (nothing downloaded) as JSON and as diffusers / transformers code."
+def export(
+    family: str = 'z-image', # a family with real-dims configs (z-image, flux.1-dev, qwen-image, ...)
+    scheme: _one_scheme() = 'int8', # the denoisers' scheme
+    # the text encoders' scheme ('auto': the family's rules); default: dense
+    te_scheme: _one_scheme(allow_auto=True) = None,
+    min_features: _nonneg = 512, # skip Linears narrower than this (the real-model default)
+    model: str = None, # hub id or folder the snippet loads (default: a placeholder to fill in)
+    out: str = 'out/plan.json', # the plan file (.json); its snippet goes beside it as .py
+) -> int:
+    "The lab's plan for a family at its real dimensions (nothing downloaded) as JSON and diffusers / transformers code."
     from diffq_lab.export import plan_pipeline
+    from diffq_lab.pipelines import get_family
     from diffq_lab.plan import check_plan_out, write_plan
+    fam = get_family(family).name  # a name is checked before the out path is touched
     out = check_plan_out(out); check_model(model)
-    plan = plan_pipeline(family, scheme, te_scheme, min_features=min_features)
-    write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express; both files or neither
+    plan = plan_pipeline(fam, scheme, te_scheme, min_features=min_features)
+    write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express; both or neither
     print(_wrote(plan, out))
     return 0
+
+# %% ../nbs/17_cli.ipynb #c15cdba3
+def _measured_on(pipe: SimpleNamespace, fam: str):
+    "The pipeline `recommend` measures on, its family and its renders' steps and guidance: --model, trained or tiny."
+    from diffq_lab.pipelines import family_of, load_pipeline, tiny_pipeline
+    from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, load_trained_pipeline
+    if pipe.model:  # measured on the model itself: its own Linears, nothing to carry over
+        p = load_pipeline(pipe.model, device='cpu')
+        return p, family_of(p), dict(steps=2)
+    if _trained(pipe): return load_trained_pipeline(), fam, dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE)
+    return tiny_pipeline(fam), fam, dict(steps=2)
 
 # %% ../nbs/17_cli.ipynb #98d269b8
 @command
 def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, rtx5090, ...)
               bar: _float_in(0, 200, 'a PSNR in dB') = 30.0, # minimum mean PSNR of the renders against dense, in dB
-              family: str = 'z-image', # the family: measured on its tiny pipeline (z-image: the trained one), planned at its real dims
-              random_weights: bool = False, # measure on the random-weight tiny pipeline, not the trained one
+              pipe: pipeline = pipeline(), # what is measured; the plan is for the family's real model, or --model's
               seeds: _int_list = '0,1', # comma list of seeds to render
               prompts: _prompt_file = None, # a text file, one prompt a line (default: held-out captions)
               te_scheme: _one_scheme(allow_auto=True) = None, # the text encoders' scheme (default: dense)
-              model: str = None, # a hub id or folder to measure on and to load in the snippet (default: the family's small pipeline)
               out: str = 'out/recommend/plan.json', # the plan file (.json); its snippet goes beside it as .py
               device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
              ) -> int:
-    "Per-Linear formats for the denoiser on a GPU under a PSNR bar, measured here and carried onto the real model's Linears."
+    "Per-Linear denoiser formats for a GPU under a PSNR bar: measured here, carried onto the real model's Linears."
     from diffq_lab.core import markdown_table
     from diffq_lab.crossover import gpu_spec
     from diffq_lab.export import expand_plan
-    from diffq_lab.pipelines import family_of, get_family, load_pipeline, tiny_pipeline
+    from diffq_lab.pipelines import get_family
     from diffq_lab.plan import check_plan_out, write_plan
-    from diffq_lab.recommend import recommend_plan
-    from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, heldout_prompts, load_trained_pipeline
-    spec, fam = gpu_spec(gpu), get_family(family).name  # names checked before any work
-    out = check_plan_out(out); check_model(model)
-    trained = model is None and fam == 'z-image' and not random_weights
-    pipe = load_pipeline(model, device='cpu') if model else load_trained_pipeline() if trained else tiny_pipeline(fam)
-    if model: fam = family_of(pipe)  # measured on the model itself: its own Linears, nothing to carry over
-    prompts = prompts or (heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background'])
-    kw = dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE) if trained else dict(steps=2)
-    rec = recommend_plan(pipe, spec, bar, pairs=[(s, p) for s in seeds for p in prompts], family=fam, te_scheme=te_scheme,
-                         device=device, **kw)
-    plan = rec.plan if model else expand_plan(rec.plan, fam)  # measured small: the file names the real model's Linears
-    write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')
+    from diffq_lab.recommend import RealTarget, RenderWork, recommend_plan
+    from diffq_lab.trained import heldout_prompts
+    spec, fam = gpu_spec(gpu), get_family(pipe.family).name  # names checked before any work
+    out = check_plan_out(out); check_model(pipe.model)
+    trained, (measured, fam, kw) = _trained(pipe), _measured_on(pipe, fam)
+    default = heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background']
+    work = RenderWork([(s, p) for s in seeds for p in prompts or default], kw.pop('steps'), device=device, render_kw=kw)
+    rec = recommend_plan(measured, spec, bar, work, RealTarget(family=fam), te_scheme=te_scheme)
+    plan = rec.plan if pipe.model else expand_plan(rec.plan, fam)  # measured small: the file names the real Linears
+    write_plan(plan, out, pipe.model or 'MODEL_ID_OR_FOLDER')
     table = markdown_table(rec.table, ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
-    what = model or f"{'trained' if trained else 'tiny random-weight'} {fam}"
+    what = pipe.model or f"{'trained' if trained else 'tiny random-weight'} {fam}"
     print(f"{rec.summary()}\n\nsensitivity: {what} (measured on this device); "
-          f"speed: the model of {spec['gpu']} at the real {fam} shapes (a prediction)\n\n{table}\n\n{_wrote(plan, out)}")
+          f"speed: the model of {spec['gpu']} at the real {fam} shapes (a prediction)\n\n{table}\n\n"
+          f"{_wrote(plan, out)}")
     return 0
 
 # %% ../nbs/17_cli.ipynb #b024e39c
 @command
-def crossover(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (a100, h100, h200, l40s, rtx4090, rtx5090, b200, ...)
-              family: str = 'z-image', # a family with a real-dims transformer: z-image, flux.1-dev, flux.2-dev, qwen-image, sd3.5, wan
-              size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
-              frames: _int_in(1, LIMITS['frames']) = None, # video frames (video families only)
-              text_tokens: _int_in(1, LIMITS['text_tokens']) = None, # prompt tokens (default: the family's)
-              all_layers: bool = False, # one row per Linear instead of per layer kind
-             ) -> int:
+def crossover(
+    gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (a100, h100, h200, l40s, rtx4090, rtx5090, b200, ...)
+    # a family with a real-dims transformer: z-image, flux.1-dev, flux.2-dev, qwen-image, sd3.5, wan
+    family: str = 'z-image',
+    size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
+    frames: _int_in(1, LIMITS['frames']) = None, # video frames (video families only)
+    text_tokens: _int_in(1, LIMITS['text_tokens']) = None, # prompt tokens (default: the family's)
+    all_layers: bool = False, # one row per Linear instead of per layer kind
+) -> int:
     "Roofline analysis: which of a model's Linears each format speeds up on a GPU (a prediction)."
     from diffq_lab.crossover import cli_crossover, get_model
     if frames is not None and not get_model(family).video:
-        raise ValueError(f'--frames is for video models; {get_model(family).name} makes images (drop --frames, or pick a video model such as wan)')
+        raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
+                         '(drop --frames, or pick a video model such as wan)')
     print(cli_crossover(gpu, family, size, frames=frames, text_tokens=text_tokens, group=not all_layers))
     return 0
 
@@ -392,40 +539,41 @@ def _scheme_or_dense(value: str) -> list[str]:
     if value.strip().lower() == 'all': return list(PREDICT_SCHEMES)
     parts = [v.strip() for v in value.split(',') if v.strip()]
     out = ['bf16' if v.lower() in ('bf16', 'dense') else _one_scheme()(v) for v in parts]
-    if not out: raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
+    if not out:
+        raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
     return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it
+
+# %% ../nbs/17_cli.ipynb #d59b92a9
+_COMPILE_MODE = Param(choices=('none', 'inductor', 'cudagraphs'))  # the speed model's execution modes
 
 # %% ../nbs/17_cli.ipynb #51938913
 @command
 def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, l4, a10g, rtx6000ada, gb200, ...)
             family: str = 'z-image', # a family with real dims (z-image, flux.1-dev, qwen-image, sd3.5, wan, ...)
-            size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
-            batch: _int_in(1, LIMITS['batch']) = 1, # images per pipeline call
-            steps: _int_in(1, LIMITS['steps']) = 28, # denoising steps
-            forwards_per_step: _int_in(1, LIMITS['forwards']) = 1, # denoiser forwards per step (2 with classifier-free guidance)
+            work: workload = workload(), # one modelled pipeline call
             schemes: _scheme_or_dense = 'int8,fp8', # comma list of schemes to predict beside dense bf16, or 'all'
-            compile: Param(choices=('none', 'inductor', 'cudagraphs')) = 'inductor', # eager, torch.compile, or compile + CUDA graphs
+            compile: _COMPILE_MODE = 'inductor', # eager, torch.compile, or compile + CUDA graphs
             json: bool = False, # print a JSON list of records instead of the table
            ) -> int:
-    "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, resident and peak GiB."
+    "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, GiB."
     import json as _json
     from diffq_lab.crossover import gpu_spec
     from diffq_lab.memory import get_model
     from diffq_lab.speed import format_predictions, predict as _predict
     gpu_spec(gpu); fam = get_model(family).name  # names checked before the model is traced
-    recs = _predict(gpu, fam, size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step, schemes=tuple(schemes),
-                    compile=compile)
+    recs = _predict(gpu, fam, size=work.size, batch=work.batch, steps=work.steps,
+                    forwards_per_step=work.forwards_per_step, schemes=tuple(schemes), compile=compile)
     print(_json.dumps(recs, indent=1, default=str) if json else format_predictions(recs))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1faaabc1
 def _expected(e: BaseException) -> bool:
-    "Whether `e` is a failure a user can cause and fix (bad input, a path, a library that cannot load a file): one line, exit 2."
+    "Whether `e` is a failure a user can cause and fix (bad input, a path, a library refusing a file): exit 2."
     if isinstance(e, (ValueError, OSError, ImportError, argparse.ArgumentTypeError)): return True
     cap = sys.modules.get('diffq_lab.capability')  # not imported: it cannot have raised its error
     if cap is not None and isinstance(e, cap.SchemeUnavailableError): return True
-    if type(e).__name__ == 'UnpicklingError': return True  # torch.load(weights_only=True) refusing a file: the file is bad
-    return type(e).__name__ == 'SafetensorError'  # safetensors' error on a damaged weights file (an Exception, nothing more)
+    if type(e).__name__ == 'UnpicklingError': return True  # torch.load(weights_only=True) refusing a file: it is bad
+    return type(e).__name__ == 'SafetensorError'  # safetensors' error on a damaged weights file (a plain Exception)
 
 # %% ../nbs/17_cli.ipynb #ab03172f
 def _dedupe(args):
@@ -435,18 +583,18 @@ def _dedupe(args):
         if isinstance(v, list) and len(set(v)) < len(v):
             uniq = list(dict.fromkeys(v))
             rep = ', '.join(sorted({str(x) for x in v if v.count(x) > 1}))
-            _say(f"diffq-lab: note: --{name.replace('_', '-')} repeats {rep}: each runs once ({','.join(map(str, uniq))})")
+            once = ','.join(map(str, uniq))
+            _say(f"diffq-lab: note: --{name.replace('_', '-')} repeats {rep}: each runs once ({once})")
             setattr(args, name, uniq)
 
 # %% ../nbs/17_cli.ipynb #3931aa6c
 def main(argv=None) -> int:
-    "Entry point of `diffq-lab`: 0 when done; bad input exits 2 with one line naming the choices or the file, Ctrl-C 130."
+    "Entry point of `diffq-lab`: 0 when done; bad input exits 2 with one line naming the choices or file, Ctrl-C 130."
     p = parser()
     try:
         args = p.parse_args(argv)
         _dedupe(args)
-        kw = {k: v for k, v in vars(args).items() if k != 'command'}
-        return COMMANDS[args.command](**kw)
+        return COMMANDS[args.command](**_values(COMMANDS[args.command], vars(args)))
     except KeyboardInterrupt:
         _say('diffq-lab: interrupted; tables and reports are written whole or not at all, so nothing is half-written')
         raise SystemExit(130) from None
@@ -454,6 +602,66 @@ def main(argv=None) -> int:
         if not _expected(e): raise
         _say(f"{p.prog}{' ' + args.command if 'args' in locals() else ''}: error: {e}")
         raise SystemExit(2) from None
+
+# %% ../nbs/17_cli.ipynb #2f3a257e
+BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch folder of junk inputs (tests/test_faults.py)
+    (['probe', '--device', 'foo'], "choose 'cpu', 'cuda' or 'cuda:N'"), (['probe', '--device', ''], 'bad device'),
+    (['probe', '--device', 'gpu'], "unknown device 'gpu'"), (['study', '--device', 'gpu'], "unknown device 'gpu'"),
+    (['blocks', '--encoder', 'minilm', '--device', 'foo'], "unknown device 'foo'"),
+    (['study', '--model', '$T/empty'], 'no model_index.json'), (['study', '--model', '$T/garbage'], 'not a valid JSON'),
+    (['study', '--model', 'someone/nothing'], 'not in the local hub cache'),
+    (['study', '--model', 'not-a-model'], 'neither a local folder'),
+    (['blocks', '--encoder', '$T/enc'], 'not a valid JSON'), (['blocks', '--encoder', '$T/noweights'], 'no file named'),
+    (['blocks', '--encoder', '$T/empty'], 'no config.json'),
+    (['bench', '--schemes', 'int8', '--gguf', '$T/junk.gguf', '--no-record'], 'not a readable GGUF file'),
+    (['bench', '--schemes', 'int8', '--gguf', 'Q3_K'], 'an existing .gguf file'),
+    (['bench', '--schemes', 'int8', '--gguf', '/no/such.gguf'], 'an existing .gguf file'),
+    (['bench', '--schemes', 'int8', '--model', '$T/empty'], 'no model_index.json'),
+    (['crossover', '--size', '1000000000'], 'in [16, 16384]'), (['crossover', '--size', '1e9'], 'in [16, 16384]'),
+    (['crossover', '--frames', '5'], '--frames is for video models'),
+    (['crossover', '--family', 'wan', '--frames', '6'], '4k+1'), (['crossover', '--text-tokens', '0'], 'in [1, 8192]'),
+    (['crossover', '--gpu', 'x100'], 'unknown gpu'),
+    (['crossover', '--family', 'sdxl-turbo'], 'no real-dims transformer'),
+    (['study', '--size', '100000'], 'in [16, 4096]'), (['study', '--steps', '1000000000'], 'in [1, 500]'),
+    (['study', '--steps', '0'], 'in [1, 500]'), (['bench', '--runs', '0'], 'in [1, 100]'),
+    (['study', '--seeds', '-1'], 'seeds in [0'), (['study', '--seeds', ''], 'seeds in [0'),
+    (['study', '--seeds', 'a,b'], 'a comma list of integers'),
+    (['study', '--seeds', ','.join(map(str, range(40)))], 'at most 32 seeds'),
+    (['study', '--min-features', '-5'], 'in [0, '), (['export', '--min-features', '-5'], 'in [0, '),
+    (['blocks', '--encoder', 'minilm', '--min-features', '-5'], 'in [0, '),
+    (['blocks', '--encoder', 'z-image', '--prompts', '0'], 'in [1, 10000]'),
+    (['blocks', '--encoder', 'z-image', '--prompts', '-1'], 'in [1, 10000]'),
+    (['blocks', '--encoder', 'z-image', '--read-layer', '999'], 'hidden states'),
+    (['blocks', '--encoder', 'z-image', '--read-layer', 'middle'], 'unknown read layer'),
+    (['blocks', '--encoder', 'minilm', '--bar', '1.5'], '(0, 1]'),
+    (['blocks', '--encoder', 'minilm', '--bar', 'nan'], '(0, 1]'),
+    (['blocks', '--encoder', 'z-image', '--scheme', 'fp7'], 'unknown scheme'),
+    (['blocks', '--encoder', 'minilm', '--scheme', 'fp7'], 'unknown scheme'),
+    (['blocks', '--encoder', 'no-such-family'], 'nor a known family'),
+    (['study', '--prompts', '$T/big.txt'], 'at most 200'), (['study', '--prompts', '$T/many.txt'], 'at most 64'),
+    (['study', '--prompts', '$T/binary.txt'], 'cannot read'), (['study', '--prompts', '$T'], 'no prompt file'),
+    (['study', '--prompts', '/no/such/prompts.txt'], 'no prompt file'),
+    (['study', '--out', '$T/afile'], 'is a file'), (['study', '--out', ''], 'empty path'),
+    (['study', '--out', '/proc/diffq-lab-report'], 'cannot write'), (['export', '--out', '$T'], 'must name a file'),
+    (['export', '--out', '/proc/x/plan.json'], 'cannot write'), (['study', '--schemes', 'fp7'], 'unknown scheme'),
+    (['study', '--schemes', 'auto'], "schemes or 'all'"),
+    (['study', '--family', 'sdxl-turbo'], 'unknown model family'), (['nonsense'], 'invalid choice'),
+    (['export', '--family', 'z-image', '--scheme', 'int8', '--te-scheme', 'fp8_layerwise', '--out', ''],
+     'must name a file'),
+    (['export', '--family', 'sdxl-turbo'], 'unknown model family'), (['export', '--scheme', 'int8,fp8'], 'one scheme'),
+    (['export', '--scheme', 'fp7'], 'unknown scheme'),
+    (['recommend', '--gpu', 'tpu', '--random-weights'], 'unknown gpu'),
+    (['recommend', '--bar', '-3', '--random-weights'], 'a PSNR in dB in (0, 200]'),
+    (['recommend', '--bar', 'high', '--random-weights'], 'a PSNR in dB in (0, 200]'),
+    (['recommend', '--family', 'sdxl-turbo', '--random-weights'], 'unknown model family'),
+    (['recommend', '--out', '/proc/x/plan.json', '--random-weights'], 'cannot write'),
+    (['predict', '--compile', 'jit'], 'invalid choice'), (['predict', '--gpu', 'tpu'], 'unknown gpu'),
+    (['predict', '--schemes', 'fp7'], 'unknown scheme'), (['predict', '--batch', '0'], 'in [1, 64]'),
+)
+
+# %% ../nbs/17_cli.ipynb #2c0be73f
+# bad inputs on a machine without a CUDA GPU
+BAD_WITHOUT_GPU = ((['probe', '--device', 'cuda'], 'no CUDA GPU'), (['study', '--device', 'cuda:1'], 'no CUDA GPU'))
 
 # %% ../nbs/17_cli.ipynb #c11f0a05
 if __name__ == '__main__' and '__file__' in globals(): sys.exit(main())  # `python -m diffq_lab.cli`

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from torch import nn
-from diffq_lab.cli import main
+from diffq_lab.cli import BAD_INPUTS, BAD_WITHOUT_GPU, main
 from diffq_lab.core import append_rows, load_table, record_tables, DamagedTable
 from diffq_lab.schemes import quantized_linears, make_filter_fn
 
@@ -47,41 +47,12 @@ def scratch(tmp_path, monkeypatch):
     return tmp_path
 
 
-BAD = [  # (argv with $T for the scratch folder, what the one line must say)
-    (['probe', '--device', 'foo'], "choose 'cpu', 'cuda' or 'cuda:N'"), (['probe', '--device', ''], 'bad device'),
-    (['probe', '--device', 'gpu'], "unknown device 'gpu'"), (['study', '--device', 'gpu'], "unknown device 'gpu'"),
-    (['blocks', '--encoder', 'minilm', '--device', 'foo'], "unknown device 'foo'"),
-    (['study', '--model', '$T/empty'], 'no model_index.json'), (['study', '--model', '$T/garbage'], 'not a valid JSON'),
-    (['study', '--model', 'someone/nothing'], 'not in the local hub cache'), (['study', '--model', 'not-a-model'], 'neither a local folder'),
-    (['blocks', '--encoder', '$T/enc'], 'not a valid JSON'), (['blocks', '--encoder', '$T/noweights'], 'no file named'),
-    (['blocks', '--encoder', '$T/empty'], 'no config.json'),
-    (['bench', '--schemes', 'int8', '--gguf', '$T/junk.gguf', '--no-record'], 'not a readable GGUF file'),
-    (['bench', '--schemes', 'int8', '--gguf', 'Q3_K'], 'an existing .gguf file'),
-    (['bench', '--schemes', 'int8', '--model', '$T/empty'], 'no model_index.json'),
-    (['crossover', '--size', '1000000000'], 'in [16, 16384]'), (['crossover', '--size', '1e9'], 'in [16, 16384]'),
-    (['crossover', '--frames', '5'], '--frames is for video models'), (['crossover', '--family', 'wan', '--frames', '6'], '4k+1'),
-    (['crossover', '--text-tokens', '0'], 'in [1, 8192]'),
-    (['study', '--size', '100000'], 'in [16, 4096]'), (['study', '--steps', '1000000000'], 'in [1, 500]'),
-    (['bench', '--runs', '0'], 'in [1, 100]'), (['study', '--seeds', '-1'], 'seeds in [0'), (['study', '--seeds', ''], 'seeds in [0'),
-    (['study', '--seeds', ','.join(map(str, range(40)))], 'at most 32 seeds'),
-    (['study', '--min-features', '-5'], 'in [0, '), (['export', '--min-features', '-5'], 'in [0, '),
-    (['blocks', '--encoder', 'minilm', '--min-features', '-5'], 'in [0, '),
-    (['blocks', '--encoder', 'z-image', '--prompts', '0'], 'in [1, 10000]'), (['blocks', '--encoder', 'z-image', '--prompts', '-1'], 'in [1, 10000]'),
-    (['blocks', '--encoder', 'z-image', '--read-layer', '999'], 'hidden states'),
-    (['blocks', '--encoder', 'z-image', '--read-layer', 'middle'], 'unknown read layer'),
-    (['blocks', '--encoder', 'minilm', '--bar', '1.5'], '(0, 1]'), (['blocks', '--encoder', 'minilm', '--bar', 'nan'], '(0, 1]'), (['blocks', '--encoder', 'z-image', '--scheme', 'fp7'], 'unknown scheme'),
-    (['study', '--prompts', '$T/big.txt'], 'at most 200'), (['study', '--prompts', '$T/many.txt'], 'at most 64'),
-    (['study', '--prompts', '$T/binary.txt'], 'cannot read'), (['study', '--prompts', '$T'], 'no prompt file'),
-    (['study', '--out', '$T/afile'], 'is a file'), (['study', '--out', ''], 'empty path'),
-    (['study', '--out', '/proc/diffq-lab-report'], 'cannot write'), (['export', '--out', '$T'], 'must name a file'),
-    (['export', '--out', '/proc/x/plan.json'], 'cannot write'), (['study', '--schemes', 'fp7'], 'unknown scheme'),
-    (['study', '--family', 'sdxl-turbo'], 'unknown model family'), (['nonsense'], 'invalid choice'),
-]
-if not torch.cuda.is_available(): BAD += [(['probe', '--device', 'cuda'], 'no CUDA GPU'), (['study', '--device', 'cuda:1'], 'no CUDA GPU')]
+BAD = [*BAD_INPUTS, *([] if torch.cuda.is_available() else BAD_WITHOUT_GPU)]  # the one table, in 17_cli
 
 
 @pytest.mark.parametrize('argv,says', BAD, ids=lambda v: ' '.join(v)[:60] if isinstance(v, list) else None)
-def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, says, scratch, capsys):
+def test_bad_input_is_one_line_exit_2_and_writes_nothing(argv, says, scratch, capsys, monkeypatch):
+    monkeypatch.chdir(scratch)  # a default --out (export, recommend) would land in scratch/out
     argv = [a.replace('$T', str(scratch)) for a in argv]
     if argv[0] == 'study' and '--out' not in argv: argv += ['--out', str(scratch/'out')]
     code, err = run_main(argv, capsys)

@@ -7,7 +7,7 @@ import torch
 from diffq_lab.crossover import gpu_spec
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.plan import to_pipeline_config
-from diffq_lab.recommend import gpu_formats, plan_chain, recommend_plan
+from diffq_lab.recommend import RealTarget, RenderWork, gpu_formats, plan_chain, recommend_plan
 
 PAIRS = [(0, 'a photo of a cat'), (1, 'a red circle')]
 PLANT = '''
@@ -27,7 +27,7 @@ def planted_rec():
     pipe = tiny_pipeline('z-image')
     hot = plant(pipe, 'noise_refiner.0') + plant(pipe, 'layers.0')
     spec = {**gpu_spec('b200'), 'gpu': 'fp4-heavy what-if', 'fp4_tflops': 8 * 9000.0}
-    return pipe, hot, recommend_plan(pipe, spec, bar=28.0, pairs=PAIRS, device='cpu', real_size=2048)
+    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), RealTarget(size=2048))
 
 
 def test_planted_sensitivity_stays_dense_or_8_bit(planted_rec):
@@ -76,11 +76,15 @@ def test_the_chain_runs_from_fastest_to_dense():
     assert chain[0] == {'a': 'fp8', 'b': 'fp8'} and chain[-1] == {'a': 'bf16', 'b': 'bf16'} and chain[1] == {'a': 'bf16', 'b': 'fp8'}
 
 
-@pytest.mark.parametrize('kw,match', [(dict(bar=0), 'PSNR'), (dict(bar=float('nan')), 'PSNR'), (dict(bar=30, steps=0), 'steps'),
-                                      (dict(bar=30, pairs=[]), 'pair'), (dict(bar=30, gpu='tpu-v5'), 'unknown gpu')])
-def test_bad_input_is_refused(pipes, kw, match):
+@pytest.mark.parametrize('kw,work,match', [(dict(bar=0), {}, 'PSNR'), (dict(bar=float('nan')), {}, 'PSNR'),
+                                           (dict(bar=30), dict(steps=0), 'steps'), (dict(bar=30), dict(pairs=[]), 'pair'),
+                                           (dict(bar=30, gpu='tpu-v5'), {}, 'unknown gpu'),
+                                           (dict(bar=30, backend='cuda'), {}, 'unknown backend'),
+                                           (dict(bar=30, min_feature=0), {}, 'QuantPolicy fields')])
+def test_bad_input_is_refused(pipes, kw, work, match):
     kw = {'gpu': 'b200', **kw}
-    with pytest.raises(ValueError, match=match): recommend_plan(pipes['z-image'], kw.pop('gpu'), **kw)  # refused before any work
+    with pytest.raises(ValueError, match=match):  # refused before any work
+        recommend_plan(pipes['z-image'], kw.pop('gpu'), renders=RenderWork(**work), **kw)
 
 
 def test_a_gpu_without_low_precision_cores_is_refused(pipes):
