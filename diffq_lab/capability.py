@@ -352,8 +352,8 @@ def select_scheme(requested, device=None) -> str | None:
                 _log.info('auto -> %s on %s (%s; ladder %s)', s, name, arch_name(cap), ladder)
                 return s
             _log.warning('auto: %s does not run on %s: %s', s, name, r.reason)
-        _log.warning('auto: no quantised scheme for %s (%s, ladder %s): staying dense', name, arch_name(cap), ladder
-                     or 'empty')
+        _log.warning('auto: no quantised scheme for %s (%s, ladder %s): staying dense', name, arch_name(cap),
+                     ladder or 'empty')
         return None
     r = smoke_probe(scheme, device)
     if r.ok: return scheme

@@ -58,7 +58,13 @@ def _check_gain(gain) -> float:
     return float(gain)
 
 # %% ../nbs/13_compare.ipynb #115fca12
-def diff_heatmap(x, ref, gain: float = 8.0, cmap: str = 'inferno', frame=None, max_frames: int = 4) -> np.ndarray:
+def diff_heatmap(x, # the render: image or clip in [0, 1]
+                 ref, # the dense reference, the same shape
+                 gain: float = 8.0, # the amplification of |x - ref| before clipping at 1
+                 cmap: str = 'inferno', # a matplotlib colormap name
+                 frame=None, # one frame of a clip (default: a strip of frames)
+                 max_frames: int = 4, # the most frames in the strip
+                ) -> np.ndarray:
     "RGB uint8 heat-map of |x - ref| (channel mean) times `gain`, clipped to [0, 1], colour-mapped; NaN at full scale."
     gain, cm = _check_gain(gain), _colormap(cmap)
     a, b = as_frames(x, 'render', finite=False), as_frames(ref, 'ref', finite=False)
@@ -135,8 +141,14 @@ class CompareView:
 CONTROLS = ('toggle', 'slider')
 
 # %% ../nbs/13_compare.ipynb #e6259bd7
-def compare_widget(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno',
-                   control: str = 'toggle', width: int = 256) -> CompareView:
+def compare_widget(renders: dict, # scheme name -> its render (image or clip)
+                   ref, # the dense reference, the same shape
+                   metrics=None, # scheme name -> its `quality_metrics` (measured where missing)
+                   gain: float = 8.0, # the amplification of the difference map
+                   cmap: str = 'inferno', # the difference map's matplotlib colormap
+                   control: str = 'toggle', # how a scheme is picked: one of `CONTROLS`
+                   width: int = 256, # each image's width in pixels
+                  ) -> CompareView:
     "A JupyterLab widget: pick a scheme, see it beside the dense reference and its amplified difference, metrics below."
     if control not in CONTROLS: raise ValueError(f'unknown control {control!r}; choose one of {CONTROLS}')
     gain, _ = _check_gain(gain), _colormap(cmap)
@@ -175,8 +187,14 @@ def compare_widget(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: st
 def _wrap(caption: str) -> str: return caption.replace(' · ', '\n')
 
 # %% ../nbs/13_compare.ipynb #5fa178c2
-def compare_figure(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno',
-                   max_frames: int = 4, title: str | None = None) -> Figure:
+def compare_figure(renders: dict, # scheme name -> its render (image or clip)
+                   ref, # the dense reference, the same shape
+                   metrics=None, # scheme name -> its `quality_metrics` (measured where missing)
+                   gain: float = 8.0, # the amplification of the difference maps
+                   cmap: str = 'inferno', # the difference maps' matplotlib colormap
+                   max_frames: int = 4, # the most frames of a clip shown
+                   title: str | None = None, # the figure's title
+                  ) -> Figure:
     "A matplotlib figure: dense and each scheme on top (metrics under each), each scheme's amplified |diff| below."
     gain, cm = _check_gain(gain), _colormap(cmap)
     frames, r, mets = _prepare(renders, ref, metrics)
@@ -201,7 +219,13 @@ def compare_figure(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: st
     return fig
 
 # %% ../nbs/13_compare.ipynb #521009a2
-def compare_grid_png(renders: dict, ref, metrics=None, path=None, dpi: int = 100, **kwargs) -> bytes:
+def compare_grid_png(renders: dict, # scheme name -> its render (image or clip)
+                     ref, # the dense reference, the same shape
+                     metrics=None, # scheme name -> its `quality_metrics` (measured where missing)
+                     path=None, # where the PNG is also written (atomically)
+                     dpi: int = 100, # the PNG's resolution
+                     **kwargs, # `compare_figure` settings (gain, cmap, max_frames, title)
+                    ) -> bytes: # the PNG
     "`compare_figure` as PNG bytes, also written to `path` (atomically) when given."
     buf = io.BytesIO()
     compare_figure(renders, ref, metrics, **kwargs).savefig(buf, format='png', dpi=dpi)
@@ -229,8 +253,15 @@ def _metrics_frame(mets: dict) -> pd.DataFrame:
     return pd.DataFrame(rows)
 
 # %% ../nbs/13_compare.ipynb #e0106ea8
-def compare_html(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str = 'inferno', max_frames: int = 4,
-                 width: int = 160, title: str | None = None) -> str:
+def compare_html(renders: dict, # scheme name -> its render (image or clip)
+                 ref, # the dense reference, the same shape
+                 metrics=None, # scheme name -> its `quality_metrics` (measured where missing)
+                 gain: float = 8.0, # the amplification of the difference maps
+                 cmap: str = 'inferno', # the difference maps' matplotlib colormap
+                 max_frames: int = 4, # the most frames of a clip shown
+                 width: int = 160, # each image's width in pixels
+                 title: str | None = None, # a heading above the table
+                ) -> str:
     "Self-contained HTML: dense, each scheme and its amplified |diff| as captioned base64 PNGs, then the metrics table."
     gain, _ = _check_gain(gain), _colormap(cmap)
     frames, r, mets = _prepare(renders, ref, metrics)
@@ -238,12 +269,12 @@ def compare_html(renders: dict, ref, metrics=None, gain: float = 8.0, cmap: str 
     w = int(width * ref_arr.shape[1] / ref_arr.shape[0])
     td = lambda s: f'<td style="text-align:center;vertical-align:top">{s}</td>'
     head = td('<b>dense</b>') + ''.join(td(f'<b>{html.escape(k)}</b>') for k in frames)
-    imgs = td(_img_tag(ref_arr, w, 'dense')) + ''.join(td(_img_tag(image_array(f, max_frames=max_frames), w, k)) for k,
-                                                       f in frames.items())
+    imgs = td(_img_tag(ref_arr, w, 'dense')) + ''.join(td(_img_tag(image_array(f, max_frames=max_frames), w, k))
+                                                       for k, f in frames.items())
     caps = td('reference') + ''.join(td(html.escape(metric_caption(mets[k]))) for k in frames)
     heats = td(f'|x − dense| × {gain:g}<br>({html.escape(cmap)})') + ''.join(
-        td(_img_tag(diff_heatmap(f, r, gain, cmap, max_frames=max_frames), w, f'|{k} - dense|')) for k,
-        f in frames.items())
+        td(_img_tag(diff_heatmap(f, r, gain, cmap, max_frames=max_frames), w, f'|{k} - dense|'))
+        for k, f in frames.items())
     notes = sorted({m['lpips_unavailable'] for m in mets.values() if m.get('lpips_unavailable')})
     foot = ''.join(f'<p><small>LPIPS not measured: {html.escape(n)}</small></p>' for n in notes)
     table = _metrics_frame(mets).to_html(index=False, float_format=lambda v: f'{v:.4g}', border=0)

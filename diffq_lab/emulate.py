@@ -421,8 +421,8 @@ def _fwd_dequant_matmul(m, x):
 def _fwd_linear(m, x):
     "F.linear with the dequantised weight: NVFP4 weight-only, diffusers layerwise casting."
     w, b = m.qweight, m.bias  # read once each: a module attribute lookup costs as much as a small op here
-    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype), b if b is None or b.dtype == x.dtype
-                    else b.to(x.dtype))
+    return F.linear(x, w if w.dtype == x.dtype else w.to(x.dtype),
+                    b if b is None or b.dtype == x.dtype else b.to(x.dtype))
 
 # %% ../nbs/02_emulate.ipynb #7c5c18e3
 def _layerwise_reference(scheme, device):

@@ -71,8 +71,14 @@ def _blur(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
     return F.conv2d(F.conv2d(x, g.view(1, 1, -1, 1)), g.view(1, 1, 1, -1))
 
 # %% ../nbs/11_quality.ipynb #ee5ec567
-def ssim_map(img, ref, data_range: float = 1.0, win_size: int = 11, sigma: float = 1.5,
-             k1: float = 0.01, k2: float = 0.03) -> torch.Tensor:
+def ssim_map(img, # the image, batch or clip scored
+             ref, # the reference, the same shape
+             data_range: float = 1.0, # the values' range L: [0, L]
+             win_size: int = 11, # the Gaussian window's side (odd, >= 3)
+             sigma: float = 1.5, # the window's standard deviation
+             k1: float = 0.01, # C1 = (k1 L)^2 stabilises the luminance term
+             k2: float = 0.03, # C2 = (k2 L)^2 stabilises the contrast-structure term
+            ) -> torch.Tensor:
     "The local SSIM of `img` vs `ref` at every position the window fits: float64 (F,C,H-win+1,W-win+1)."
     if win_size < 3 or win_size % 2 == 0: raise ValueError(f'win_size must be odd and >= 3, got {win_size}')
     x, y = _pair(img, ref, data_range)
@@ -144,7 +150,13 @@ def _lpips_model(net: str, device: str):
     return lpips.LPIPS(net=net, verbose=False).eval().to(device)
 
 # %% ../nbs/11_quality.ipynb #a9eda016
-def lpips_distance(img, ref, net: str = 'alex', device=None, per_frame: bool = False, allow_download: bool = False):
+def lpips_distance(img, # RGB image, batch or clip in [0, 1]
+                   ref, # the reference, the same shape
+                   net: str = 'alex', # the trunk: one of `LPIPS_NETS`
+                   device=None, # where the network runs (default: CUDA when present)
+                   per_frame: bool = False, # one distance per frame (a tensor) instead of their mean
+                   allow_download: bool = False, # let torchvision fetch a missing ImageNet trunk
+                  ):
     "LPIPS of RGB `img` vs `ref` in [0, 1] (0: identical), mean or per frame; `MetricUnavailable` when it cannot run."
     ok, why = lpips_available(net, allow_download)
     if not ok: raise MetricUnavailable(f'LPIPS unavailable: {why}')
@@ -238,7 +250,12 @@ class STLPIPS(nn.Module):
 def _st_lpips_model(net: str, device: str) -> STLPIPS: return STLPIPS(net).to(device)
 
 # %% ../nbs/11_quality.ipynb #03498b89
-def st_lpips(img, ref, net: str = 'alex', device=None, per_frame: bool = False):
+def st_lpips(img, # RGB image, batch or clip in [0, 1]
+             ref, # the reference, the same shape
+             net: str = 'alex', # the shift-tolerant trunk: one of `ST_LPIPS_NETS`
+             device=None, # where the network runs (default: CUDA when present)
+             per_frame: bool = False, # one distance per frame (a tensor) instead of their mean
+            ):
     "ST-LPIPS of RGB `img` vs `ref` in [0, 1] (0: identical), mean or per frame; `MetricUnavailable` without it."
     x, y = _pair(img, ref, 1.0)
     if x.shape[1] != 3: raise ValueError(f'ST-LPIPS needs RGB frames (3 channels), got {x.shape[1]}')
@@ -248,8 +265,14 @@ def st_lpips(img, ref, net: str = 'alex', device=None, per_frame: bool = False):
     return d if per_frame else d.mean().item()
 
 # %% ../nbs/11_quality.ipynb #0c57f6c0
-def quality_metrics(img, ref, with_lpips: bool = True, net: str = 'alex', data_range: float = 1.0,
-                    with_st_lpips: bool = True, **ssim_kwargs) -> dict:
+def quality_metrics(img, # the render: image, batch or clip (NaN/inf reported, not raised)
+                    ref, # the dense reference, the same shape (must be finite)
+                    with_lpips: bool = True, # LPIPS too, or why it is unavailable
+                    net: str = 'alex', # the LPIPS and ST-LPIPS trunk
+                    data_range: float = 1.0, # the values' range L: [0, L]
+                    with_st_lpips: bool = True, # ST-LPIPS too, or why it is unavailable
+                    **ssim_kwargs, # `ssim_map` settings (win_size, sigma, k1, k2)
+                   ) -> dict: # psnr, ssim, st_lpips, lpips (or why each is unavailable), frames, finite
     "PSNR, SSIM, ST-LPIPS and LPIPS (each when it can run) of `img` vs `ref`, averaged over frames; why one is missing."
     x, y = _pair(img, ref, data_range, finite=False)
     if not torch.isfinite(y).all(): raise ValueError('ref has NaN/inf values: the dense reference itself is broken')
@@ -291,8 +314,14 @@ def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
 QUALITY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
                    'two cats sleeping on a blue sofa')
 
-def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), prompts=QUALITY_PROMPTS,
-                  size: int = 32, steps: int = 2, device=None) -> pd.DataFrame:
+def quality_pairs(family: str = 'z-image', # the tiny family rendered
+                  schemes=None, # the schemes cast onto its text encoders (default: all)
+                  seeds=(0, 1, 2, 3), # the seeds of every prompt
+                  prompts=QUALITY_PROMPTS, # the prompts of every seed
+                  size: int = 32, # height and width in pixels
+                  steps: int = 2, # denoising steps
+                  device=None, # where the pipelines run (default: CUDA when present)
+                 ) -> pd.DataFrame:
     "A row per scheme x seed x prompt: PSNR/SSIM (LPIPS if it runs) of the encoder-cast render vs dense, prompt cosine."
     # earlier notebooks' modules, imported here so the metrics alone stay light
     from diffq_lab.core import resolve_device
@@ -311,8 +340,8 @@ def quality_pairs(family: str = 'z-image', schemes=None, seeds=(0, 1, 2, 3), pro
         plan = quantize_text_encoders(pipe, s, family=family)
         parts = plan.components.values()
         cos = {p: hidden_cosine(ref_emb[p], prompt_embeddings(pipe, [p]))['cosine'] for p in prompts}
-        pairs = [dict(seed=sd, prompt=p, cosine=cos[p], **quality_metrics(render(pipe, p, steps=steps, size=size,
-                                                                                 seed=sd), r))
+        pairs = [dict(seed=sd, prompt=p, cosine=cos[p],
+                      **quality_metrics(render(pipe, p, steps=steps, size=size, seed=sd), r))
                  for (sd, p), r in ref.items()]
         return plan, dict(scheme='+'.join(sorted({c.scheme or 'dense' for c in parts})),
                           backend='+'.join(sorted({c.backend for c in parts if c.backend})) or None, pairs=pairs)
