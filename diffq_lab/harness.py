@@ -61,7 +61,8 @@ class Experiment:
         "Write the plans behind `digests` (a table's `plan` column) as `plans/<digest>.json` beside the results tables."
         out = []
         for d in dict.fromkeys(x for x in digests if isinstance(x, str) and x):
-            if d not in self.plans: raise ValueError(f'no plan {d!r} in this experiment: record rows where they were measured')
+            if d not in self.plans:
+                raise ValueError(f'no plan {d!r} in this experiment: record rows where they were measured')
             out.append(self.plans[d].save(results_dir(root)/'plans'/f'{d}.json'))
         return out
 
@@ -108,7 +109,8 @@ def compare(build, # () -> a fresh pipeline or module (dense)
         outs = {k: produce(pipe, k) for k in pairs}
         vals = {m: [fn(outs[k], ref[k], k) for k in pairs] for m, fn in metrics.items()}
         if per_pair:
-            return plan, {'pairs': [dict(_pair_columns(k), **{m: v[i] for m, v in vals.items()}) for i, k in enumerate(pairs)]}
+            return plan, {'pairs': [dict(_pair_columns(k), **{m: v[i] for m, v in vals.items()}) for i,
+                                    k in enumerate(pairs)]}
         return plan, dict(summary_columns(vals), n_pairs=len(pairs))
     rows = experiment.run(arms, one)
     return [dict(r, **p) for r in rows for p in r.pop('pairs', None) or [{}]] if per_pair else rows

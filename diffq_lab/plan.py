@@ -79,7 +79,8 @@ class ComponentPlan:
     def __repr__(self): return f'ComponentPlan({self.summary()})'
 
 # %% ../nbs/04_plan.ipynb #d4c25228
-PLAN_BACKENDS = ('torchao', 'diffusers', 'emulate')  # what a plan may say runs a Linear: a library, or the lab's emulation
+# what a plan may say runs a Linear: a library, or the lab's emulation
+PLAN_BACKENDS = ('torchao', 'diffusers', 'emulate')
 _NAME = re.compile(r'[^.\s]+(\.[^.\s]+)*')  # a module path: 'layers.0.attn.to_q', '0', 'all_final_layer.2-1.linear'
 
 def _bad_plan(where: str, what: str) -> ValueError:
@@ -88,7 +89,8 @@ def _bad_plan(where: str, what: str) -> ValueError:
 # %% ../nbs/04_plan.ipynb #346740a6
 def _linear_from_json(where: str, v) -> LinearPlan:
     "One Linear's [scheme, backend, reason, in, out], checked against the registry and the backends."
-    if not (isinstance(v, list) and len(v) == 5): raise _bad_plan(where, f'expected [scheme, backend, reason, in, out], got {v!r:.80}')
+    if not (isinstance(v, list) and len(v) == 5):
+        raise _bad_plan(where, f'expected [scheme, backend, reason, in, out], got {v!r:.80}')
     s, b, r, k, n = v
     if not (isinstance(r, str) and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in (k, n))):
         raise _bad_plan(where, f'reason must be text and in/out integers >= 0, got {v!r:.80}')
@@ -104,11 +106,14 @@ def _linear_from_json(where: str, v) -> LinearPlan:
 # %% ../nbs/04_plan.ipynb #08aa4b9a
 def _component_from_json(c, p) -> ComponentPlan:
     if not (isinstance(c, str) and (c == '' or c.isidentifier())): raise _bad_plan(repr(c), 'not a component name')
-    if not (isinstance(p, dict) and isinstance(p.get('linears'), dict)): raise _bad_plan(c, 'expected {"linears": {...}, ...}')
-    if not all(isinstance(p.get(k, ''), (str, type(None))) for k in ('requested', 'note')): raise _bad_plan(c, 'requested/note must be text')
+    if not (isinstance(p, dict) and isinstance(p.get('linears'), dict)):
+        raise _bad_plan(c, 'expected {"linears": {...}, ...}')
+    if not all(isinstance(p.get(k, ''), (str, type(None))) for k in ('requested', 'note')):
+        raise _bad_plan(c, 'requested/note must be text')
     bad = [f for f in p['linears'] if not (f == '' or _NAME.fullmatch(f))]
     if bad: raise _bad_plan(c, f'{bad[0]!r} is not a Linear name')
-    return ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'), p.get('note') or '')
+    return ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'),
+                         p.get('note') or '')
 
 # %% ../nbs/04_plan.ipynb #a0efbf7f
 def component_role(name: str) -> str:
@@ -120,11 +125,13 @@ def component_role(name: str) -> str:
 class QuantPlan:
     "What is (to be) applied to a pipeline: one `ComponentPlan` per component ('' for a bare module)."
     components: dict[str, ComponentPlan] = field(default_factory=dict)
-    resolved_here: bool = field(default=True, compare=False)  # False when read from a file: apply_plan resolves backends here
+    # False when read from a file: apply_plan resolves backends here
+    resolved_here: bool = field(default=True, compare=False)
 
     def to_dict(self) -> dict:
         return dict(version=1, components={
-            c: dict(requested=p.requested, note=p.note, linears={f: [l.scheme, l.backend, l.reason, *l.shape] for f, l in p.linears.items()})
+            c: dict(requested=p.requested, note=p.note,
+                    linears={f: [l.scheme, l.backend, l.reason, *l.shape] for f, l in p.linears.items()})
             for c, p in self.components.items()})
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
@@ -136,7 +143,8 @@ class QuantPlan:
     @classmethod
     def from_json(cls, text: str) -> QuantPlan:
         try: d = json.loads(text)
-        except (json.JSONDecodeError, RecursionError) as e: raise ValueError(f'not a QuantPlan: not JSON ({type(e).__name__}: {e})'[:300]) from None
+        except (json.JSONDecodeError, RecursionError) as e:
+            raise ValueError(f'not a QuantPlan: not JSON ({type(e).__name__}: {e})'[:300]) from None
         return cls.from_dict(d)
     def save(self, path) -> Path:
         "Write the plan as JSON to `path` (atomically)."
@@ -144,7 +152,8 @@ class QuantPlan:
     @classmethod
     def load(cls, path) -> QuantPlan:
         try: return cls.from_json(Path(path).read_text(encoding='utf-8'))
-        except (OSError, UnicodeDecodeError) as e: raise ValueError(f'{path}: cannot read a plan ({type(e).__name__}: {e})') from None
+        except (OSError, UnicodeDecodeError) as e:
+            raise ValueError(f'{path}: cannot read a plan ({type(e).__name__}: {e})') from None
         except ValueError as e: raise ValueError(f'{path}: {e}') from None
     def digest(self) -> str:
         "A short content hash: rows recorded from this plan carry it."
@@ -171,7 +180,8 @@ class QuantPlan:
     def label(self) -> str:
         "The applied schemes as one name: the encoders' then the denoisers' ('int8', 'fp8/int8', 'dense')."
         cols = self.columns()
-        return '/'.join(dict.fromkeys(cols[k] for k in ('scheme', 'te_scheme', 'transformer_scheme') if k in cols)) or 'dense'
+        return '/'.join(dict.fromkeys(cols[k] for k in ('scheme', 'te_scheme',
+                                                        'transformer_scheme') if k in cols)) or 'dense'
 
 # %% ../nbs/04_plan.ipynb #be96f8bf
 ON_UNAVAILABLE = ('dense', 'raise')  # a scheme that cannot run: fall back to dense with the reason, or refuse
@@ -227,7 +237,8 @@ def as_policy(policy: QuantPolicy | None = None, # the caller's policy (default:
     if policy is not None and not isinstance(policy, QuantPolicy):
         raise ValueError(f'policy must be a QuantPolicy, got {type(policy).__name__}')
     unknown = sorted(set(settings) - set(QuantPolicy.__dataclass_fields__))
-    if unknown: raise ValueError(f'unknown setting {unknown}; QuantPolicy fields are {list(QuantPolicy.__dataclass_fields__)}')
+    if unknown:
+        raise ValueError(f'unknown setting {unknown}; QuantPolicy fields are {list(QuantPolicy.__dataclass_fields__)}')
     return replace(policy or QuantPolicy(), **settings)
 
 # %% ../nbs/04_plan.ipynb #b8c1fb4e
@@ -243,7 +254,8 @@ def dense_plan(module: nn.Module, why: str, requested=None) -> ComponentPlan:
 # %% ../nbs/04_plan.ipynb #73a8d29a
 def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', device=None) -> ComponentPlan:
     "Plan `scheme` (a name, record, 'auto', None, or {fqn: scheme}) for the Linears of `module`; nothing is changed."
-    if not isinstance(module, nn.Module): raise ValueError(f'plan_linears needs an nn.Module, got {type(module).__name__}')
+    if not isinstance(module, nn.Module):
+        raise ValueError(f'plan_linears needs an nn.Module, got {type(module).__name__}')
     shapes = _linear_shapes(module)
     if not shapes: raise ValueError(f'{type(module).__name__} holds no nn.Linear: nothing to quantise')
     device = resolve_device(device) if device is not None else module_device(module)
@@ -251,7 +263,9 @@ def plan_linears(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto
     requested = 'mixed' if wanted is not None else normalize_scheme(scheme)
     if wanted is None:
         s = select_scheme(scheme, device) if requested == 'auto' else requested
-        if s is None: return dense_plan(module, f'auto: no scheme runs on {device.type}' if requested == 'auto' else 'no scheme', requested)
+        if s is None:
+            return dense_plan(module, f'auto: no scheme runs on {device.type}' if requested == 'auto' else 'no scheme',
+                              requested)
         wanted = {f: s for f in shapes}
     unknown = sorted(set(wanted) - set(shapes))
     if unknown: raise ValueError(f'no Linear named {unknown[:5]} in {type(module).__name__}')
@@ -288,7 +302,8 @@ def _components(target, plan: QuantPlan) -> dict[str, nn.Module]:
     out = {}
     for c in plan.components:
         m = target if c == '' else getattr(target, c, None)
-        if not isinstance(m, nn.Module): raise ValueError(f'the plan names component {c!r}, which {type(target).__name__} lacks')
+        if not isinstance(m, nn.Module):
+            raise ValueError(f'the plan names component {c!r}, which {type(target).__name__} lacks')
         out[c] = m
     return out
 
@@ -302,7 +317,8 @@ def _check_applicable(mods: dict, plan: QuantPlan):
             raise ValueError(f'{where}: the plan is for another model: it names {len(p.linears)} Linears, this one has '
                              f'{len(shapes)} (differing: {other[:3]}); plan again for this model')
         for f, l in p.linears.items():
-            if shapes[f] != l.shape: raise ValueError(f'{where}: {f!r} is {shapes[f]}, the plan says {l.shape}; plan again')
+            if shapes[f] != l.shape:
+                raise ValueError(f'{where}: {f!r} is {shapes[f]}, the plan says {l.shape}; plan again')
         for f in p.quantized:
             m = named[f]
             if not isinstance(m, nn.Linear) or is_quantized_linear(m):
@@ -320,7 +336,8 @@ def resolve_here(mods: dict, plan: QuantPlan) -> QuantPlan:
         device, lins = module_device(mods[c]), dict(p.linears)
         for f, l in p.linears.items():
             if not l.scheme: continue
-            if l.backend not in PLAN_BACKENDS: raise ValueError(f'{c or "module"}: {f!r}: unknown backend {l.backend!r}; choose one of {PLAN_BACKENDS}')
+            if l.backend not in PLAN_BACKENDS:
+                raise ValueError(f'{c or "module"}: {f!r}: unknown backend {l.backend!r}; choose one of {PLAN_BACKENDS}')
             if plan.resolved_here: continue
             b, why = resolve_backend(l.scheme, 'auto', device)  # the file says where it was made; this machine decides
             moved = f'planned via {l.backend}' if b != l.backend else ''
@@ -344,7 +361,8 @@ def _snapshot(module: nn.Module, fqns) -> list:
 def _restore(snap: list):
     "Put every Linear of `snap` back: the same module objects, Parameters and data, no attributes added since."
     for parent, attr, m, params, buffers, tensors, keys in snap:
-        for k in set(vars(m)) - keys: delattr(m, k)  # torchao's extra_repr, diffusers' hook registry and wrapped forward
+        # torchao's extra_repr, diffusers' hook registry and wrapped forward
+        for k in set(vars(m)) - keys: delattr(m, k)
         m._parameters.clear(); m._parameters.update(params)
         m._buffers.clear(); m._buffers.update(buffers)
         for t, data in tensors.values(): t.data = data  # layerwise casting changed .data in place
@@ -383,7 +401,8 @@ def apply_plan(target, plan, check=None) -> QuantPlan:
     snap = [s for c, p in plan.components.items() for s in _snapshot(mods[c], p.quantized)]
     try:
         for c, p in plan.components.items(): _convert(mods[c], p, c)
-        if check is not None: check()  # e.g. a validation render: a kernel that fails in the real forward undoes the plan too
+        # e.g. a validation render: a kernel that fails in the real forward undoes the plan too
+        if check is not None: check()
     except BaseException as e:
         try: _restore(snap)
         except Exception as r:  # never report a half-restored model as a clean failure
@@ -428,7 +447,8 @@ def _expressible(p: ComponentPlan, library: str) -> bool:
 # %% ../nbs/04_plan.ipynb #144c8437
 def component_config(p: ComponentPlan, library: str = 'diffusers', component: str = ''):
     "The library config (diffusers' or transformers' `TorchAoConfig`) that quantises what `p` quantises; None when it is all dense."
-    if library not in ('diffusers', 'transformers'): raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
+    if library not in ('diffusers', 'transformers'):
+        raise ValueError(f"library must be 'diffusers' or 'transformers', got {library!r}")
     schemes = sorted({l.scheme for l in p.linears.values() if l.scheme})
     where = component or 'the component'
     if not schemes: return None
@@ -444,24 +464,29 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     # a mixed plan, or dense names the library would match elsewhere: torchao's per-Linear config, exact names only
     from torchao.quantization import FqnToConfig
     # modules_to_not_convert=[]: transformers would otherwise add its own guess (the last Linear) to what FqnToConfig names
-    return TorchAoConfig(FqnToConfig({f: get_scheme(x).make_config() for f, x in _per_linear(p).items()}), modules_to_not_convert=[])
+    return TorchAoConfig(FqnToConfig({f: get_scheme(x).make_config() for f, x in _per_linear(p).items()}),
+                         modules_to_not_convert=[])
 
 # %% ../nbs/04_plan.ipynb #623cd5e7
-def _library(component: str) -> str: return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
-_QUANTISABLE = re.compile(r'(text_encoder|transformer|unet)(_\d+)?')  # the components a pipeline's quantisation config reaches
+def _library(component: str) -> str:
+    return 'transformers' if re.fullmatch(r'text_encoder(_\d+)?', component) else 'diffusers'
+# the components a pipeline's quantisation config reaches
+_QUANTISABLE = re.compile(r'(text_encoder|transformer|unet)(_\d+)?')
 
 # %% ../nbs/04_plan.ipynb #b52c4933
 def to_pipeline_config(plan: QuantPlan):
     "diffusers' `PipelineQuantizationConfig` that applies `plan` while loading: one TorchAoConfig per quantised component."
     from diffusers import PipelineQuantizationConfig
     odd = [c for c in plan.components if not _QUANTISABLE.fullmatch(c)]
-    if odd: raise ValueError(f'the plan names {odd}: diffusers applies a quantisation config only to text_encoder*, transformer* or unet*')
+    if odd:
+        raise ValueError(f'the plan names {odd}: diffusers applies a quantisation config only to text_encoder*, transformer* or unet*')
     mapping = {c: cfg for c, p in plan.components.items() if (cfg := component_config(p, _library(c), c)) is not None}
     if not mapping: raise ValueError('the plan quantises nothing: there is no config to export')
     return PipelineQuantizationConfig(quant_mapping=mapping)
 
 # %% ../nbs/04_plan.ipynb #dac6b46e
-SNIPPET_MARK = '# Written by diffq-lab: loads a pipeline with a diffq_lab plan applied.'  # how the lab knows its own .py files
+# how the lab knows its own .py files
+SNIPPET_MARK = '# Written by diffq-lab: loads a pipeline with a diffq_lab plan applied.'
 
 def _hook_lines(c: str, p: ComponentPlan) -> list[str]:
     "The layerwise-casting hook for `p`'s quantised Linears: named when they are few, else every Linear but the dense ones."
@@ -489,15 +514,19 @@ def export_snippet(plan: QuantPlan, # the plan to carry
             used.add('FqnToConfig')
             per = ''.join(f'\n        {f!r}: make_config({x!r}),' for f, x in _per_linear(p).items())
             mapping.append(f'    {c!r}: {cls}(FqnToConfig({{{per}\n    }}), modules_to_not_convert=[]),')
-    lines = [SNIPPET_MARK, 'import torch', 'from diffusers import DiffusionPipeline' + (', PipelineQuantizationConfig' if mapping else '')]
+    lines = [SNIPPET_MARK, 'import torch',
+             'from diffusers import DiffusionPipeline' + (', PipelineQuantizationConfig' if mapping else '')]
     if 'DiffusersTorchAoConfig' in used: lines.append('from diffusers import TorchAoConfig as DiffusersTorchAoConfig')
-    if 'TransformersTorchAoConfig' in used: lines.append('from transformers import TorchAoConfig as TransformersTorchAoConfig')
-    if 'FqnToConfig' in used: lines.append('from torchao.quantization import FqnToConfig  # per-Linear configs, for plans that mix schemes')
+    if 'TransformersTorchAoConfig' in used:
+        lines.append('from transformers import TorchAoConfig as TransformersTorchAoConfig')
+    if 'FqnToConfig' in used:
+        lines.append('from torchao.quantization import FqnToConfig  # per-Linear configs, for plans that mix schemes')
     if mapping: lines += ["from diffq_lab.schemes import make_config  # the lab's version-tolerant torchao configs", '',
                           'quant = PipelineQuantizationConfig(quant_mapping={', *mapping, '})']
     else: lines += ['', 'quant = None  # nothing torchao quantises in this plan']
     lines.append(f'pipe = DiffusionPipeline.from_pretrained({model!r}, quantization_config=quant, dtype=torch.bfloat16)')
-    if hooks: lines.append('from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer')
+    if hooks:
+        lines.append('from diffusers.hooks import apply_layerwise_casting_hook  # fp8_layerwise: fp8 storage, upcast per layer')
     for c, p in hooks: lines += _hook_lines(c, p)
     return '\n'.join(lines) + '\n'
 
@@ -514,7 +543,8 @@ def check_plan_out(out) -> Path:
     "`out` as a plan file (.json) to write, beside its snippet (.py), in a writable folder; never over a file the lab did not write."
     if not str(out).strip() or Path(out).is_dir(): raise ValueError(f'--out must name a file, got {out!r}')
     out = Path(out)
-    if out.suffix != '.json': raise ValueError(f'--out {out}: a plan file ends in .json (its snippet is written beside it as .py)')
+    if out.suffix != '.json':
+        raise ValueError(f'--out {out}: a plan file ends in .json (its snippet is written beside it as .py)')
     check_writable(out.parent)
     for f in (out, out.with_suffix('.py')):
         if f.exists() and not (f.is_file() and _ours(f)):
@@ -545,7 +575,8 @@ def save_plans(digests, root=None) -> list[Path]:
     "Write the applied plans behind `digests` (a table's `plan` column) as `plans/<digest>.json` beside the results tables."
     out = []
     for d in dict.fromkeys(x for x in digests if isinstance(x, str) and x):
-        if d not in APPLIED: raise ValueError(f'no applied plan {d!r} in this process: record the rows where they were measured')
+        if d not in APPLIED:
+            raise ValueError(f'no applied plan {d!r} in this process: record the rows where they were measured')
         out.append(APPLIED[d].save(results_dir(root)/'plans'/f'{d}.json'))
     return out
 

@@ -41,7 +41,8 @@ class Scheme:
     weights: str                              # the stored weight format
     activations: str | None                   # the activation format at the GEMM; None: weight-only (compute dtype)
     gate: Gate
-    weight_bytes: Callable[[int, int], float]  # (in_features, out_features) -> bytes of the stored weight, scales included
+    # (in_features, out_features) -> bytes of the stored weight, scales included
+    weight_bytes: Callable[[int, int], float]
     config: Callable[[], object] | None = None  # the torchao config factory; None: not a torchao config
     library: str = 'torchao'                  # whose code runs the real path: 'torchao' or 'diffusers'
     aliases: tuple[str, ...] = ()
@@ -49,13 +50,16 @@ class Scheme:
     dtypes: tuple[torch.dtype, ...] | None = None  # weight dtypes the kernel takes; None: any
     zero_row_hazard: bool = False             # an all-zero weight row gives a NaN output column
     zero_weight_hazard: bool = False          # an all-zero weight gives NaN everywhere (a per-tensor scale of 0: 0/0)
-    casts_in_place: bool = False              # casts the Parameter itself: a tied weight would drag its other user along
+    # casts the Parameter itself: a tied weight would drag its other user along
+    casts_in_place: bool = False
     bias_bytes: int | None = None             # bytes per bias element; None: the compute dtype's
     gemm: str = 'bf16'                        # the bare GEMM the bench times beside it: 'bf16', 'int8' or 'fp8'
-    auto_rank: int | None = None              # its place in `auto`'s ladder (lower is tried first); None: auto never picks it
+    # its place in `auto`'s ladder (lower is tried first); None: auto never picks it
+    auto_rank: int | None = None
     consumer_rank: int | None = None          # its place on consumer GPUs, where int8 leads (None: `auto_rank`)
     encoder_auto: bool = False                # `auto` may pick it for a text encoder
-    roofline: str | None = None               # the tensor-core format the roofline times its GEMM as; None: not modelled
+    # the tensor-core format the roofline times its GEMM as; None: not modelled
+    roofline: str | None = None
 
     def __eq__(self, other): return self.name == (other.name if isinstance(other, Scheme) else other)
     def __hash__(self): return hash(self.name)
@@ -102,7 +106,8 @@ def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
     if vocabulary != 'lab': value = _in_vocabulary(value, vocabulary)  # a seed's name, as the lab spells that scheme
     if value is None: return None
     if isinstance(value, Scheme): return value.name
-    if not isinstance(value, str): raise ValueError(f"scheme must be a string or None, got {value!r}; {scheme_choices()}")
+    if not isinstance(value, str):
+        raise ValueError(f"scheme must be a string or None, got {value!r}; {scheme_choices()}")
     k = _key(value)
     if k in map(_key, OFF): return None
     if k == 'auto': return 'auto'
@@ -113,7 +118,8 @@ def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
 def get_scheme(value) -> Scheme | None:
     "The registered `Scheme` for `value` (a record, name or alias); None for no quantisation; 'auto' must be resolved first."
     name = normalize_scheme(value)
-    if name == 'auto': raise ValueError(f"'auto' is not a scheme: resolve it for a device first (capability.select_scheme); "
+    if name == 'auto':
+        raise ValueError(f"'auto' is not a scheme: resolve it for a device first (capability.select_scheme); "
                                         f"{scheme_choices()}")
     return None if name is None else REGISTRY[name]
 
@@ -122,7 +128,8 @@ def _build(cls, **kwargs):
     "`cls(**kwargs)`, dropping (with a warning) the kwargs this torchao release does not take."
     params = inspect.signature(cls).parameters
     dropped = sorted(k for k in kwargs if k not in params)
-    if dropped: warnings.warn(f"torchao {package_version('torchao')}: {cls.__name__} takes no {dropped}; built without them")
+    if dropped:
+        warnings.warn(f"torchao {package_version('torchao')}: {cls.__name__} takes no {dropped}; built without them")
     return cls(**{k: v for k, v in kwargs.items() if k in params})
 
 # %% ../nbs/01_schemes.ipynb #77066c1b
@@ -200,7 +207,8 @@ _NVFP4_BYTES = lambda k, n: n * k // 2 + _pad(n, 128) * _pad(k // 16, 4) + 4  # 
 register_scheme(Scheme(
     'int8', 'int8 dynamic per-token activations x per-channel weights (torch._int_mm)',
     weights='int8 per output channel, symmetric', activations='int8 per token, symmetric', config=_int8_dynamic,
-    aliases=('int8dq', 'int8_dynamic', 'int8_dynamic_activation', 'int8da', 'int8_dyn', 'w8a8', 'w8a8_int8', 'int8_w8a8'),
+    aliases=('int8dq', 'int8_dynamic', 'int8_dynamic_activation', 'int8da', 'int8_dyn', 'w8a8', 'w8a8_int8',
+             'int8_w8a8'),
     gate=Gate((8, 0), True, 'torch._int_mm: int8 tensor cores on sm_80+, an int8 mm on CPU'),
     weight_bytes=lambda k, n: n * k + n * 5, gemm='int8',
     auto_rank=2, consumer_rank=-1, encoder_auto=True, roofline='int8'))  # codes, fp32 scale, int8 zero point
@@ -215,7 +223,8 @@ register_scheme(Scheme(
 register_scheme(Scheme(
     'fp8', 'fp8 e4m3 dynamic per-row activations x per-row weights, activation scale floored',
     weights='fp8 e4m3 per output channel, amax/448', activations='fp8 e4m3 per token, amax/448 floored at 1e-12',
-    config=_fp8_dynamic, multiple_of=(16, 16), dtypes=(torch.bfloat16,), zero_row_hazard=True,  # _scaled_mm; per-row wants bf16
+    # _scaled_mm; per-row wants bf16
+    config=_fp8_dynamic, multiple_of=(16, 16), dtypes=(torch.bfloat16,), zero_row_hazard=True,
     aliases=('fp8dq', 'fp8_dynamic', 'fp8_dyn', 'fp8da', 'float8', 'float8dq', 'float8_dynamic', 'fp8_rowwise',
              'fp8_per_row', 'w8a8_fp8', 'fp8_w8a8'),
     gate=Gate((8, 9), False, 'fp8 tensor cores; torchao asserts sm_89+ for dynamic fp8 and refuses CPU'),
@@ -249,7 +258,8 @@ register_scheme(Scheme(
 
 register_scheme(Scheme(
     'nvfp4wo', 'NVFP4 weights, bf16 activations',
-    weights='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale', activations=None, config=_nvfp4_weight_only,
+    weights='NVFP4: e2m1, blocks of 16, e4m3 block scale, fp32 tensor scale', activations=None,
+                       config=_nvfp4_weight_only,
     multiple_of=(16, 16), dtypes=(torch.bfloat16, torch.float32), zero_weight_hazard=True,
     aliases=('nvfp4_weight_only', 'fp4wo', 'fp4_weight_only', 'w4a16_nvfp4'),
     gate=Gate((8, 0), False, 'packed fp4 weights dequantised to bf16: no fp4 tensor cores used; '
@@ -276,7 +286,8 @@ register_scheme(Scheme(
     'int4wo', 'int4 group-wise weights (groups of 128, asymmetric), bf16 activations',
     weights='uint4 per group of 128 along K, bf16 scale and zero point', activations=None, config=_int4_weight_only,
     multiple_of=(128, 1), dtypes=(torch.bfloat16,), aliases=('int4_weight_only', 'w4a16', 'int4w'),
-    gate=Gate((8, 0), False, 'tinygemm int4 kernel (torch._weight_int4pack_mm) on sm_80+; torchao 0.18 has no CPU int4 layout'),
+    gate=Gate((8, 0), False,
+              'tinygemm int4 kernel (torch._weight_int4pack_mm) on sm_80+; torchao 0.18 has no CPU int4 layout'),
     weight_bytes=lambda k, n: n * k // 2 + n * (k // 128) * 4))  # packed nibbles, bf16 scale + zero per group
 
 # %% ../nbs/01_schemes.ipynb #a1e0c00a
@@ -286,6 +297,8 @@ class RegisteredNames(Sequence):
     def __len__(self): return len(REGISTRY)
     def __eq__(self, other): return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
     def __hash__(self): return hash(tuple(self))
+    def __add__(self, other): return tuple(self) + tuple(other)
+    def __radd__(self, other): return tuple(other) + tuple(self)
     def __repr__(self): return repr(tuple(self))
 
 SCHEMES = RegisteredNames()  # the registered scheme names; `tuple(SCHEMES)` for a snapshot
@@ -300,25 +313,29 @@ def schemes_table() -> pd.DataFrame:
                          torchao_config=type(s.make_config()).__name__ if s.config else f'({s.library})',
                          multiple_of='x'.join(map(str, s.multiple_of)),
                          dtypes='any' if s.dtypes is None else '/'.join(str(d).removeprefix('torch.') for d in s.dtypes),
-                         zero_row_hazard=s.zero_row_hazard, zero_weight_hazard=s.zero_weight_hazard, min_cuda=f'sm_{g.min_cuda[0]}{g.min_cuda[1]}', cpu_kernel=g.cpu,
+                         zero_row_hazard=s.zero_row_hazard, zero_weight_hazard=s.zero_weight_hazard,
+                         min_cuda=f'sm_{g.min_cuda[0]}{g.min_cuda[1]}', cpu_kernel=g.cpu,
                          bits_per_weight=round(8 * s.weight_bytes(4096, 4096) / 4096 ** 2, 3),
                          aliases=', '.join(s.aliases)))
     return pd.DataFrame(rows)
 
 # %% ../nbs/01_schemes.ipynb #a1e0c102
 VOCABULARIES: dict[str, dict[str, str | None]] = {
-    'unsloth-te': {'none': None, 'bf16': None, 'auto': 'auto', 'fp8': 'fp8_layerwise', 'fp8_dynamic': 'fp8', 'int8': 'int8',
+    'unsloth-te': {'none': None, 'bf16': None, 'auto': 'auto', 'fp8': 'fp8_layerwise', 'fp8_dynamic': 'fp8',
+                   'int8': 'int8',
                    'nvfp4': 'nvfp4wo'},                                # unsloth studio's text-encoder modes
     'diffu': {'none': None, 'int8': 'int8wo', 'fp8': 'fp8wo', 'int8dq': 'int8', 'fp8dq': 'fp8'},   # diffu/quantize.py
 }
 
 def _in_vocabulary(value, vocabulary: str) -> str | None:
     "A seed vocabulary's name translated into the lab's scheme name; ValueError naming that vocabulary's names."
-    if vocabulary not in VOCABULARIES: raise ValueError(f"unknown vocabulary {vocabulary!r}; choose 'lab' or one of {list(VOCABULARIES)}")
+    if vocabulary not in VOCABULARIES:
+        raise ValueError(f"unknown vocabulary {vocabulary!r}; choose 'lab' or one of {list(VOCABULARIES)}")
     if value is None: return None
     table = {_key(k): v for k, v in VOCABULARIES[vocabulary].items()}
     k = _key(str(value))
-    if k not in table: raise ValueError(f'{value!r} is not a {vocabulary} name; it has {list(VOCABULARIES[vocabulary])}')
+    if k not in table:
+        raise ValueError(f'{value!r} is not a {vocabulary} name; it has {list(VOCABULARIES[vocabulary])}')
     return table[k]
 
 # %% ../nbs/01_schemes.ipynb #afd0f6ba
@@ -365,7 +382,8 @@ def quantized_linears(module: nn.Module) -> list[str]:
 
 # %% ../nbs/01_schemes.ipynb #1fcc40b1
 def _check_filter_args(min_features, exclude_tokens, divisible_by):
-    if isinstance(exclude_tokens, str): exclude_tokens = (exclude_tokens,)  # a bare string is one token, not its letters
+    # a bare string is one token, not its letters
+    if isinstance(exclude_tokens, str): exclude_tokens = (exclude_tokens,)
     exclude_tokens = tuple(exclude_tokens or ())
     if not all(isinstance(t, str) and t for t in exclude_tokens):
         raise ValueError(f'exclude_tokens must be non-empty strings, got {exclude_tokens!r}')
@@ -386,7 +404,8 @@ def skip_reason(module, fqn='', min_features=512, exclude_tokens=(), require_bf1
     if any(t in fqn for t in exclude_tokens): return 'excluded'
     if min(module.in_features, module.out_features) < min_features: return 'too small'
     if require_bf16 and module.weight.dtype != torch.bfloat16: return 'not bf16'
-    if module.in_features % divisible_by or module.out_features % divisible_by: return f'not divisible by {divisible_by}'
+    if module.in_features % divisible_by or module.out_features % divisible_by:
+        return f'not divisible by {divisible_by}'
     return None
 
 # %% ../nbs/01_schemes.ipynb #266b8b96
@@ -418,7 +437,8 @@ def is_all_zero_weight(linear: nn.Module) -> bool:
 
 # %% ../nbs/01_schemes.ipynb #b6ba3bc3
 def _dtype_reason(dtypes) -> str:
-    return 'not ' + '/'.join(str(d).removeprefix('torch.').replace('bfloat16', 'bf16').replace('float32', 'fp32') for d in dtypes)
+    return 'not ' + '/'.join(str(d).removeprefix('torch.').replace('bfloat16',
+                                                                   'bf16').replace('float32', 'fp32') for d in dtypes)
 
 # %% ../nbs/01_schemes.ipynb #5fa68143
 def _shape_reason(k: int, n: int, multiple_of) -> str | None:
@@ -483,7 +503,8 @@ def fp8_gate_bypassed():
     # is_sm_at_least_89() without first asking whether CUDA is there, so on a CPU-only machine that goes too
     names = ['_check_hardware_support'] + ([] if torch.cuda.is_available() else ['is_sm_at_least_89'])
     missing = [n for n in names if not hasattr(qa, n)]
-    if missing: raise RuntimeError(f"torchao {package_version('torchao')} moved quant_api.{missing}: update fp8_gate_bypassed")
+    if missing:
+        raise RuntimeError(f"torchao {package_version('torchao')} moved quant_api.{missing}: update fp8_gate_bypassed")
     old = {n: getattr(qa, n) for n in names}
     qa._check_hardware_support = lambda *a, **k: None
     if 'is_sm_at_least_89' in old: qa.is_sm_at_least_89 = lambda: True

@@ -52,7 +52,8 @@ def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) ->
 # %% ../nbs/15_study.ipynb #6b648460
 def probe_tokens(kind='gaussian', tokens=64, width=512, seed=0, dtype=torch.bfloat16, device=None) -> torch.Tensor:
     "Study activations: 'gaussian', or 'outliers' (a few channels 50x larger, as in real LLM encoders)."
-    if kind not in ('gaussian', 'outliers'): raise ValueError(f"unknown token kind {kind!r}; choose 'gaussian' or 'outliers'")
+    if kind not in ('gaussian', 'outliers'):
+        raise ValueError(f"unknown token kind {kind!r}; choose 'gaussian' or 'outliers'")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, width, generator=g)
     if kind == 'outliers': x[:, torch.randperm(width, generator=g)[:max(1, width // 128)]] *= 50.0
@@ -100,15 +101,18 @@ def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **ren
     "Every pair rendered dense, quantised, quantised, dense (ABBA: drift and order cancel): images, paired seconds, peak extra bytes."
     def renders(pair, out):
         seed, prompt = pair
-        go = lambda name, p: lambda: out.__setitem__(name, render(p, prompt, steps=steps, size=size, seed=seed, **render_kw))
+        go = lambda name, p: lambda: out.__setitem__(name,
+                                                     render(p, prompt, steps=steps, size=size, seed=seed, **render_kw))
         return {'dense': go('dense', dense), 'quantised': go('quantised', pipe)}
     warm_up({'quantised': renders(pairs[0], {})['quantised']}, device)
-    mark = memory_mark(device)  # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
+    # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
+    mark = memory_mark(device)
     imgs, t_dense, t_quant = {}, [], []
     for r in range(rounds):
         for pair in pairs:
             out = {}
-            ts = interleaved_times(renders(pair, out), 2, device)  # two rounds of two: dense, quantised, quantised, dense
+            # two rounds of two: dense, quantised, quantised, dense
+            ts = interleaved_times(renders(pair, out), 2, device)
             t_dense.append(sum(ts['dense'])); t_quant.append(sum(ts['quantised']))
             if r == 0: imgs[pair] = out['quantised']
     return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
@@ -117,7 +121,8 @@ def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **ren
 def _speed(t_dense, t_quant, emulated: bool, level: float = 0.95) -> dict:
     "The paired speed ratio (dense / quantised time, > 1: faster) with its interval at `level`, and what it may be read as."
     sp = speed_vs(t_dense, t_quant, level=level, emulated=emulated)
-    return dict(latency_s=float(np.median(t_quant)), vs_dense=sp['ratio'], vs_dense_lo=sp['ratio_lo'], vs_dense_hi=sp['ratio_hi'],
+    return dict(latency_s=float(np.median(t_quant)), vs_dense=sp['ratio'], vs_dense_lo=sp['ratio_lo'],
+                vs_dense_hi=sp['ratio_hi'],
                 ci_level=level, speed=sp['verdict'])
 
 # %% ../nbs/15_study.ipynb #b9d09bc2
@@ -152,7 +157,8 @@ class Renders:
         "The defaults filled in for the trained (or a tiny) pipeline."
         prompts = self.prompts if self.prompts is not None else heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]
         steps = self.steps if self.steps is not None else TRAINED_STEPS if trained else 2
-        if not isinstance(self.rounds, int) or self.rounds < 1: raise ValueError(f'rounds must be an int >= 1, got {self.rounds!r}')
+        if not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f'rounds must be an int >= 1, got {self.rounds!r}')
         return replace(self, seeds=tuple(self.seeds), prompts=tuple(prompts), steps=steps)
 
     @property
@@ -163,7 +169,8 @@ _STUDY_RUN = dict(parts=('te', 'transformer'), progress=True, threads=1, control
 _BENCH_RUN = dict(dtype=torch.bfloat16, with_lpips=True, threads=1, level=0.95, progress=False)  # a bench's
 _BENCH_RENDERS = dict(seeds=(0,), prompts=('a photo of a cat',), steps=2, size=32, rounds=6)  # one pair, six rounds
 
-def _sort_options(renders: Renders | None, policy, options: dict, run_defaults: dict) -> tuple[Renders, QuantPolicy, dict]:
+def _sort_options(renders: Renders | None, policy, options: dict,
+                  run_defaults: dict) -> tuple[Renders, QuantPolicy, dict]:
     "Sort keywords into `Renders`, `QuantPolicy` and run options (older names mapped); an unknown one names the valid ones."
     o = dict(options)
     if 'te_quant' in o or 'transformer_quant' in o:  # the booleans of old
@@ -235,7 +242,8 @@ def _study_base(job: _StudyJob, fam: str, n_pairs: int) -> dict:
     "The columns every row of one study shares: what ran, how it was timed and measured."
     r, cuda = job.renders, job.device.type == 'cuda'
     label = 'trained tiny z-image (data/trained)' if job.trained else f'tiny {fam} (random weights)'
-    return dict(family=fam, model=job.model or label, steps=r.steps, size=r.size, pairs=n_pairs, compile=job.policy.compile,
+    return dict(family=fam, model=job.model or label, steps=r.steps, size=r.size, pairs=n_pairs,
+                compile=job.policy.compile,
                 rounds=r.rounds, threads=torch.get_num_threads(), timing='CUDA events' if cuda else 'wall clock',
                 compiler=COMPILER_SETTINGS if job.policy.compile else 'eager',
                 memory='CUDA allocated bytes above the resident weights' if cuda else
@@ -263,7 +271,8 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
     dense = job.build()
     fam, pairs = family_of(dense), r.pairs
     policy = _floored(job.policy, dense)
-    warm_up({'dense': lambda: render(dense, pairs[0][1], steps=r.steps, size=r.size, seed=pairs[0][0], **kw)}, job.device)
+    warm_up({'dense': lambda: render(dense, pairs[0][1], steps=r.steps, size=r.size, seed=pairs[0][0], **kw)},
+            job.device)
     mark = memory_mark(job.device)
     ref = {k: render(dense, k[1], steps=r.steps, size=r.size, seed=k[0], **kw) for k in pairs}
     dense_extra = peak_extra_bytes(mark, job.device)
@@ -279,7 +288,8 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
         dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
         if s is not None: shown[s] = imgs[pairs[0]]  # the control renders what dense renders
-        backends = '+'.join(filter(None, (st['quant_plan'].columns().get(c) for c in ('te_backend', 'transformer_backend'))))
+        backends = '+'.join(filter(None,
+                                   (st['quant_plan'].columns().get(c) for c in ('te_backend', 'transformer_backend'))))
         return st['quant_plan'], dict(
             base, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
             mem_load_MiB=_mib(st.get('mem_load_bytes')), **_speed(t_dense, t_quant, 'emulate' in backends, level),
@@ -288,8 +298,10 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
     ex = Experiment('study', progress=job.run['progress'])
     rows = [{**base, **row} for row in ex.run(arms, one, desc='study')]
     for row in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
-        if row['requested'] == 'dense': row.update(requested='dense (control)', speed='control: two identical dense pipelines')
-    dense_row = dict(base, requested='dense', scheme='dense', latency_s=float(np.median(dense_secs)) if dense_secs else None,
+        if row['requested'] == 'dense':
+            row.update(requested='dense (control)', speed='control: two identical dense pipelines')
+    dense_row = dict(base, requested='dense', scheme='dense',
+                     latency_s=float(np.median(dense_secs)) if dense_secs else None,
                      vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense),
                      **(_adherence(ref, pairs) if job.trained else {}),
                      weights=weights_digest(dense),  # the identity of the weights every row of this table ran from
@@ -302,8 +314,10 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
 def _mib(b): return None if b is None else b / 2**20
 
 # %% ../nbs/15_study.ipynb #d3647d3d
-STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend', 'transformer_quantized', 'latency_s',
-              'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'te_MiB', 'transformer_MiB', 'peak_gen_MiB', 'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
+STUDY_COLS = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend',
+              'transformer_quantized', 'latency_s',
+              'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'te_MiB', 'transformer_MiB', 'peak_gen_MiB',
+              'adherence', 'adherence_lo', 'adherence_hi', 'psnr', 'psnr_lo', 'psnr_hi', 'ssim', 'lpips',
               'fallback_reason', 'plan', 'error']
 
 def _blank(v) -> bool: return v is None or v == '' or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
@@ -513,11 +527,13 @@ def default_study(device=None, # where it runs (default: cuda if present)
         write_report(study.assign(**fingerprint(device)), out, f'diffq_lab study, {utc_now()}, {device_name(device)}',
                      tables={'Capability': cap, 'Scheme numerics on a bf16 MLP block': summary})
     if record:
-        Experiment('study', plans={**num.attrs['plans'], **study.attrs['plans']}).save_plans([*num.plan, *study.plan], root)
+        Experiment('study',
+                   plans={**num.attrs['plans'], **study.attrs['plans']}).save_plans([*num.plan, *study.plan], root)
         # all three tables, and the report staged in `out` moved into `publish`, in one commit: all of it or none
         record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
                        'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty,
-                      report=(out, publish) if publish is not None and out is not None else None, report_files=REPORT_FILES)
+                      report=(out, publish) if publish is not None and out is not None else None,
+                      report_files=REPORT_FILES)
         log(recorded_note({'capability': len(cap), 'study_numerics': len(num), 'study': len(study)}, root))
     else: log('not recorded (record=False, diffq-lab study --no-record): no results table changed')
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
@@ -527,12 +543,15 @@ def default_study(device=None, # where it runs (default: cuda if present)
 def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -> dict:
     "PSNR, SSIM and LPIPS (where it can run) from `diffq_lab.quality`, plus the cosine of the mean-centred images, of `x` vs `ref`."
     q = quality_metrics(x, ref, with_lpips=with_lpips)
-    cos = fidelity(x.double() - x.double().mean(), ref.double() - ref.double().mean())['cosine']  # the lab's one fidelity function
+    # the lab's one fidelity function
+    cos = fidelity(x.double() - x.double().mean(), ref.double() - ref.double().mean())['cosine']
     keep = ('psnr', 'ssim', 'st_lpips', 'st_lpips_unavailable', 'lpips', 'lpips_unavailable')
     return {**{k: q[k] for k in keep if k in q}, 'cosine': cos}
 
-BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_dense', 'vs_dense_lo', 'vs_dense_hi',
-              'speed', 'vs_gguf', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine', 'frames_first_call', 'recompiles',
+BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_dense', 'vs_dense_lo',
+              'vs_dense_hi',
+              'speed', 'vs_gguf', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine',
+              'frames_first_call', 'recompiles',
               'fallback_reason')
 
 # %% ../nbs/15_study.ipynb #9c8980ab
@@ -575,15 +594,18 @@ class _Bench:
     def build(self, scheme, label=None):
         "Build one configuration and make its first call: (applied plan, its columns)."
         pipe, r, gpath = self.fresh(), self.renders, None
-        if label == self.glabel and self.gguf:  # a GGUF type is written from this pipeline's dense weights; a file is taken
+        # a GGUF type is written from this pipeline's dense weights; a file is taken
+        if label == self.glabel and self.gguf:
             gpath = ({a: write_gguf(m, self.tmp/f'{a}-{self.gguf}.gguf', self.gguf) for a, m in denoisers(pipe).items()}
                      if self.gguf in GGUF_TYPES else self.gguf)
         policy = replace(_floored(self.policy, pipe), validate=scheme is not None)
-        pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, device=self.device, dtype=self.dtype,
+        pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, device=self.device,
+                                           dtype=self.dtype,
                                            policy=policy)
         if not self.host: self.host.append(pipe)  # the first pipeline renders every configuration
         config = label or scheme or 'dense'
-        go = self.calls[config] = _swapped(self.host[0], denoisers(pipe), prompt=r.prompts[0], steps=r.steps, size=r.size,
+        go = self.calls[config] = _swapped(self.host[0], denoisers(pipe), prompt=r.prompts[0], steps=r.steps,
+                                           size=r.size,
                                            seed=r.seeds[0])
         if self.device.type == 'cuda': torch.cuda.reset_peak_memory_stats(self.device)
         mark = memory_mark(self.device)
@@ -591,7 +613,8 @@ class _Bench:
         self.outs[config] = cs['output']
         plan = st['quant_plan']
         return plan, dict(
-            family=st['family'], config=config, scheme=plan.columns().get('transformer_scheme', 'dense'), path=st['path'], backend=st['backend'] or '', compile=policy.compile,
+            family=st['family'], config=config, scheme=plan.columns().get('transformer_scheme', 'dense'),
+                          path=st['path'], backend=st['backend'] or '', compile=policy.compile,
             compiler=COMPILER_SETTINGS if policy.compile else 'eager',
             quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=r.steps, size=r.size, runs=r.rounds,
             dims=self.dims, first_s=cs['first_call_s'], frames_first_call=cs['frames_first_call'],
@@ -617,15 +640,20 @@ def _bench_speed(row: dict, times: dict, glabel, rounds: int, level: float, thre
 def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dims random-weight pipeline) or a pipeline
                       schemes=('int8', 'fp8'), # the schemes benched beside dense and GGUF
                       *,
-                      renders: Renders | None = None, # one seed and prompt, steps, size, `rounds` timing rounds (default 6)
-                      gguf: str | None = 'Q8_0', # GGUF baseline: a type written from the dense weights, a .gguf file, None
+                      # one seed and prompt, steps, size, `rounds` timing rounds (default 6)
+                      renders: Renders | None = None,
+                      # GGUF baseline: a type written from the dense weights, a .gguf file, None
+                      gguf: str | None = 'Q8_0',
                       dims: str = 'tiny', # 'tiny' or 'real' (random weights at the family's real dimensions)
-                      policy: QuantPolicy | None = None, # width floor, backend, compile, ... (or its fields as keywords)
+                      # width floor, backend, compile, ... (or its fields as keywords)
+                      policy: QuantPolicy | None = None,
                       device=None, # where it runs (default: cuda if present)
-                      **options, # dtype, with_lpips, threads, level, progress; `Renders` / `QuantPolicy` fields; runs, seed, prompt
+                      # dtype, with_lpips, threads, level, progress; `Renders` / `QuantPolicy` fields; runs, seed, prompt
+                      **options,
                      ) -> pd.DataFrame:
     "One row per configuration (GGUF, dense, each scheme) built side by side, first call, interleaved rounds; ratios, memory, quality."
-    renders, policy, run = _sort_options(Renders(**_BENCH_RENDERS) if renders is None else renders, policy, options, _BENCH_RUN)
+    renders, policy, run = _sort_options(Renders(**_BENCH_RENDERS) if renders is None else renders, policy, options,
+                                         _BENCH_RUN)
     device, dtype, r = resolve_device(device), as_dtype(run['dtype']), renders
     if isinstance(r.rounds, bool) or not isinstance(r.rounds, int) or r.rounds < 1:
         raise ValueError(f'runs must be an int >= 1, got {r.rounds!r}')
@@ -638,11 +666,13 @@ def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dim
     with (_cpu_threads(run['threads'] if device.type == 'cpu' else None), tempfile.TemporaryDirectory() as tmp,
           same_compiler_settings() if policy.compile else contextlib.nullcontext()):
         bench = _Bench(fresh, r, policy, device, dtype, gguf, glabel, Path(tmp), _dims_label(pipe_or_family, dims))
-        rows = ex.run([None], lambda s: bench.build(None, glabel), 'bench: GGUF') if gguf else []  # GGUF, dense, schemes
+        # GGUF, dense, schemes
+        rows = ex.run([None], lambda s: bench.build(None, glabel), 'bench: GGUF') if gguf else []
         rows += ex.run([None, *schemes], bench.build, 'bench: build + first call')
         rows = [{'config': row['requested'], **row} for row in rows]  # a failed scheme keeps its row
         warm_up(bench.calls, device)
-        if run['progress']: print(f'bench: {len(bench.calls)} configurations x {r.rounds} interleaved rounds', flush=True)
+        if run['progress']:
+            print(f'bench: {len(bench.calls)} configurations x {r.rounds} interleaved rounds', flush=True)
         times = interleaved_times(bench.calls, r.rounds, device)
         threads_used = torch.get_num_threads()
     for row in rows: _bench_speed(row, times, glabel, r.rounds, run['level'], threads_used)
