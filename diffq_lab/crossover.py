@@ -231,7 +231,7 @@ def find_crossover(gpu, # a GPU name or spec dict
     return Crossover(spec['gpu'], scheme_a, scheme_b, cube, pd.DataFrame(rows), grid)
 
 # %% ../nbs/12_crossover.ipynb #d0866c5f
-BENCH_SCHEMES = ('bf16',) + SCHEMES   # the dense baseline, then every registered scheme
+BENCH_SCHEMES = ('bf16', *SCHEMES)   # the dense baseline, then every registered scheme (a snapshot: checks read live)
 CPU_SHAPES = ((128, 1024, 1024), (512, 1024, 4096), (1024, 2048, 2048))
 GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),   # cubes
               (4224, 3840, 3840), (4224, 3840, 10240), (4224, 10240, 3840),                  # Z-Image at 1024px
@@ -288,8 +288,9 @@ def _check_bench_args(shapes, schemes, repeats, warmup):
     shapes = list(dict.fromkeys(as_shape(s) for s in shapes))   # each shape once: ratios are per shape
     if not shapes: raise ValueError('gemm_bench needs at least one (M, K, N) shape')
     if isinstance(schemes, str): schemes = (schemes,)
-    bad = [s for s in schemes if s not in BENCH_SCHEMES]
-    if bad: raise ValueError(f'unknown bench scheme(s) {bad}; choose from {", ".join(BENCH_SCHEMES)}')
+    valid = ('bf16', *SCHEMES)   # the registry now: a scheme registered later is benchable
+    bad = [s for s in schemes if s not in valid]
+    if bad: raise ValueError(f'unknown bench scheme(s) {bad}; choose from {", ".join(valid)}')
     for name, v, low in (('repeats', repeats, 1), ('warmup', warmup, 0)):
         if isinstance(v, bool) or not isinstance(v, int) or v < low:
             raise ValueError(f'{name} must be an int >= {low}, got {v!r}')
@@ -373,7 +374,7 @@ class BenchTiming:
 
 # %% ../nbs/12_crossover.ipynb #5d834a33
 def gemm_bench(shapes=None, # (M, K, N) shapes (None: `CPU_SHAPES` on a CPU, `GPU_SHAPES` on a GPU)
-               schemes=BENCH_SCHEMES, # schemes timed beside dense bf16
+               schemes=None, # schemes timed beside dense bf16 (None: every registered scheme)
                device=None, # where to time (None: the best device here)
                emulated: bool = False, # also time the fake-quant emulation where the kernel cannot run
                compile: bool = False, # torch.compile every configuration (under `same_compiler_settings`)
@@ -387,6 +388,7 @@ def gemm_bench(shapes=None, # (M, K, N) shapes (None: `CPU_SHAPES` on a CPU, `GP
         raise ValueError(f'unknown setting(s) {unknown}; BenchTiming fields: {list(BenchTiming.__dataclass_fields__)}')
     t = replace(timing or BenchTiming(), **settings).on(device)
     shapes = shapes if shapes is not None else CPU_SHAPES if device.type == 'cpu' else GPU_SHAPES
+    schemes = ('bf16', *SCHEMES) if schemes is None else schemes
     shapes, schemes = _check_bench_args(shapes, schemes, t.repeats, t.warmup)
     common = dict(repeats=t.repeats, warmup=t.warmup, timer='cuda events' if device.type == 'cuda' else 'wall clock',
                   timing='configurations interleaved in rounds (ABBA); speedup = median paired ratio, BCa interval',

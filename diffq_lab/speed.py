@@ -4,25 +4,35 @@
 
 # %% ../nbs/12a_speed.ipynb #993d0488
 from __future__ import annotations
-import functools, math
-from dataclasses import dataclass
+import functools, math, re
+from dataclasses import dataclass, fields, replace
 import numpy as np
 import pandas as pd
+import torch
+from torch import nn
 from .core import markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
-from .memory import QUANT_RULES, get_model, latent_grid, pipeline_memory, pipeline_trace, quantised_linears
-from .crossover import gpu_spec, gpu_schemes, model_linear_shapes
+from .plan import QuantPolicy, as_policy
+from .pipelines import cast_as_loaded
+from .transformer import plan_transformer
+from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory, pipeline_trace,
+                              quantised_linears, trace_ops, Workload as MemoryWorkload)
+from .memory import _selective   # torchao's FLUX recipe (09_memory's `rules='selective'`)
+from .gpus import gpu_spec, gpu_schemes
+from .crossover import model_linear_shapes
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'PREDICT_SCHEMES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID', 'VALIDATION_FILE', 'LOSO_FILE',
-           'kernel_points', 'kernel_paths', 'launch_costs', 'published_runs', 'default_path', 'arch_efficiency',
-           'linear_time', 'linear_kernels', 'calibrate', 'forward_time', 'pipeline_time', 'predict',
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',
+           'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family', 'token_grid',
+           'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs', 'published_runs', 'default_path',
+           'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate', 'forward_time', 'pipeline_time', 'predict',
            'format_predictions', 'validate', 'error_summary', 'record_validation', 'validation_table', 'residual_bands',
            'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #1487826c
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
-PREDICT_SCHEMES = ('bf16',) + SCHEMES                   # dense, then every registered scheme
+ATTENTION = ('sdpa', 'cudnn', 'fp8')   # torch SDPA's default kernel; its cuDNN backend chosen explicitly; FA3 fp8
+PREDICT_SCHEMES = ('bf16', *SCHEMES)   # dense, then every registered scheme (a snapshot: the checks read live)
 _DATA = lambda name: repo_root()/'data'/name
 
 @functools.lru_cache(maxsize=8)
@@ -31,6 +41,185 @@ def _csv(name: str) -> pd.DataFrame:
     if 'source' in df and (df.source.fillna('').str.strip() == '').any():
         raise ValueError(f'data/{name}: every row needs a source')
     return df
+
+# %% ../nbs/12a_speed.ipynb #3d0fb20f
+def _check_int(name, v, lo, allow_none=False):
+    if allow_none and v is None: return
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)) or v < lo:
+        raise ValueError(f'{name} must be an int >= {lo}, got {v!r}')
+
+# %% ../nbs/12a_speed.ipynb #b01906f7
+@dataclass(frozen=True)
+class Workload(MemoryWorkload):
+    "`09_memory`'s Workload (size, batch, frames, text_tokens) plus what the time depends on: shape, steps, mode."
+    height: int | None = None       # height in pixels (None: square, `size` x `size`)
+    steps: int = 28                 # denoising steps
+    forwards_per_step: int = 1      # denoiser forwards per step (2: classifier-free guidance)
+    compile: str = 'inductor'       # 'none' (eager), 'inductor' (torch.compile), 'cudagraphs' (compile + CUDA graphs)
+    rules: str = 'lab'              # Linears in the scheme: 'lab' (the lab's plan), 'all' (quantize_), 'selective'
+    attention: str = 'sdpa'         # 'sdpa' (torch's default kernel), 'cudnn' (its cuDNN backend), 'fp8' (FA3 fp8)
+    def __post_init__(self):
+        super().__post_init__()
+        for name, lo in (('size', PIXELS_PER_TOKEN), ('steps', 1), ('forwards_per_step', 1)):
+            _check_int(name, getattr(self, name), lo)
+        for name in ('height', 'frames', 'text_tokens'): _check_int(name, getattr(self, name), 1, allow_none=True)
+        for name, choices in (('compile', COMPILE_MODES), ('rules', QUANT_RULES), ('attention', ATTENTION)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f'unknown {name} {getattr(self, name)!r}; choose one of {", ".join(choices)}')
+    @property
+    def compiled(self) -> bool: return self.compile != 'none'
+    @property
+    def mode(self) -> str: return 'compiled' if self.compiled else 'eager'
+
+# %% ../nbs/12a_speed.ipynb #0d0bc53f
+def as_workload(work: Workload | None = None, # the caller's workload (default: `Workload()`)
+                **settings, # Workload fields that override it, and QuantPolicy fields (passed on)
+               ) -> tuple[Workload, dict]:
+    "`work` with the Workload fields among `settings` laid over it, and the settings left over."
+    if work is not None and not isinstance(work, Workload):
+        raise ValueError(f'work must be a Workload, got {type(work).__name__}')
+    names = {f.name for f in fields(Workload)}
+    w = replace(work or Workload(), **{k: v for k, v in settings.items() if k in names})
+    return w, {k: v for k, v in settings.items() if k not in names}
+
+# %% ../nbs/12a_speed.ipynb #6afb7f28
+@dataclass(frozen=True)
+class VideoDiT:
+    "A family the registry has no dims for, known to the speed model by its public transformer config alone."
+    name: str
+    denoiser: str          # the diffusers class
+    config: dict           # the transformer config entries that differ from the class defaults
+    width: int             # the pipeline's default clip: width and height in pixels, frames
+    height: int
+    frames: int
+    text_tokens: int       # the pipeline's max_sequence_length
+    temporal: int          # frames per latent frame (VAE temporal compression)
+    spatial: int           # pixels per token side (VAE spatial compression x patch)
+    steps: int             # the pipeline's default steps
+    forwards_per_step: int # 2: classifier-free guidance on by default
+    dims_source: str
+    aliases: tuple = ()
+
+# %% ../nbs/12a_speed.ipynb #6a5d3759
+SPEED_FAMILIES = {f.name: f for f in (
+    VideoDiT('cogvideox-5b', 'CogVideoXTransformer3DModel',
+             dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
+             720, 480, 49, 226, 4, 16, 50, 2,
+             'THUDM/CogVideoX-5b transformer config (42 layers, 48 heads x 64 = 3072 wide, 5.6B; diffusers defaults '
+             'otherwise); CogVideoXPipeline defaults: 720x480, 49 frames, 50 steps, guidance 6, 226 T5 tokens',
+             aliases=('cogvideox', 'cogvideox5b', 'cogvideo-x-5b')),
+    VideoDiT('ltx-2', 'LTX2VideoTransformer3DModel', {}, 768, 512, 121, 1024, 8, 32, 30, 2,
+             'diffusers LTX2VideoTransformer3DModel defaults (48 layers; video 32 heads x 128 = 4096 wide, audio '
+             '32 x 64 = 2048; 18.9B: the 19B LTX-2); LTX2Pipeline defaults: 768x512, 121 frames at 24 fps, 30 steps, '
+             'guidance 3, 1024 text tokens; audio at 25 latents per second (16 kHz / hop 160 / 4)',
+             aliases=('ltx2', 'ltx-video-2')))}
+_SPEED_ALIASES = {a: f.name for f in SPEED_FAMILIES.values() for a in (f.name, *f.aliases)}
+
+# %% ../nbs/12a_speed.ipynb #8b3151d1
+def speed_family(model):
+    "The family `model` names: a registry family with real dims (`get_model`) or one of `SPEED_FAMILIES`."
+    if isinstance(model, VideoDiT): return model
+    try: return get_model(model)
+    except ValueError as e:
+        key = str(getattr(model, 'name', model)).lower()
+        if key in _SPEED_ALIASES: return SPEED_FAMILIES[_SPEED_ALIASES[key]]
+        raise ValueError(f'{e}; or one of {", ".join(SPEED_FAMILIES)} (public transformer configs)') from None
+
+# %% ../nbs/12a_speed.ipynb #e027350b
+def token_grid(model, work: Workload) -> tuple[int, int, int]:
+    "The denoiser's token grid (frames, height, width) of `model` for `work`'s picture or clip."
+    m = speed_family(model)
+    video = isinstance(m, VideoDiT)
+    px, t = (m.spatial, m.temporal) if video else (PIXELS_PER_TOKEN, 4)
+    h = work.height or work.size
+    for name, v in (('size', work.size), ('height', h)):
+        if v % px: raise ValueError(f'{name} must be a multiple of {px} px for {m.name}, got {v}')
+    frames = (m.frames if work.frames is None else work.frames) if (video or m.video) else 1
+    if (video or m.video) and (frames - 1) % t:
+        raise ValueError(f'frames must be {t}k+1 for {m.name} (its VAE compresses time {t}x), got {frames}')
+    if not (video or m.video) and work.frames not in (None, 1): raise ValueError(f'{m.name} is not a video model')
+    return ((frames - 1) // t + 1, h // px, work.size // px)
+
+# %% ../nbs/12a_speed.ipynb #0005c335
+def _frames(m, work: Workload) -> int:
+    "The frames `work` renders with family `m` (1 for an image family)."
+    return (work.frames or m.frames) if isinstance(m, VideoDiT) or m.video else 1
+
+# %% ../nbs/12a_speed.ipynb #a25f9854
+@functools.lru_cache(maxsize=2)
+def _video_module(name: str) -> nn.Module:
+    import diffusers
+    fam = SPEED_FAMILIES[name]
+    with torch.device('meta'): tr = getattr(diffusers, fam.denoiser)(**fam.config)
+    return cast_as_loaded(tr.eval(), torch.bfloat16)
+
+# %% ../nbs/12a_speed.ipynb #d22bbf61
+def _video_kwargs(fam: VideoDiT, grid, T: int, B: int) -> dict:
+    "Forward kwargs of a `SPEED_FAMILIES` denoiser on meta tensors (LTX-2: audio at 25 latents a second, 24 fps)."
+    e = lambda *s: torch.empty(*s, device='meta', dtype=torch.bfloat16)
+    f, h, w = grid
+    if fam.denoiser == 'CogVideoXTransformer3DModel':
+        return dict(hidden_states=e(B, f, 16, 2 * h, 2 * w), encoder_hidden_states=e(B, T, 4096), timestep=e(B),
+                    return_dict=False)
+    A = round(((f - 1) * fam.temporal + 1) / 24 * 25)
+    return dict(hidden_states=e(B, f * h * w, 128), audio_hidden_states=e(B, A, 128),
+                encoder_hidden_states=e(B, T, 3840), audio_encoder_hidden_states=e(B, T, 3840), timestep=e(B), num_frames=f, height=h, width=w,
+                audio_num_frames=A, return_dict=False)
+
+# %% ../nbs/12a_speed.ipynb #105e58f7
+@functools.lru_cache(maxsize=16)
+def _video_trace(name: str, grid: tuple, T: int, B: int) -> tuple[pd.DataFrame, object]:
+    "(M, K, N) of every Linear call and the op trace of one forward of a `SPEED_FAMILIES` denoiser."
+    tr, rows, hooks = _video_module(name), [], []
+    def record(fqn):
+        def hook(mod, args):
+            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
+        return hook
+    try:
+        for fqn, mod in tr.named_modules():
+            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
+        with torch.no_grad(): trace = trace_ops(lambda: tr(**_video_kwargs(SPEED_FAMILIES[name], grid, T, B)))
+    finally:
+        for h in hooks: h.remove()
+    return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
+
+# %% ../nbs/12a_speed.ipynb #b2cb48d3
+def _square(work: Workload) -> int:
+    "The square side with the pixels of `work`'s picture (16 px steps): where a part is traced square only."
+    return max(PIXELS_PER_TOKEN, round(math.sqrt(work.size * (work.height or work.size)) / 16) * 16)
+
+# %% ../nbs/12a_speed.ipynb #bb22df23
+@functools.lru_cache(maxsize=32)
+def _registry_trace(name: str, grid: tuple, T: int, B: int):
+    "The op trace of one forward of a registry family's real-dims denoiser at any token grid."
+    from diffq_lab.memory import denoiser_kwargs, meta_transformer
+    tr = meta_transformer(name)
+    return trace_ops(lambda: tr(**denoiser_kwargs(tr, grid, T, B)))
+
+# %% ../nbs/12a_speed.ipynb #06d4f616
+def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
+    "(M, K, N) of every Linear call and the op trace of one denoiser forward of `model` for `work`."
+    m, grid = speed_family(model), token_grid(model, work)
+    T = m.text_tokens if work.text_tokens is None else work.text_tokens
+    if isinstance(m, VideoDiT):
+        shapes, trace = _video_trace(m.name, grid, T, work.batch)
+        return shapes.copy(), trace
+    shapes = model_linear_shapes(m.name, grid, T, work.batch)
+    if work.height in (None, work.size):
+        return shapes, pipeline_trace(m.name, work.size, work.batch, work.frames, T)['transformer']
+    return shapes, _registry_trace(m.name, grid, T, work.batch)
+
+# %% ../nbs/12a_speed.ipynb #a2b1b816
+@functools.lru_cache(maxsize=64)
+def _picked(name: str, scheme: str, rules: str, features: int) -> frozenset:
+    "The denoiser Linears of family `name` that take `scheme` under `rules` (the lab's at `features` wide)."
+    if name not in SPEED_FAMILIES: return quantised_linears(name, scheme, rules, min_features=features)
+    tr = _video_module(name)
+    if rules == 'lab':
+        plan = plan_transformer(tr, scheme, device='cpu', policy=QuantPolicy(min_features=features))
+        return frozenset(plan.quantized)
+    lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
+    return frozenset(f for f, m in lin.items() if rules == 'all' or _selective(f, m.in_features, m.out_features))
 
 # %% ../nbs/12a_speed.ipynb #13b58336
 def kernel_points() -> pd.DataFrame:
@@ -85,25 +274,41 @@ def _ratio(pid, gpu, col, default):
     v = _point(pid)
     return default if v is None else v / float(gpu_spec(gpu)[col])
 
+# %% ../nbs/12a_speed.ipynb #84deb03a
+def _mean_of(*values, default):
+    "The mean of the values that are not None (`default` when none is left)."
+    vs = [v for v in values if v is not None]
+    return sum(vs) / len(vs) if vs else default
+
 # %% ../nbs/12a_speed.ipynb #3dda8bd6
 def arch_efficiency(gpu) -> dict:
-    "Shares of the datasheet peaks that GEMMs, flash attention and elementwise kernels reach on `gpu`'s arch."
-    return dict(_arch_efficiency(gpu_spec(gpu).get('arch', ''), frozenset(_LEFT_OUT)))
+    "Shares of the datasheet peaks that GEMMs, attention (per backend) and elementwise kernels reach on `gpu`."
+    spec = gpu_spec(gpu)
+    major = int(float(spec.get('capability') or 0))
+    return dict(_arch_efficiency(spec.get('arch', ''), major, frozenset(_LEFT_OUT)))
 
 # %% ../nbs/12a_speed.ipynb #7d5fed96
 @functools.lru_cache(maxsize=32)
-def _arch_efficiency(arch: str, left_out: frozenset) -> dict:
+def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
     bw = _ratio('h2c', 'h200', 'mem_bw_tbs', FALLBACK['elementwise'])           # the lab's H200 copy
+    hopper = _ratio('h2b', 'h200', 'bf16_tflops', FALLBACK['gemm'])               # the lab's H200 matmul
+    # torch SDPA's flash kernel (FlashAttention-2) on the H100, where the record has it
+    fa2 = _mean_of(_ratio('fa2h', 'h100', 'bf16_tflops', None), _point('fa2'), default=hopper)
+    cudnn_h = _ratio('cudnnh', 'h100', 'bf16_tflops', fa2)
     if arch == 'Blackwell':
         bf16 = _ratio('sgb', 'b200', 'bf16_tflops', FALLBACK['gemm'])
         fp8 = _ratio('sg8', 'b200', 'fp8_tflops', FALLBACK['gemm'])
-        att = _ratio('cudnn', 'b200', 'bf16_tflops', bf16); src = 'B200 GEMMs (seed) and cuDNN attention (FA4 paper)'
+        cudnn = _ratio('cudnn', 'b200', 'bf16_tflops', bf16)
+        # sm_100: FA2 has no tcgen05 path; sm_120 (no tcgen05 at all): FA2's mma.sync is the native path, as on Hopper
+        sdpa = _ratio('fa2b', 'b200', 'bf16_tflops', fa2) if major == 10 else fa2
+        src = 'B200 GEMMs (seed), SDPA FA2 on sm_100 (flashinfer #5133), cuDNN attention (FA4 paper)'
+        if major != 10: src += f'; sm_{major}0 attention borrowed from the H100 FA2 figures'
     else:
-        bf16 = fp8 = _ratio('h2b', 'h200', 'bf16_tflops', FALLBACK['gemm'])       # the lab's H200 matmul
-        att = _point('fa2') if _point('fa2') is not None else bf16
-        src = 'H200 bf16 GEMM (lab) and FA2 on H100 (FA3 paper)'
+        bf16 = fp8 = hopper
+        sdpa, cudnn = fa2, cudnn_h
+        src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
         if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
-    return dict(bf16=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=att,
+    return dict(bf16=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
                 attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5), elementwise=bw, source=src)
 
 # %% ../nbs/12a_speed.ipynb #cf53adf5
@@ -198,14 +403,17 @@ def _other_time(trace, spec, compiled, floor=2e-6) -> float:
     return float(np.maximum(o.bytes.to_numpy(float) / bw, floor).sum())
 
 # %% ../nbs/12a_speed.ipynb #61b69d4d
-def _attention_time(trace, spec, fp8_attention=False, floor=2e-6) -> float:
+def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
+    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel ('sdpa', 'cudnn' or 'fp8')."
     a = trace.attention
     if a.empty: return 0.0
     eff, bw = arch_efficiency(spec), float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
-    if fp8_attention:
+    if attention == 'fp8':
         cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw                      # q, k, v read in bf16 and written in fp8
         t = a.flops.to_numpy(float) / (_peak(spec, 'fp8') * eff['attention_fp8']) + cast
-    else: t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * eff['attention'])
+    else:
+        share = eff['attention_cudnn' if attention == 'cudnn' else 'attention']
+        t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * share)
     return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
 
 # %% ../nbs/12a_speed.ipynb #83457bde
@@ -217,95 +425,140 @@ def _dense_part(trace, spec) -> float:
     return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, False)
 
 # %% ../nbs/12a_speed.ipynb #dd1658c7
-def forward_time(gpu, model, size: int = 1024, batch: int = 1, scheme: str = 'bf16', compile: str = 'inductor', *,
-                 frames=None, text_tokens=None, path=None, rules: str = 'lab', min_features: int = 512,
-                 fp8_attention: bool = False, cal=None) -> dict:
+def forward_time(gpu, # a GPU name or spec dict
+                 model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+                 scheme: str = 'bf16', # the scheme of the Linears `work.rules` pick (bf16: all dense)
+                 work: Workload | None = None, # picture, batch, execution mode, rules, attention
+                 *, path: str | None = None, # the kernel path (None: the newest of the mode, `default_path`)
+                 cal: dict | None = None, # the path calibration (None: `calibrate()` on the kernel points)
+                 policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
+                 **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=768, min_features=0)
+                ) -> dict:
     "Predicted seconds of one denoiser forward of `model` with its Linears in `scheme`, by part, GPU and CPU."
-    spec, m = gpu_spec(gpu), get_model(model)
-    if compile not in COMPILE_MODES:
-        raise ValueError(f'unknown compile {compile!r}; choose one of {", ".join(COMPILE_MODES)}')
-    if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
-    if scheme not in PREDICT_SCHEMES:
-        raise ValueError(f'unknown scheme {scheme!r}; choose one of {", ".join(PREDICT_SCHEMES)}')
+    work, rest = as_workload(work, **settings)
+    policy = as_policy(policy, **rest)
+    if scheme not in ('bf16', *SCHEMES):
+        raise ValueError(f'unknown scheme {scheme!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
+    spec, m = gpu_spec(gpu), speed_family(model)
     cal = _calibration() if cal is None else cal
-    compiled, launch = compile != 'none', launch_costs().loc['eager' if compile == 'none' else compile]
-    path = path or (default_path(scheme, compile) if scheme != 'bf16' else 'bf16')
-    grid = latent_grid(m, size, frames)
-    shapes = model_linear_shapes(m.name, grid, text_tokens, batch)
-    picked = quantised_linears(m.name, scheme, rules, min_features) if scheme != 'bf16' else frozenset()
+    launch = launch_costs().loc['eager' if work.compile == 'none' else work.compile]
+    path = path or (default_path(scheme, work.compile) if scheme != 'bf16' else 'bf16')
+    shapes, tr = denoiser_calls(m, work)
+    picked = _picked(m.name, scheme, work.rules, policy.features(tiny=False)) if scheme != 'bf16' else frozenset()
     q = shapes.fqn.isin(picked).to_numpy()
     M, K, N = (shapes[c].to_numpy(float) for c in 'MKN')
-    lin = float(linear_time(spec, M[~q], K[~q], N[~q], 'bf16', cal, compiled).sum())
-    if q.any(): lin += float(linear_time(spec, M[q], K[q], N[q], path, cal, compiled).sum())
-    tr = pipeline_trace(m.name, size, batch, frames, text_tokens)['transformer']
-    att, other = _attention_time(tr, spec, fp8_attention), _other_time(tr, spec, compiled)
-    prow = _path_rows().loc[path]
+    lin = float(linear_time(spec, M[~q], K[~q], N[~q], 'bf16', cal, work.compiled).sum())
+    if q.any(): lin += float(linear_time(spec, M[q], K[q], N[q], path, cal, work.compiled).sum())
+    att, other = _attention_time(tr, spec, work.attention), _other_time(tr, spec, work.compiled)
     extra = int(q.sum()) * (linear_kernels(path) - 1)
-    kernels = (tr.fused_kernels if compiled else tr.eager_kernels) + extra
-    cpu = kernels * launch.cpu_us_per_kernel * 1e-6 + (0 if compiled else int(q.sum()) * prow.cpu_us_per_linear * 1e-6)
+    kernels = (tr.fused_kernels if work.compiled else tr.eager_kernels) + extra
+    cpu = kernels * launch.cpu_us_per_kernel * 1e-6
+    if not work.compiled: cpu += int(q.sum()) * _path_rows().loc[path].cpu_us_per_linear * 1e-6
     gpu_s = lin + att + other
     return dict(seconds=max(gpu_s, cpu), gpu_s=gpu_s, cpu_s=cpu, linear_s=lin, attention_s=att, other_s=other,
                 kernels=kernels, quantised_linears=int(q.sum()), path=path)
 
-# %% ../nbs/12a_speed.ipynb #eb7ae616
-def pipeline_time(gpu, model, size: int = 1024, batch: int = 1, steps: int = 28, forwards_per_step: int = 1,
-                  scheme: str = 'bf16', compile: str = 'inductor', **kw) -> dict:
-    "Predicted seconds of one pipeline call: text encoders per prompt (x2 with CFG), every forward, one VAE decode."
-    for name, v, lo in (('steps', steps, 1), ('forwards_per_step', forwards_per_step, 1), ('batch', batch, 1),
-                        ('size', size, 16)):
-        if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-            raise ValueError(f'{name} must be an int >= {lo}, got {v!r}')
-    spec, m = gpu_spec(gpu), get_model(model)
-    fwd = forward_time(spec, m.name, size, batch, scheme, compile, **kw)
-    traces = pipeline_trace(m.name, size, batch, kw.get('frames'), kw.get('text_tokens'))
-    te1 = pipeline_trace(m.name, size, 1, kw.get('frames'), kw.get('text_tokens'))
-    te = sum(_dense_part(t, spec) for k, t in te1.items() if k.startswith('text_encoder')) * forwards_per_step
-    vae = _dense_part(traces['vae'], spec) if 'vae' in traces else 0.0
-    denoise = fwd['seconds'] * steps * forwards_per_step
+# %% ../nbs/12a_speed.ipynb #25e6b23d
+def _pipeline(spec, m, scheme: str, work: Workload, path=None, cal=None, policy=None) -> dict:
+    "Seconds of one pipeline call: text encoders per prompt (x forwards per step), every forward, one VAE decode."
+    fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy)
+    te = vae = 0.0
+    if not isinstance(m, VideoDiT):      # a SPEED_FAMILIES entry knows its transformer only
+        T, side = work.text_tokens, _square(work)
+        te1 = pipeline_trace(m.name, side, 1, work.frames, T)
+        te = sum(_dense_part(t, spec) for k, t in te1.items() if k.startswith('text_encoder')) * work.forwards_per_step
+        traces = pipeline_trace(m.name, side, work.batch, work.frames, T)
+        vae = _dense_part(traces['vae'], spec) if 'vae' in traces else 0.0
+    denoise = fwd['seconds'] * work.steps * work.forwards_per_step
     return dict(seconds=te + denoise + vae, text_encoder_s=te, denoise_s=denoise, vae_s=vae, forward=fwd)
 
+# %% ../nbs/12a_speed.ipynb #eb7ae616
+def pipeline_time(gpu, # a GPU name or spec dict
+                  model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+                  size: int = 1024, # image width in pixels
+                  batch: int = 1, # images per call
+                  steps: int = 28, # denoising steps
+                  forwards_per_step: int = 1, # denoiser forwards per step (2: classifier-free guidance)
+                  scheme: str = 'bf16', # the scheme of the Linears the rules pick
+                  compile: str = 'inductor', # 'none', 'inductor' or 'cudagraphs'
+                  **kw, # other Workload fields (height, frames, text_tokens, rules, attention), path, cal, policy
+                 ) -> dict:
+    "Predicted seconds of one pipeline call: text encoders per prompt (x2 with CFG), every forward, one VAE decode."
+    opts = {k: kw.pop(k) for k in ('path', 'cal', 'policy') if k in kw}
+    work, rest = as_workload(Workload(size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step,
+                                      compile=compile), **kw)
+    policy = as_policy(opts.pop('policy', None), **rest)
+    return _pipeline(gpu_spec(gpu), speed_family(model), scheme, work, policy=policy, **opts)
+
 # %% ../nbs/12a_speed.ipynb #beebd4ec
-def _one(gpu, model, size, batch, steps, fps, scheme, compile, kw) -> dict:
-    spec = gpu_spec(gpu)
+def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy) -> dict:
     try:
-        t = pipeline_time(spec, model, size, batch, steps, fps, scheme, compile, **kw)
-        b = pipeline_time(spec, model, size, batch, steps, fps, 'bf16', compile, **kw)
+        t = _pipeline(spec, m, scheme, work, policy=policy)
+        b = _pipeline(spec, m, 'bf16', work, policy=policy)
     except ValueError as e:
         if 'tensor cores' not in str(e): raise
         return dict(scheme=scheme, seconds=np.nan, speedup=np.nan, note=str(e))
     return dict(scheme=scheme, seconds=t['seconds'], speedup=b['seconds'] / t['seconds'], path=t['forward']['path'],
                 text_encoder_s=t['text_encoder_s'], denoise_s=t['denoise_s'], vae_s=t['vae_s'], note='')
 
+# %% ../nbs/12a_speed.ipynb #c691f58b
+def _memory(m, scheme: str, work: Workload, policy: QuantPolicy, load: str) -> tuple[float, float]:
+    "(resident, peak) GiB: the whole pipeline for a registry family; the transformer alone for `SPEED_FAMILIES`."
+    s, feats = (None if scheme == 'bf16' else scheme), policy.features(tiny=False)
+    if not isinstance(m, VideoDiT):
+        w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
+        e = pipeline_memory(m.name, s, w, load=load, rules=work.rules, policy=policy)
+        return e.resident_GiB, e.peak_GiB
+    tr, picked = _video_module(m.name), _picked(m.name, scheme, work.rules, feats) if s else frozenset()
+    lin = {f: mod for f, mod in tr.named_modules() if isinstance(mod, nn.Linear)}
+    in_lin = {id(p) for mod in lin.values() for p in mod.parameters()}
+    rest = sum(p.numel() * 2 for p in tr.parameters() if id(p) not in in_lin)
+    resident = rest + sum(linear_bytes(x.in_features, x.out_features, s if f in picked else None, x.bias is not None)
+                          for f, x in lin.items())
+    dense = sum(p.numel() * 2 for p in tr.parameters())
+    biggest = max(linear_bytes(x.in_features, x.out_features, None) for x in lin.values()) if s else 0
+    load_peak = {'after-load': dense + biggest, 'at-load': resident + biggest, 'none': resident}[load]
+    acts = denoiser_calls(m, work)[1].peak_bytes
+    return resident / 2**30, max(resident + acts, load_peak) / 2**30
+
+# %% ../nbs/12a_speed.ipynb #9f5af1c9
+def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, band) -> dict:
+    "One `predict` record: seconds and speedup with their bands, memory, the workload and what the numbers are."
+    r = _one(spec, m, s, work, policy)
+    resident, peak = _memory(m, s, work, policy, load)
+    lo_s, hi_s, lo_x, hi_x = band
+    one, video = s == 'bf16', isinstance(m, VideoDiT)
+    note = r.get('note', '') or 'prediction (roofline + kernel paths), not a measurement'
+    if video: note += '; transformer only (no text encoder / VAE configs): seconds, speedup and GiB are the denoiser\'s'
+    elif not m.real_dims: note += '; transformer only: no encoder / VAE configs in 05_pipelines'
+    return dict(scheme=s, seconds=r['seconds'], seconds_lo=r['seconds'] * lo_s, seconds_hi=r['seconds'] * hi_s,
+                speedup=r['speedup'], speedup_lo=1.0 if one else r['speedup'] * lo_x,
+                speedup_hi=1.0 if one else r['speedup'] * hi_x, seconds_per_image=r['seconds'] / work.batch,
+                resident_GiB=resident, peak_GiB=peak, gpu=spec['gpu'], model=m.name, size=work.size,
+                height=work.height or work.size, frames=_frames(m, work),
+                batch=work.batch, steps=work.steps, forwards_per_step=work.forwards_per_step, compile=work.compile,
+                attention=work.attention, path=r.get('path', ''), note=note)
+
 # %% ../nbs/12a_speed.ipynb #a47cddfb
-def predict(gpu, model, size: int = 1024, batch: int = 1, steps: int = 28, forwards_per_step: int = 1,
-            schemes=('bf16',),
-            compile: str = 'inductor', *, frames=None, text_tokens=None, rules: str = 'lab', min_features: int = 512,
-            fp8_attention: bool = False, load: str = 'after-load', intervals: bool = True) -> list[dict]:
+def predict(gpu, # a GPU name or spec dict
+            model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+            schemes=('bf16',), # schemes to predict (a tuple or a comma string; bf16 is the reference)
+            work: Workload | None = None, # picture, batch, steps, execution mode, rules, attention
+            *, policy: QuantPolicy | None = None, # the lab rules' width floor
+            load: str = 'after-load', # when quantisation happens: 'after-load', 'at-load', 'none' (saved quantised)
+            intervals: bool = True, # bands from the validation residuals (False: the point prediction only)
+            **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=1024, compile='none', ...)
+           ) -> list[dict]:
     "Per scheme: predicted pipeline seconds, speedup vs bf16 in the same mode, resident and peak GiB, with intervals."
     if isinstance(schemes, str): schemes = tuple(s for s in schemes.split(',') if s)
-    bad = [s for s in schemes if s not in PREDICT_SCHEMES]
-    if bad or not schemes: raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(PREDICT_SCHEMES)}')
-    if compile not in COMPILE_MODES:
-        raise ValueError(f'unknown compile {compile!r}; choose one of {", ".join(COMPILE_MODES)}')
-    spec, m = gpu_spec(gpu), get_model(model)
-    kw = dict(frames=frames, text_tokens=text_tokens, rules=rules, min_features=min_features,
-              fp8_attention=fp8_attention)
-    band = residual_bands() if intervals else {}
-    out = []
-    for s in dict.fromkeys(schemes):
-        r = _one(spec, m.name, size, batch, steps, forwards_per_step, s, compile, kw)
-        mem = pipeline_memory(m.name, None if s == 'bf16' else s, size, batch, frames, text_tokens, min_features, load,
-                              rules)
-        lo_s, hi_s, lo_x, hi_x = band.get('eager' if compile == 'none' else 'compiled', (1.0, 1.0, 1.0, 1.0))
-        one = s == 'bf16'
-        out.append(dict(scheme=s, seconds=r['seconds'], seconds_lo=r['seconds'] * lo_s, seconds_hi=r['seconds'] * hi_s,
-                        speedup=r['speedup'], speedup_lo=1.0 if one else r['speedup'] * lo_x,
-                        speedup_hi=1.0 if one else r['speedup'] * hi_x, seconds_per_image=r['seconds'] / batch,
-                        resident_GiB=mem.resident_GiB, peak_GiB=mem.peak_GiB, gpu=spec['gpu'], model=m.name, size=size,
-                        batch=batch, steps=steps, forwards_per_step=forwards_per_step, compile=compile,
-                        path=r.get('path', ''),
-                        note=(r.get('note', '') or 'prediction (roofline + kernel paths), not a measurement') + (
-                            '' if m.real_dims else '; transformer only: no encoder / VAE configs in 05_pipelines')))
+    bad = [s for s in schemes if s not in ('bf16', *SCHEMES)]
+    if bad or not schemes:
+        raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(("bf16", *SCHEMES))}')
+    work, rest = as_workload(work, **settings)
+    policy = as_policy(policy, **rest)
+    spec, m = gpu_spec(gpu), speed_family(model)
+    band = residual_bands().get(work.mode, (1.0, 1.0, 1.0, 1.0)) if intervals else (1.0, 1.0, 1.0, 1.0)
+    out = [_record(spec, m, s, work, policy, load, band) for s in dict.fromkeys(schemes)]
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
@@ -314,9 +567,11 @@ def format_predictions(records) -> str:
     "The readable table of `predict`'s records: seconds and speedup with their intervals, resident and peak GiB."
     if not records: return '(no predictions)'
     r0 = records[0]
-    head = (f"# prediction, not a measurement: {r0['model']} at {r0['size']} px, batch {r0['batch']}, "
-            f"{r0['steps']} steps x "
-            f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, on {r0['gpu']}\n")
+    pic = f"{r0['size']} px" if r0.get('height', r0['size']) == r0['size'] else f"{r0['size']}x{r0['height']} px"
+    if r0.get('frames', 1) > 1: pic += f", {r0['frames']} frames"
+    head = (f"# prediction, not a measurement: {r0['model']} at {pic}, batch {r0['batch']}, {r0['steps']} steps x "
+            f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, attention={r0.get('attention', 'sdpa')}, "
+            f"on {r0['gpu']}\n")
     rows = [dict(scheme=r['scheme'], seconds=f"{r['seconds']:.3f} [{r['seconds_lo']:.3f}, {r['seconds_hi']:.3f}]",
                  speedup=f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]",
                  resident_GiB=f"{r['resident_GiB']:.2f}", peak_GiB=f"{r['peak_GiB']:.2f}", path=r['path'] or r['note'])
@@ -347,8 +602,8 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
                        published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
                        predicted_speedup=b_pred / p)
             if memory and pd.notna(r.resident_GiB) and r.resident_GiB != '':
-                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else r.scheme, int(r.size), int(r.batch),
-                                    text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
+                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else r.scheme, size=int(r.size),
+                                    batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
                 row.update(published_resident=float(r.resident_GiB), predicted_resident=e.resident_GiB,
                            published_peak=float(r.peak_GiB), predicted_peak=e.peak_GiB)
             rows.append(row)
