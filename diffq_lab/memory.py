@@ -242,7 +242,14 @@ class _KernelCount(TorchDispatchMode):
         if kind == 'other': self.group_bytes[self.group] = self.group_bytes.get(self.group, 0) + _nbytes(t)
         if g is not None and (key, 'w') not in self.seen:
             self.seen.add((key, 'w')); self.group_bytes[g] = self.group_bytes.get(g, 0) + _nbytes(t)
-    def record(self, kind, name, ins, outs, flops=0.0, **extra):
+    def record(self, kind, # 'matmul', 'conv', 'attention' or 'other'
+               name, # the aten op's name
+               ins, # the tensors it reads
+               outs, # the tensors it returns
+               flops=0.0, # its floating-point operations
+               **extra, # more columns of its row (attention's B, H, Sq, Skv, D)
+              ):
+        "One kernel: its row, the bytes it reads and writes, the activations it leaves alive."
         if kind != 'other': self.group += 1
         for t in ins: self._read(t, kind)
         fresh = [o for o in outs if not any(o is i for i in ins)]
@@ -363,11 +370,12 @@ def _selective(fqn, K, N) -> bool:
 
 # %% ../nbs/09_memory.ipynb #bbca76f5
 @functools.lru_cache(maxsize=64)
-def _picked(family, scheme, rules: str, min_features: int) -> frozenset:
+def _picked(family, scheme, rules: str, floor: int) -> frozenset:
+    "The names `quantised_linears` returns, cached per (family, scheme, rules, width floor)."
     if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
     tr = _meta_parts(get_model(family).name)['transformer']
     if scheme in (None, 'bf16', 'dense'): return frozenset()
-    if rules == 'lab': return frozenset(plan_transformer(tr, scheme, min_features=min_features, device='cpu').quantized)
+    if rules == 'lab': return frozenset(plan_transformer(tr, scheme, min_features=floor, device='cpu').quantized)
     lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
     if rules == 'all': return frozenset(lin)
     return frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
