@@ -257,7 +257,7 @@ def renders(seeds: _int_list = '0,1', # comma list of seeds
             steps: _int_in(1, LIMITS['steps']) = None, # denoising steps (default: 8 on the trained pipeline, else 2)
             size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
            ) -> SimpleNamespace:
-    "What the study renders: every seed with every prompt, `steps` denoising steps at `size` px."
+    "What the study renders: every seed with every prompt, its denoising steps at its size."
     return SimpleNamespace(seeds=seeds, prompts=prompts, steps=steps, size=size)
 
 # %% ../nbs/17_cli.ipynb #3cf10201
@@ -298,7 +298,7 @@ def workload(
     # denoiser forwards per step (2 with classifier-free guidance)
     forwards_per_step: _int_in(1, LIMITS['forwards']) = 1,
 ) -> SimpleNamespace:
-    "One modelled pipeline call: `batch` images of `size` px, `steps` x `forwards_per_step` denoiser forwards."
+    "One modelled pipeline call: a batch of images of a size, its steps times the forwards per step."
     return SimpleNamespace(size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4

@@ -247,7 +247,8 @@ def _check_bar(bar):
 def _whole_time(spec, family: str, target: RealTarget, opts: dict) -> Callable:
     "choice -> the real pipeline's predicted seconds: its dense time, the chosen Linears' gain taken off each forward."
     t = target
-    dense = pipeline_time(spec, family, t.size, 1, t.steps, t.forwards_per_step, 'bf16', t.compile)['seconds']
+    dense = pipeline_time(spec, family, size=t.size, steps=t.steps, forwards_per_step=t.forwards_per_step,
+                          compile=t.compile)['seconds']  # bf16
     dense_lin = predicted({f: 'bf16' for f in opts}, opts)['time_s']
     return lambda choice: dense + t.steps * t.forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
 
