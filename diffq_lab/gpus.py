@@ -70,7 +70,8 @@ def same_compiler_settings():
     saved = inductor_config.get_config_copy(), dynamo_config.get_config_copy()
     try:
         recommended_inductor_config_setter()
-        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)  # each configuration's weight types recompile
+        # each configuration's weight types recompile
+        dynamo_config.recompile_limit = max(dynamo_config.recompile_limit, 64)
         yield COMPILER_SETTINGS
     finally:
         inductor_config.load_config(saved[0]); dynamo_config.load_config(saved[1])
