@@ -15,7 +15,7 @@ from .schemes import normalize_scheme
 from .stats import summarise
 
 # %% auto #0
-__all__ = ['Experiment', 'summary_columns', 'compare']
+__all__ = ['Experiment', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
 
 # %% ../nbs/05a_harness.ipynb #62e1a03e
 _log = logging.getLogger(__name__)
@@ -54,8 +54,11 @@ class Experiment:
             return {'requested': name, 'status': 'failed', 'error': f'{type(e).__name__}: {str(e)[:300]}'}
 
     def frame(self, rows) -> pd.DataFrame:
-        "`rows` as a table."
-        return pd.DataFrame(list(rows))
+        "`rows` as a table that carries the plans its rows name (`attrs['plans']`)."
+        out = pd.DataFrame(list(rows))
+        named = out['plan'].dropna() if 'plan' in out else []
+        out.attrs['plans'] = {d: self.plans[d] for d in named if d in self.plans}
+        return out
 
     def save_plans(self, digests, root=None) -> list[Path]:
         "Write the plans behind `digests` (a table's `plan` column) as `plans/<digest>.json` beside the results tables."
@@ -70,6 +73,19 @@ class Experiment:
         "Append `table` to results table `kind`, each row's plan saved beside it; the whole table."
         self.save_plans(table['plan'] if 'plan' in table else [], root)
         return append_rows(self.kind, table.to_dict('records'), root=root, device=device)
+
+# %% ../nbs/05a_harness.ipynb #35b15b13
+def concat_frames(frames) -> pd.DataFrame:
+    "`pd.concat` of experiment tables, the plans behind their rows merged."
+    frames = list(frames)
+    out = pd.concat(frames, ignore_index=True)
+    out.attrs['plans'] = {d: p for f in frames for d, p in f.attrs.get('plans', {}).items()}
+    return out
+
+# %% ../nbs/05a_harness.ipynb #be472324
+def record_frame(kind: str, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
+    "Record an experiment's `table` into results table `kind` with the plans its rows name; the whole table."
+    return Experiment(kind, plans=dict(table.attrs.get('plans', {}))).record(table, root=root, device=device)
 
 # %% ../nbs/05a_harness.ipynb #bdd3870b
 def summary_columns(values: dict, # metric name -> its per-pair values
