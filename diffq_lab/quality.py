@@ -4,20 +4,17 @@
 
 # %% ../nbs/11_quality.ipynb #53bddc1d
 from __future__ import annotations
-import logging, math, time, urllib.parse, warnings
-import scipy.stats
-from dataclasses import dataclass
+import logging, math, urllib.parse
 from functools import lru_cache
 from pathlib import Path
-import numpy as np
 import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
 from .core import package_version
-from .stats import (Estimate, _bootstrap, _values, ci_label, inf_mean, interleaved_times, paired_bootstrap,
-                             paired_ratio, rank_schemes, speed_vs, summarise, time_once, warm_up, EMULATED_SPEED,
-                             MIN_ROUNDS)  # moved to 00a_stats; re-exported here until every importer switches
+# moved to 00a_stats; importable from here until every importer imports them from diffq_lab.stats
+from .stats import (Estimate, ci_label, interleaved_times, paired_bootstrap, paired_ratio, rank_schemes,
+                             speed_vs, summarise, time_once, warm_up, EMULATED_SPEED, MIN_ROUNDS)
 
 log = logging.getLogger(__name__)
 
