@@ -490,7 +490,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
               out: str = 'out/recommend/plan.json', # the plan file (.json); its snippet goes beside it as .py
               device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
              ) -> int:
-    "Per-Linear denoiser formats for a GPU under a PSNR bar: measured here, carried onto the real model's Linears."
+    "Per-Linear denoiser formats for a GPU under a PSNR bar, measured here; the plan names the real model's Linears."
     from diffq_lab.core import markdown_table
     from diffq_lab.crossover import gpu_spec
     from diffq_lab.export import expand_plan
