@@ -14,7 +14,8 @@ from .core import append_rows, as_dtype, fidelity, markdown_table, module_device
 from .core import latest_run, load_table, resolve_device
 from .schemes import SCHEMES, normalize_scheme, quantized_linears
 from .capability import resolve_backend
-from .plan import QuantPolicy, as_policy, quantize, run_schemes
+from .plan import QuantPolicy, as_policy, quantize
+from .harness import Experiment
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
 from .text_encoder import block_lists, embedding_cosine, encoder_filter, get_real_encoder, quantize_encoder
 from .text_encoder import real_encoder, real_encoders
@@ -797,7 +798,7 @@ def scheme_cosines(model, # a transformers encoder
         return None, dict(keep='{}+{}'.format(*keep), scheme=plan.scheme or 'dense', backend=plan.backend,
                           quantized=plan.n_quantized, linears=plan.n_linear, **res, note=plan.summary()[:200])
     rows = [dict(r, requested=s) for k in keeps
-            for s, r in zip(schemes, run_schemes(schemes, lambda s, k=k: one(s, k)))]
+            for s, r in zip(schemes, Experiment('scheme_cosines').run(schemes, lambda s, k=k: one(s, k)))]
     mf = 'encoder default' if policy.min_features is None else policy.min_features
     return pd.DataFrame(rows).assign(read_layer=str(read_layer), min_features=str(mf))
 
@@ -848,7 +849,7 @@ def massive_under_schemes(model, # a transformers encoder
                           peak_token_cosine=cos(h[b, t], d[b, t]).item(),
                           peak_token_cosine_rest=cos(h[b, t, cold], d[b, t, cold]).item(),
                           other_tokens_cosine=cos(h[others], d[others]).mean().item())
-    return pd.DataFrame(run_schemes(schemes, one)).assign(hot_channels=str(row['top_channels']))
+    return pd.DataFrame(Experiment('massive').run(schemes, one)).assign(hot_channels=str(row['top_channels']))
 
 # %% ../nbs/07_block_select.ipynb #0a4db3bf
 def _logits(model, inputs) -> torch.Tensor:

@@ -17,19 +17,20 @@ from .schemes import is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
 from .plan import ComponentPlan, QuantPlan, QuantPolicy, REAL_MIN_FEATURES, as_policy, apply_plan, plan_linears
-from .plan import quantize, record_rows, run_schemes
+from .plan import quantize
+from .harness import Experiment, concat_frames, record_frame
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
 
 log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'ENCODER_RUNGS', 'OFFLOAD_MODES', 'PROMPTS', 'REAL_ENCODERS',
-           'in_vision_tower', 'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks',
-           'encoder_min_features', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder',
-           'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
-           'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings',
-           'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report',
-           'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'real_encoder']
+__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'OFFLOAD_MODES', 'PROMPTS', 'REAL_ENCODERS', 'in_vision_tower',
+           'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks', 'encoder_min_features',
+           'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder', 'device_encoder_ladder',
+           'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report', 'select_encoder_scheme',
+           'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings', 'embedding_cosine',
+           'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report', 'RealEncoder',
+           'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'real_encoder']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -150,11 +151,9 @@ def quantize_encoder(model: nn.Module, # the text encoder, cast in place
     return apply_plan(model, plan).components[''] if plan.quantized else plan
 
 # %% ../nbs/06_text_encoders.ipynb #9121573e
-ENCODER_RUNGS = ('fp8', 'int8')
-
 def encoder_ladder(cap=None, consumer: bool = False) -> tuple[str, ...]:
-    "The schemes `auto` tries on text encoders for compute capability `cap` (None: CPU), in order."
-    return tuple(s for s in capability.auto_ladder(cap, consumer) if s in ENCODER_RUNGS) + ('fp8_layerwise',)
+    "The schemes `auto` tries on text encoders for capability `cap` (None: CPU): the ladder's `encoder_auto` ones."
+    return tuple(s for s in capability.auto_ladder(cap, consumer) if get_scheme(s).encoder_auto) + ('fp8_layerwise',)
 
 # %% ../nbs/06_text_encoders.ipynb #37096ea0
 def device_encoder_ladder(device=None) -> tuple[str, ...]:
@@ -450,9 +449,9 @@ def te_cosine(pipe, # a pipeline of a registered family
                           keep=_keep_label(s, applied, policy.keep, fam), linears=sum(p.n_linear for p in comps),
                           quantized=sum(p.n_quantized for p in comps),
                           **embedding_cosine(dense, prompt_embeddings(pipe, prompts)), note=note)
-    try: rows = run_schemes(schemes, one)
+    ex = Experiment('te_cosine')
+    try: return ex.frame(ex.run(schemes, one))
     finally: _swap_encoders(pipe, dense_encoders)
-    return pd.DataFrame(rows)
 
 # %% ../nbs/06_text_encoders.ipynb #52818424
 def te_cosine_table(families=TINY_FAMILIES, # the tiny families measured
@@ -471,13 +470,14 @@ def te_cosine_table(families=TINY_FAMILIES, # the tiny families measured
         frames.append(te_cosine(pipe, schemes, policy=policy))
         if no_keep_int8: frames.append(te_cosine(pipe, ('int8',), policy=policy, keep=(0, 0)))
     dt = str(dtype).removeprefix('torch.')
-    return pd.concat(frames, ignore_index=True).assign(text_layers=text_layers, dtype=dt)
+    out = concat_frames(frames)
+    return out.assign(text_layers=text_layers, dtype=dt)
 
 # %% ../nbs/06_text_encoders.ipynb #03e9a413
 def record_te_cosine(root=None, **kwargs) -> pd.DataFrame:
     "Measure `te_cosine_table` (every tiny family x scheme) and append it to the 'te_cosine' results table."
     table = te_cosine_table(**kwargs)
-    record_rows('te_cosine', table, root=root, device='cpu')
+    record_frame('te_cosine', table, root=root, device='cpu')
     return table
 
 # %% ../nbs/06_text_encoders.ipynb #7932f61b
