@@ -252,6 +252,17 @@ def _whole_time(spec, family: str, target: RealTarget, opts: dict) -> Callable:
     dense_lin = predicted({f: 'bf16' for f in opts}, opts)['time_s']
     return lambda choice: dense + t.steps * t.forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
 
+# %% ../nbs/16_recommend.ipynb #591b6da8
+def _bisect(measure, chain: list) -> int:
+    "The index of the fastest plan of `chain` whose measurement clears the bar (the last, dense, always does)."
+    lo, hi = 0, len(chain) - 1
+    measure(chain[hi], 'chain: dense end')
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if measure(chain[mid], f'chain {mid + 1}/{len(chain)}')['clears']: hi = mid
+        else: lo = mid + 1
+    return lo
+
 # %% ../nbs/16_recommend.ipynb #ad020803
 def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer`)
                    gpu, # the GPU the plan is for: a name or spec of `crossover.gpu_spec`
@@ -292,12 +303,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
             rows.append(seen[key])
         return seen[key]
     chain = plan_chain(opts)
-    lo, hi = 0, len(chain) - 1                      # the chain's last plan is dense: it always clears
-    measure(chain[hi], 'chain: dense end')
-    while lo < hi:                                  # bisect for the fastest plan that clears the bar
-        mid = (lo + hi) // 2
-        if measure(chain[mid], f'chain {mid + 1}/{len(chain)}')['clears']: hi = mid
-        else: lo = mid + 1
+    lo = _bisect(measure, chain)
     best, best_src = chain[lo], f'chain {lo + 1}/{len(chain)}'
     for s in formats:                               # the uniform plans: every Linear that can take s, takes it
         uni = {f: (s if s in o else 'bf16') for f, o in opts.items()}
