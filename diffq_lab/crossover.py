@@ -71,11 +71,12 @@ def gemm_passes(shape, scheme) -> pd.DataFrame:
             for k, m, f, b in _passes(M, K, N, _check_scheme(scheme))]
     return pd.DataFrame(rows)
 
-# %% ../nbs/12_crossover.ipynb #ebcd30be
+# %% ../nbs/12_crossover.ipynb #3c2f2627
 EFFICIENCY = dict(mma_eff=0.70, gemm_bw_eff=0.90, quant_bw_eff=0.41, gemm_latency_s=0.7e-6, kernel_floor_s=1e-6)
 # peaks measured, not datasheet
 MEASURED_EFF = dict(mma_eff=1.0, gemm_bw_eff=1.0, quant_bw_eff=1.0, gemm_latency_s=0.0, kernel_floor_s=0.0)
 
+# %% ../nbs/12_crossover.ipynb #ebcd30be
 def as_eff(eff=None) -> dict:
     "The efficiency parameters: `EFFICIENCY` updated with `eff`; unknown names or out-of-range values raise."
     eff = dict(EFFICIENCY, **(eff or {}))
@@ -133,7 +134,7 @@ def roofline(gpu, shape, scheme, eff=None) -> dict:
                 speedup_vs_bf16=bf16 / total, gemm_bound=bound, overhead_share=1 - passes['gemm'] / total,
                 passes=passes)
 
-# %% ../nbs/12_crossover.ipynb #2a8f44a9
+# %% ../nbs/12_crossover.ipynb #8b1618af
 FIT_PARAMS = ('quant_bw_eff', 'gemm_latency_s')
 FIT_GRIDS = {'quant_bw_eff': np.round(np.arange(0.05, 1.0001, 0.01), 2),
              'gemm_latency_s': np.round(np.arange(0, 10.01e-6, 0.1e-6), 9),
@@ -142,6 +143,7 @@ FIT_GRIDS = {'quant_bw_eff': np.round(np.arange(0.05, 1.0001, 0.01), 2),
              'kernel_floor_s': np.round(np.arange(0, 5.01e-6, 0.1e-6), 9)}
 CALIBRATION_MAX_ERR = 0.10   # the stated bound: every published point within 10%
 
+# %% ../nbs/12_crossover.ipynb #2a8f44a9
 def published_ratios(path=None) -> pd.DataFrame:
     "The committed published speedups (`data/published_ratios.csv`): gpu, scheme, baseline, M, K, N, speedup, source."
     return pd.read_csv(path or repo_root()/'data'/'published_ratios.csv')
@@ -175,11 +177,12 @@ def fit_efficiency(published=None, params=FIT_PARAMS, base=None) -> tuple[dict, 
     fitted = dict(base or {}, **{p: float(m[best]) for p, m in zip(params, mesh)})
     return fitted, calibrate(fitted, pub)
 
-# %% ../nbs/12_crossover.ipynb #e68b2173
+# %% ../nbs/12_crossover.ipynb #9893a44d
 CUBE_SIZES = tuple(range(128, 32768 + 1, 128))
 SURFACE_M = tuple(2 ** i for i in range(6, 17))                   # 64 .. 65536 tokens
 SURFACE_KN = (512, 1024, 1536, 2048, 2560, 3072, 3840, 4096, 5120, 6144, 8192, 10240, 12288, 15360, 16384, 24576)
 
+# %% ../nbs/12_crossover.ipynb #e68b2173
 @dataclass
 class Crossover:
     "Where scheme `a` overtakes `b` on `gpu`: the cube size, the smallest winning M per (K, N), and the full surface."
@@ -230,7 +233,7 @@ def find_crossover(gpu, # a GPU name or spec dict
             for (kk, n_), g in grid.sort_values('M').groupby(['K', 'N'])]
     return Crossover(spec['gpu'], scheme_a, scheme_b, cube, pd.DataFrame(rows), grid)
 
-# %% ../nbs/12_crossover.ipynb #d0866c5f
+# %% ../nbs/12_crossover.ipynb #c1ce26b9
 BENCH_SCHEMES = ('bf16', *SCHEMES)   # the dense baseline, then every registered scheme (a snapshot: checks read live)
 CPU_SHAPES = ((128, 1024, 1024), (512, 1024, 4096), (1024, 2048, 2048))
 GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192, 8192, 8192),   # cubes
@@ -238,6 +241,7 @@ GPU_SHAPES = ((1024, 1024, 1024), (2048, 2048, 2048), (4096, 4096, 4096), (8192,
               (4608, 3072, 12288))                                                            # FLUX.1 at 1024px
 EMULATED_LABEL = 'emulated (fake-quant numerics, NOT the kernel)'
 
+# %% ../nbs/12_crossover.ipynb #d0866c5f
 def _timer(fn, device, repeats: int, warmup: int) -> list[float]:
     "Seconds per call of `fn` (`time_once`: CUDA events on a GPU, a wall clock elsewhere), after `warmup` calls."
     for _ in range(warmup): fn()
@@ -409,6 +413,11 @@ def _raw_time(kind, M, K, N, device, repeats, warmup) -> float:
         warnings.warn(f'bare {kind} GEMM {M}x{K}x{N} does not run on {device}: {type(e).__name__}: {e}')
         return float('nan')
 
+# %% ../nbs/12_crossover.ipynb #bba3a8d5
+BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi',
+              'speed',
+              'gemm_only_tflops', 'path', 'reason']
+
 # %% ../nbs/12_crossover.ipynb #19bd318b
 def _finish_bench(df: pd.DataFrame) -> pd.DataFrame:
     for c in ('median_s', 'min_s', 'gemm_only_s', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi'):
@@ -418,10 +427,6 @@ def _finish_bench(df: pd.DataFrame) -> pd.DataFrame:
     df['tflops'] = flops / df.median_s / 1e12
     df['gemm_only_tflops'] = flops / df.gemm_only_s / 1e12
     return df
-
-BENCH_COLS = ['M', 'K', 'N', 'scheme', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo', 'speedup_hi',
-              'speed',
-              'gemm_only_tflops', 'path', 'reason']
 
 # %% ../nbs/12_crossover.ipynb #4cb61828
 def record_gemm_bench(root=None, device=None, **kwargs) -> pd.DataFrame:
@@ -471,9 +476,10 @@ def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
 # moved to 09_memory; importable here
 from .memory import MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, meta_transformer
 
-# %% ../nbs/12_crossover.ipynb #b22c72d9
+# %% ../nbs/12_crossover.ipynb #703d8795
 _inputs = denoiser_kwargs  # the forward-kwargs recipe lives in 09_memory
 
+# %% ../nbs/12_crossover.ipynb #b22c72d9
 def _as_grid(tokens) -> tuple[int, int, int]:
     if isinstance(tokens, (int, np.integer)) and not isinstance(tokens, bool) and tokens > 0:
         side = math.isqrt(int(tokens))
@@ -524,10 +530,11 @@ def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -
 def _cached_shapes(name, grid, text_tokens, batch):
     return model_linear_shapes(meta_transformer(name), grid, text_tokens, batch)
 
-# %% ../nbs/12_crossover.ipynb #b2349439
+# %% ../nbs/12_crossover.ipynb #9b124b61
 NVFP4_MARGIN, MIN_GAIN = 0.10, 0.05
 EIGHT_BIT = ('fp8', 'int8', 'mxfp8')
 
+# %% ../nbs/12_crossover.ipynb #b2349439
 def layer_policy(times: dict, nvfp4_margin: float = NVFP4_MARGIN, margin: float = MIN_GAIN) -> str:
     "The suggested scheme for one Linear from its predicted `times` (scheme -> seconds, bf16 included)."
     eight = {s: t for s, t in times.items() if s in EIGHT_BIT}

@@ -29,12 +29,13 @@ __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'F
            'format_predictions', 'validate', 'error_summary', 'record_validation', 'validation_table', 'residual_bands',
            'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
 
-# %% ../nbs/12a_speed.ipynb #1487826c
+# %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
 ATTENTION = ('sdpa', 'cudnn', 'fp8')   # torch SDPA's default kernel; its cuDNN backend chosen explicitly; FA3 fp8
 PREDICT_SCHEMES = ('bf16', *SCHEMES)   # dense, then every registered scheme (a snapshot: the checks read live)
 _DATA = lambda name: repo_root()/'data'/name
 
+# %% ../nbs/12a_speed.ipynb #1487826c
 @functools.lru_cache(maxsize=8)
 def _csv(name: str) -> pd.DataFrame:
     df = pd.read_csv(_DATA(name))
@@ -255,11 +256,12 @@ def default_path(scheme: str, compile: str) -> str:
         raise ValueError(f'no kernel path for {scheme!r}; schemes with one: {", ".join(sorted(set(p.scheme)))}')
     return rows.path.iloc[0]
 
-# %% ../nbs/12a_speed.ipynb #080fe0eb
+# %% ../nbs/12a_speed.ipynb #909d7103
 # 12_crossover's EFFICIENCY (mma_eff, gemm_bw_eff): only where a point is left out
 FALLBACK = dict(gemm=0.70, elementwise=0.90)
 _LEFT_OUT: set = set()                           # kernel-point sources left out (leave_one_source_out)
 
+# %% ../nbs/12a_speed.ipynb #080fe0eb
 @functools.lru_cache(maxsize=1)
 def _points() -> dict: return {r.point: (r.source, float(r.value)) for r in kernel_points().itertuples()}
 
@@ -311,11 +313,12 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
     return dict(bf16=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
                 attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5), elementwise=bw, source=src)
 
-# %% ../nbs/12a_speed.ipynb #cf53adf5
+# %% ../nbs/12a_speed.ipynb #e7318d21
 GEMM_COL = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
             'nvfp4': 'fp4_tflops'}
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
+# %% ../nbs/12a_speed.ipynb #cf53adf5
 def _peak(spec, dtype) -> float:
     v = spec.get(GEMM_COL[dtype])
     if v is None or pd.isna(v) or v <= 0:
@@ -366,10 +369,11 @@ def linear_kernels(path: str) -> int:
     p = _path_rows().loc[path]
     return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + p.dequant)
 
-# %% ../nbs/12a_speed.ipynb #43c83ce6
+# %% ../nbs/12a_speed.ipynb #6b6aeeb4
 CAL_GRID = dict(gemm_eff=np.round(np.arange(0.20, 0.951, 0.01), 2),
                 overhead_s=np.round(np.arange(0, 30.01e-6, 0.25e-6), 9))
 
+# %% ../nbs/12a_speed.ipynb #43c83ce6
 def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
     "Predicted speedup of a compiled ReLU -> Linear cube n^3 in `path` over bf16 (the torchao benchmark's layout)."
     bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
@@ -586,9 +590,10 @@ def format_predictions(records) -> str:
             for r in records]
     return head + pd.DataFrame(rows).to_string(index=False)
 
-# %% ../nbs/12a_speed.ipynb #00c768e3
+# %% ../nbs/12a_speed.ipynb #24567fa2
 _GROUP = ['source', 'gpu', 'model', 'size', 'batch', 'steps', 'forwards_per_step', 'text_tokens', 'compile', 'rules']
 
+# %% ../nbs/12a_speed.ipynb #00c768e3
 def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = True) -> pd.DataFrame:
     "Every published end-to-end run beside the prediction: seconds, speedup vs the run's own bf16 run, memory."
     runs = published_runs() if runs is None else runs
@@ -623,6 +628,9 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
     out['mode'] = np.where(out['compile'] == 'none', 'eager', 'compiled')
     return out
 
+# %% ../nbs/12a_speed.ipynb #27a698a7
+VALIDATION_FILE, LOSO_FILE = 'speed_validation.csv', 'speed_loso.csv'
+
 # %% ../nbs/12a_speed.ipynb #6ecab52e
 def error_summary(v: pd.DataFrame) -> pd.DataFrame:
     "Median and max absolute error of the speedups (non-bf16 rows) and seconds, per mode and use."
@@ -631,8 +639,6 @@ def error_summary(v: pd.DataFrame) -> pd.DataFrame:
     rows = [dict(mode=m, use=u, what=w, **f(g[c])) for (m, u), g in q.groupby(['mode', 'use'])
             for w, c in (('speedup', 'speedup_err'), ('seconds', 'seconds_err'))]
     return pd.DataFrame(rows)
-
-VALIDATION_FILE, LOSO_FILE = 'speed_validation.csv', 'speed_loso.csv'
 
 # %% ../nbs/12a_speed.ipynb #acda2606
 def record_validation(root=None) -> pd.DataFrame:
