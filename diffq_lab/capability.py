@@ -109,14 +109,12 @@ KNOWN_GPUS = {  # real torch.cuda.get_device_name() strings -> compute capabilit
 
 # %% ../nbs/03_capability.ipynb #e19e8fdb
 def auto_ladder(cap, consumer: bool) -> tuple[str, ...]:
-    "The schemes `auto` tries, in order, on compute capability `cap`; `consumer` parts put int8 first."
+    "The schemes `auto` tries on compute capability `cap`, in their `Scheme.auto_rank` order (`consumer_rank` on consumer parts)."
     cap = as_capability(cap)
-    if cap is None or cap < (8, 0): return ()
-    if cap < (8, 9): ladder = ('int8',)
-    elif cap < (10, 0): ladder = ('fp8', 'int8')
-    else: ladder = ('fp8', 'mxfp8', 'int8')
-    if consumer and 'int8' in ladder: ladder = ('int8',) + tuple(s for s in ladder if s != 'int8')
-    return ladder
+    if cap is None: return ()  # no CUDA device: auto quantises nothing
+    rank = lambda s: s.consumer_rank if consumer and s.consumer_rank is not None else s.auto_rank
+    tried = [s for s in REGISTRY.values() if s.auto_rank is not None and s.gate.passes(cap)]
+    return tuple(s.name for s in sorted(tried, key=rank))
 
 # %% ../nbs/03_capability.ipynb #37c72387
 def _check_scheme(scheme) -> Scheme:
