@@ -109,7 +109,7 @@ KNOWN_GPUS = {  # real torch.cuda.get_device_name() strings -> compute capabilit
 
 # %% ../nbs/03_capability.ipynb #e19e8fdb
 def auto_ladder(cap, consumer: bool) -> tuple[str, ...]:
-    "The schemes `auto` tries on compute capability `cap`, in their `Scheme.auto_rank` order (`consumer_rank` on consumer parts)."
+    "The schemes `auto` tries on capability `cap`, in `Scheme.auto_rank` order (`consumer_rank` on consumer parts)."
     cap = as_capability(cap)
     if cap is None: return ()  # no CUDA device: auto quantises nothing
     rank = lambda s: s.consumer_rank if consumer and s.consumer_rank is not None else s.auto_rank
