@@ -21,8 +21,8 @@ __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BL
            'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation',
            'register_emulation', 'get_emulation', 'recipes_table', 'EmulatedLinear', 'emulate_linears', 'real_or',
            'reference_for', 'reference_kind', 'NVFP4ScaleWarning', 'nvfp4_scale_hazard', 'int4_groupwise',
-           'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement', 'make_activations',
-           'numerics_table', 'record_numerics']
+           'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement', 'outlier_channels',
+           'make_activations', 'numerics_table', 'record_numerics']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -612,6 +612,16 @@ def record_agreement(root=None, device=None, schemes=None) -> pd.DataFrame:
     append_rows('agreement', table.to_dict('records'), root=root, device=resolve_device(device))
     return table
 
+# %% ../nbs/02_emulate.ipynb #4f86c157
+def outlier_channels(x: torch.Tensor, # activations (..., channels), scaled in place
+                     every: int, # one channel in `every` (at least one) becomes an outlier
+                     generator: torch.Generator | None = None, # which channels: a seeded draw
+                     scale: float = 50.0, # how much larger they are
+                    ) -> torch.Tensor:
+    "`x` with a random one-in-`every` of its channels `scale` times larger: as in real LLM activations."
+    x[..., torch.randperm(x.shape[-1], generator=generator)[:max(1, x.shape[-1] // every)]] *= scale
+    return x
+
 # %% ../nbs/02_emulate.ipynb #585add87
 DISTRIBUTIONS = ('gaussian', 'outliers', 'zero_rows')
 
@@ -622,7 +632,7 @@ def make_activations(kind: str, M: int, K: int, generator: torch.Generator | Non
     if kind == 'outliers':
         chi2 = (torch.randn(M, K, 3, generator=generator) ** 2).mean(-1)  # Student-t with 3 dof = z / sqrt(chi2_3 / 3)
         x = x / chi2.sqrt()
-        x[:, torch.randperm(K, generator=generator)[:max(1, K // 256)]] *= 50.0
+        x = outlier_channels(x, 256, generator)
     if kind == 'zero_rows': x[::4] = 0
     return x
 

@@ -17,6 +17,7 @@ from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic
                             check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
                             fingerprint, provenance)
 from .core import fidelity
+from .emulate import outlier_channels
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, QuantPolicy, as_policy, quantize
@@ -57,7 +58,7 @@ def probe_tokens(kind='gaussian', tokens=64, width=512, seed=0, dtype=torch.bflo
         raise ValueError(f"unknown token kind {kind!r}; choose 'gaussian' or 'outliers'")
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(tokens, width, generator=g)
-    if kind == 'outliers': x[:, torch.randperm(width, generator=g)[:max(1, width // 128)]] *= 50.0
+    if kind == 'outliers': x = outlier_channels(x, 128, g)
     return x.to(resolve_device(device), dtype)
 
 # %% ../nbs/15_study.ipynb #ec229c5b
