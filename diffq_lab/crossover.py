@@ -15,7 +15,7 @@ from .core import (append_rows, device_name, markdown_table, repo_root, resolve_
 from .capability import gpu_capability, hardware_gate
 from .gpus import (COMPILER_SETTINGS, REQUIRED_GPUS, SPEC_COLS, gpu_schemes, gpu_spec, gpu_specs,
                             same_compiler_settings)   # they live in 11a_gpus; importable from here too
-from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
+from .schemes import REGISTRY, SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
 from .memory import denoiser_kwargs
@@ -43,9 +43,13 @@ def as_shape(shape) -> tuple[int, int, int]:
 
 # %% ../nbs/12_crossover.ipynb #24afabf5
 def _check_scheme(scheme) -> str:
-    if scheme not in ROOFLINE_SCHEMES:
-        raise ValueError(f'the roofline models {", ".join(ROOFLINE_SCHEMES)}; got {scheme!r}')
-    return scheme
+    "The roofline format of `scheme`: a format itself, or what a registered `Scheme` says it is timed as (`roofline`)."
+    if scheme in ROOFLINE_SCHEMES: return scheme
+    s = get_scheme(scheme) if isinstance(scheme, str) and scheme in REGISTRY else None
+    if s is None or s.roofline is None:
+        raise ValueError(f'the roofline models {", ".join(ROOFLINE_SCHEMES)} and the schemes timed as one; '
+                         f'got {scheme!r}')
+    return s.roofline
 
 # %% ../nbs/12_crossover.ipynb #e1bc3473
 def _passes(M, K, N, scheme) -> list[tuple[str, str | None, object, object]]:
@@ -124,10 +128,11 @@ def predict_time(gpu, # a GPU name or spec dict
 def roofline(gpu, shape, scheme, eff=None) -> dict:
     "Predicted time of a `scheme` Linear of `shape` on `gpu`, per pass, with achieved TFLOPS and the speedup over bf16."
     spec, eff, (M, K, N) = gpu_spec(gpu), as_eff(eff), as_shape(shape)
-    passes = {k: float(t) for k, t in _pass_times(spec, M, K, N, _check_scheme(scheme), eff)}
+    fmt = _check_scheme(scheme)
+    passes = {k: float(t) for k, t in _pass_times(spec, M, K, N, fmt, eff)}
     total, bf16 = sum(passes.values()), float(predict_time(spec, M, K, N, 'bf16', eff))
     bw = float(spec['mem_bw_tbs']) * 1e12
-    gemm = next(p for p in _passes(M, K, N, scheme) if p[1])
+    gemm = next(p for p in _passes(M, K, N, fmt) if p[1])
     compute = gemm[2] / (_peak(spec, gemm[1]) * eff['mma_eff']) >= gemm[3] / (bw * eff['gemm_bw_eff'])
     bound = 'compute' if compute else 'memory'
     return dict(gpu=spec['gpu'], scheme=scheme, M=M, K=K, N=N, time_s=total, tflops=2*M*K*N / total / 1e12,
