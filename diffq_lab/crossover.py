@@ -19,7 +19,7 @@ from .schemes import REGISTRY, SCHEMES, fp8_gate_bypassed, get_scheme, make_filt
 from .plan import quantize
 from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
 from .memory import denoiser_kwargs
-from .quality import interleaved_times, speed_vs, time_once, warm_up
+from .stats import interleaved_times, speed_vs, time_once, warm_up
 
 # %% auto #0
 __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS', 'CALIBRATION_MAX_ERR', 'CUBE_SIZES',

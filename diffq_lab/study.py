@@ -30,7 +30,7 @@ from .gguf import write_gguf
 from .loader import load_pipeline_quantized
 from .quality import quality_metrics
 from .stats import interleaved_times, speed_vs, warm_up
-from .crossover import COMPILER_SETTINGS, same_compiler_settings
+from .gpus import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
