@@ -106,13 +106,30 @@ def _pair_columns(pair) -> dict:
     "A pair as row columns: (seed, prompt) as `seed` and `prompt`, anything else as `pair`."
     return dict(seed=pair[0], prompt=pair[1]) if isinstance(pair, tuple) and len(pair) == 2 else dict(pair=pair)
 
+# %% ../nbs/05a_harness.ipynb #49995142
+def _scores(metrics: dict, out, ref, pair) -> dict:
+    "Every metric of one output against its reference, as columns (a metric returning a dict gives several)."
+    cols = {}
+    for m, fn in metrics.items():
+        v = fn(out, ref, pair)
+        cols.update(v if isinstance(v, dict) else {m: v})
+    return cols
+
+# %% ../nbs/05a_harness.ipynb #b777f03e
+def _summary(scores: list[dict]) -> dict:
+    "Numeric columns summarised over the pairs (`summary_columns`); any other column as its first pair has it."
+    numeric = lambda v: isinstance(v, (int, float, np.number)) and not isinstance(v, bool)
+    keys = [k for k in scores[0] if all(numeric(s.get(k)) for s in scores)]
+    rest = {k: v for k, v in scores[0].items() if k not in keys}
+    return {**rest, **summary_columns({k: [s[k] for s in scores] for k in keys})}
+
 # %% ../nbs/05a_harness.ipynb #ade4f2ff
 def compare(build, # () -> a fresh pipeline or module (dense)
             pairs, # the (seed, prompt) pairs every arm runs
             arms, # schemes, plans, or any arm `apply` understands
             apply, # (pipe, arm) -> the QuantPlan applied to `pipe`
             produce, # (pipe, pair) -> the output measured (a render, hidden states)
-            metrics: dict, # name -> fn(out, ref, pair) -> float, the reference being dense's output for the pair
+            metrics: dict, # name -> fn(out, ref, pair) -> a float or a dict of columns (ref: dense's output)
             experiment: Experiment, # where the rows and plans go
             per_pair: bool = False, # one row per arm and pair instead of one per arm with intervals
            ) -> list[dict]:
@@ -122,11 +139,8 @@ def compare(build, # () -> a fresh pipeline or module (dense)
     def one(arm):
         pipe = build()
         plan = apply(pipe, arm)
-        outs = {k: produce(pipe, k) for k in pairs}
-        vals = {m: [fn(outs[k], ref[k], k) for k in pairs] for m, fn in metrics.items()}
-        if per_pair:
-            return plan, {'pairs': [dict(_pair_columns(k), **{m: v[i] for m, v in vals.items()}) for i,
-                                    k in enumerate(pairs)]}
-        return plan, dict(summary_columns(vals), n_pairs=len(pairs))
+        scores = [_scores(metrics, produce(pipe, k), ref[k], k) for k in pairs]
+        if per_pair: return plan, {'pairs': [dict(_pair_columns(k), **s) for k, s in zip(pairs, scores)]}
+        return plan, dict(_summary(scores), n_pairs=len(pairs))
     rows = experiment.run(arms, one)
     return [dict(r, **p) for r in rows for p in r.pop('pairs', None) or [{}]] if per_pair else rows
