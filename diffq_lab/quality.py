@@ -322,38 +322,26 @@ def quality_pairs(family: str = 'z-image', # the tiny family rendered
     "A row per scheme x seed x prompt: PSNR/SSIM (LPIPS if it runs) of the encoder-cast render vs dense, prompt cosine."
     # earlier notebooks' modules, imported here so the metrics alone stay light
     from diffq_lab.core import resolve_device
+    from diffq_lab.harness import Experiment, compare
     from diffq_lab.pipelines import tiny_pipeline, render
-    from diffq_lab.schemes import SCHEMES, normalize_scheme
-    from diffq_lab.plan import run_schemes
+    from diffq_lab.schemes import SCHEMES
     from diffq_lab.text_encoder import quantize_text_encoders, prompt_embeddings
     schemes, device = tuple(SCHEMES if schemes is None else schemes), resolve_device(device)
     if not seeds or not prompts: raise ValueError('quality_pairs needs at least one seed and one prompt')
-    for s in schemes: normalize_scheme(s)  # unknown names fail before anything renders
-    dense = tiny_pipeline(family).to(device)
-    ref = {(sd, p): render(dense, p, steps=steps, size=size, seed=sd) for p in prompts for sd in seeds}
-    ref_emb = {p: prompt_embeddings(dense, [p]) for p in prompts}
-    def one(s):
-        pipe = tiny_pipeline(family).to(device)
-        plan = quantize_text_encoders(pipe, s, family=family)
-        parts = plan.components.values()
-        cos = {p: hidden_cosine(ref_emb[p], prompt_embeddings(pipe, [p]))['cosine'] for p in prompts}
-        pairs = [dict(seed=sd, prompt=p, cosine=cos[p],
-                      **quality_metrics(render(pipe, p, steps=steps, size=size, seed=sd), r))
-                 for (sd, p), r in ref.items()]
-        return plan, dict(scheme='+'.join(sorted({c.scheme or 'dense' for c in parts})),
-                          backend='+'.join(sorted({c.backend for c in parts if c.backend})) or None, pairs=pairs)
-    rows = []
-    for r in run_schemes(schemes, one):  # keyed by the scheme that ran; `requested` beside it
-        base = dict(r, family=family, size=size, steps=steps)
-        pairs = base.pop('pairs', None) or [{}]
-        rows += [dict(base, **q) for q in pairs]
-    return pd.DataFrame(rows)
+    def produce(pipe, pair):
+        seed, prompt = pair
+        return render(pipe, prompt, steps=steps, size=size, seed=seed), prompt_embeddings(pipe, [prompt])
+    metrics = dict(render=lambda out, ref, pair: quality_metrics(out[0], ref[0]),
+                   cosine=lambda out, ref, pair: hidden_cosine(ref[1], out[1])['cosine'])
+    ex = Experiment('quality_pairs')
+    rows = compare(lambda: tiny_pipeline(family).to(device), [(sd, p) for p in prompts for sd in seeds], schemes,
+                   lambda pipe, s: quantize_text_encoders(pipe, s, family=family), produce, metrics, ex, per_pair=True)
+    return ex.frame(dict(r, family=family, size=size, steps=steps) for r in rows)
 
 # %% ../nbs/11_quality.ipynb #7b054f0f
 def record_quality(root=None, **kwargs) -> pd.DataFrame:
     "Measure `quality_pairs` and append it to the 'quality_pairs' results table."
-    # an earlier notebook's module, imported here so the metrics alone stay light
-    from diffq_lab.plan import record_rows
+    from diffq_lab.harness import record_frame  # an earlier notebook's module, imported here: the metrics stay light
     table = quality_pairs(**kwargs)
-    record_rows('quality_pairs', table, root=root, device=kwargs.get('device'))
+    record_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
     return table
