@@ -559,10 +559,9 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
     import json as _json
     from diffq_lab.crossover import gpu_spec
     from diffq_lab.memory import get_model
-    from diffq_lab.speed import format_predictions, predict as _predict
+    from diffq_lab.speed import Workload, format_predictions, predict as _predict
     gpu_spec(gpu); fam = get_model(family).name  # names checked before the model is traced
-    recs = _predict(gpu, fam, size=work.size, batch=work.batch, steps=work.steps,
-                    forwards_per_step=work.forwards_per_step, schemes=tuple(schemes), compile=compile)
+    recs = _predict(gpu, fam, tuple(schemes), Workload(**vars(work), compile=compile))
     print(_json.dumps(recs, indent=1, default=str) if json else format_predictions(recs))
     return 0
 

@@ -6,7 +6,7 @@
 from __future__ import annotations
 import copy, math
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable
 import numpy as np
 import pandas as pd
@@ -21,7 +21,7 @@ from .block_select import capture_calls
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
 from .crossover import gpu_spec, gpu_schemes, latent_grid, layer_pattern, model_linear_shapes
-from .speed import COMPILE_MODES, default_path, linear_time, pipeline_time
+from .speed import Workload, default_path, linear_time, pipeline_time
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'denoiser_calls', 'linear_sensitivity',
@@ -57,12 +57,9 @@ class RenderWork:
 # %% ../nbs/16_recommend.ipynb #5ea30bf3
 @dataclass
 class RealTarget:
-    "The real model a plan is for, as the speed model times it: `family` at `size` px, `steps` x `forwards_per_step`."
+    "The real model a plan is for, as the speed model times it: `family` running the speed model's `Workload`."
     family: str | None = None  # the family whose real shapes are timed (default: the measured pipeline's)
-    size: int = 1024           # image side in pixels of the real model's renders
-    steps: int = 28            # denoising steps of one real pipeline call
-    forwards_per_step: int = 1 # denoiser forwards per step (2 with classifier-free guidance)
-    compile: str = 'inductor'  # the speed model's execution mode: 'none' (eager), 'inductor' or 'cudagraphs'
+    work: Workload = field(default_factory=Workload)  # one call: size, batch, steps x forwards, execution mode
 
 # %% ../nbs/16_recommend.ipynb #r0000011
 def _tensors(x) -> list[torch.Tensor]:
@@ -130,21 +127,14 @@ def linear_sensitivity(tr: nn.Module, # the denoiser
     return pd.DataFrame(rows, columns=['fqn', 'scheme', 'backend', 'rel_err'])
 
 # %% ../nbs/16_recommend.ipynb #r0000015
-def pattern_times(family, # a family with a real-dims denoiser
-                  gpu, # a GPU name or spec (`crossover.gpu_spec`)
-                  size: int = 1024, # image side in pixels
-                  frames=None, # video frames (video families)
-                  compile: str = 'inductor', # the speed model's execution mode: 'none', 'inductor' or 'cudagraphs'
-                  batch: int = 1, # images per call
-                 ) -> pd.DataFrame:
-    "Per layer pattern of `family`'s real denoiser at `size` px: its real Linears and their summed seconds per format."
-    if compile not in COMPILE_MODES:
-        raise ValueError(f'unknown compile {compile!r}; choose one of {", ".join(COMPILE_MODES)}')
-    spec = gpu_spec(gpu)
-    shapes = model_linear_shapes(family, latent_grid(family, size, frames), batch=batch)
+def pattern_times(family, gpu, work: Workload | None = None) -> pd.DataFrame:
+    "Per layer pattern of `family`'s real denoiser under `work` (square): its real Linears, summed seconds per format."
+    w, spec = work or Workload(), gpu_spec(gpu)
+    if w.height not in (None, w.size): raise ValueError(f'pattern_times models square images, got {w.size}x{w.height}')
+    shapes = model_linear_shapes(family, latent_grid(family, w.size, w.frames), batch=w.batch)
     m, k, n = (shapes[c].to_numpy(float) for c in 'MKN')
-    path = lambda s: 'bf16' if s == 'bf16' else default_path(s, compile)
-    cols = {s: linear_time(spec, m, k, n, path(s), compiled=compile != 'none') for s in ('bf16', *gpu_formats(spec))}
+    path = lambda s: 'bf16' if s == 'bf16' else default_path(s, w.compile)
+    cols = {s: linear_time(spec, m, k, n, path(s), compiled=w.compiled) for s in ('bf16', *gpu_formats(spec))}
     layers = shapes.assign(pattern=shapes.fqn.map(layer_pattern), n=1, **cols)
     return layers.groupby('pattern')[['n', *cols]].sum()
 
@@ -246,11 +236,10 @@ def _check_bar(bar):
 # %% ../nbs/16_recommend.ipynb #a59b3c19
 def _whole_time(spec, family: str, target: RealTarget, opts: dict) -> Callable:
     "choice -> the real pipeline's predicted seconds: its dense time, the chosen Linears' gain taken off each forward."
-    t = target
-    dense = pipeline_time(spec, family, size=t.size, steps=t.steps, forwards_per_step=t.forwards_per_step,
-                          compile=t.compile)['seconds']  # bf16
+    w = target.work
+    dense = pipeline_time(spec, family, **{f.name: getattr(w, f.name) for f in fields(w)})['seconds']  # bf16
     dense_lin = predicted({f: 'bf16' for f in opts}, opts)['time_s']
-    return lambda choice: dense + t.steps * t.forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
+    return lambda choice: dense + w.steps * w.forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
 
 # %% ../nbs/16_recommend.ipynb #591b6da8
 def _bisect(measure, chain: list) -> int:
@@ -285,7 +274,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
         raise ValueError(f'recommend_plan plans one denoiser (transformer); {fam} has {list(denoisers(pipe))}')
     tr = pipe.transformer
     sens = linear_sensitivity(tr, denoiser_calls(pipe, w), formats, policy, device)
-    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.size, compile=t.compile)))
+    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work)))
     whole = _whole_time(spec, fam, t, opts)
     te = (plan_text_encoders(pipe, te_scheme, family=fam, backend=policy.backend, device=device) if te_scheme
           else QuantPlan())

@@ -5,6 +5,7 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 from diffq_lab.crossover import gpu_spec
+from diffq_lab.speed import Workload
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.plan import to_pipeline_config
 from diffq_lab.recommend import RealTarget, RenderWork, gpu_formats, plan_chain, recommend_plan
@@ -27,7 +28,8 @@ def planted_rec():
     pipe = tiny_pipeline('z-image')
     hot = plant(pipe, 'noise_refiner.0') + plant(pipe, 'layers.0')
     spec = {**gpu_spec('b200'), 'gpu': 'fp4-heavy what-if', 'fp4_tflops': 8 * 9000.0}
-    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), RealTarget(size=2048))
+    target = RealTarget(work=Workload(size=2048))
+    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), target)
 
 
 def test_planted_sensitivity_stays_dense_or_8_bit(planted_rec):
