@@ -31,6 +31,7 @@ __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'deno
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
 
+# %% ../nbs/16_recommend.ipynb #101fb46c
 def gpu_formats(gpu) -> tuple[str, ...]:
     "The lab's schemes `gpu` has tensor cores for and the roofline can time (dense bf16 is always a choice too)."
     return tuple(s for s in gpu_schemes(gpu) if s in RECOMMEND_SCHEMES)
