@@ -213,11 +213,11 @@ class TrainRecipe:
     vae_steps: int = 800     # autoencoder steps (the last quarter decays its lr to 0)
     vae_bs: int = 16         # autoencoder batch
     vae_lr: float = 2e-3     # autoencoder peak learning rate (AdamW)
-    dit_steps: int = 3600    # DiT flow-matching steps
+    dit_steps: int = 2800    # DiT flow-matching steps
     dit_bs: int = 16         # DiT batch
     dit_lr: float = 1e-3     # DiT peak learning rate (AdamW, no weight decay)
     warmup: int = 100        # DiT steps of linear warm-up
-    decay: int = 600         # DiT steps at the end over which its lr falls linearly to 0
+    decay: int = 0           # DiT steps at the end over which its lr falls linearly to 0
     ema: float = 0.995       # DiT weight EMA, warmed up as min(ema, (1 + i)/(10 + i)): the saved weights
     p_uncond: float = 0.1    # share of empty captions (classifier-free guidance)
 
