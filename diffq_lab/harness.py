@@ -45,7 +45,8 @@ class Experiment:
         return [self._one(a, measure) for a in it]
 
     def _one(self, arm, measure) -> dict:
-        name = arm or 'dense' if arm is None or isinstance(arm, str) else getattr(arm, 'name', str(arm))
+        named = arm is None or isinstance(arm, str)
+        name = (arm or 'dense') if named else getattr(arm, 'name', str(arm))
         try:
             plan, measured = measure(arm)
             return {'requested': name, **self.keep(plan), **measured, 'status': 'ok', 'error': ''}
