@@ -352,17 +352,6 @@ def _drop_dead_stages(out: Path):
             except ProcessLookupError: shutil.rmtree(d, ignore_errors=True)
             except PermissionError: pass  # another user's live process
 
-# %% ../nbs/17_cli.ipynb #9cfa6ee2
-@contextlib.contextmanager
-def _dirty_allowed(allow: bool):
-    "Within the block, `--allow-dirty` reaches every table write (`DIFFQ_LAB_ALLOW_DIRTY`, which the store reads)."
-    before = os.environ.get('DIFFQ_LAB_ALLOW_DIRTY')
-    if allow: os.environ['DIFFQ_LAB_ALLOW_DIRTY'] = '1'
-    try: yield
-    finally:
-        if before is None: os.environ.pop('DIFFQ_LAB_ALLOW_DIRTY', None)
-        else: os.environ['DIFFQ_LAB_ALLOW_DIRTY'] = before
-
 # %% ../nbs/17_cli.ipynb #5b4b9f7e
 _STUDY_TABLES = ('capability', 'study_numerics', 'study')  # what a recording study appends to
 
@@ -413,8 +402,7 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
     kw = dict(pipe_or_family=pipe, schemes=schemes, steps=times.steps, size=times.size, runs=times.runs,
               compile=quantise.compile, device=device, gguf=None if gguf.lower() == 'none' else gguf, dims=target.dims,
               min_features=floor)
-    with _dirty_allowed(rec.allow_dirty):  # record_transformer_bench's store reads it
-        df = transformer_bench(**kw) if rec.no_record else record_transformer_bench(**kw)
+    df = transformer_bench(**kw) if rec.no_record else record_transformer_bench(allow_dirty=rec.allow_dirty, **kw)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return 0
 

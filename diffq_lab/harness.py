@@ -70,10 +70,10 @@ class Experiment:
             out.append(self.plans[d].save(results_dir(root)/'plans'/f'{d}.json'))
         return out
 
-    def record(self, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
+    def record(self, table: pd.DataFrame, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
         "Append `table` to results table `kind`, each row's plan saved beside it; the whole table."
         self.save_plans(table['plan'] if 'plan' in table else [], root)
-        return append_rows(self.kind, table.to_dict('records'), root=root, device=device)
+        return append_rows(self.kind, table.to_dict('records'), root=root, device=device, allow_dirty=allow_dirty)
 
 # %% ../nbs/05a_harness.ipynb #35b15b13
 def concat_frames(frames) -> pd.DataFrame:
@@ -84,9 +84,10 @@ def concat_frames(frames) -> pd.DataFrame:
     return out
 
 # %% ../nbs/05a_harness.ipynb #be472324
-def record_frame(kind: str, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
+def record_frame(kind: str, table: pd.DataFrame, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
     "Record an experiment's `table` into results table `kind` with the plans its rows name; the whole table."
-    return Experiment(kind, plans=dict(table.attrs.get('plans', {}))).record(table, root=root, device=device)
+    plans = dict(table.attrs.get('plans', {}))
+    return Experiment(kind, plans=plans).record(table, root=root, device=device, allow_dirty=allow_dirty)
 
 # %% ../nbs/05a_harness.ipynb #bdd3870b
 def summary_columns(values: dict, # metric name -> its per-pair values

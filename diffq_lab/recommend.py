@@ -333,10 +333,9 @@ def recommend_on_trained(gpus=('b200', 'h200'), # the GPUs to plan for
 # %% ../nbs/16_recommend.ipynb #c78218ec
 def record_recommendations(root=None, **kw) -> pd.DataFrame:
     "Run `recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
-    from diffq_lab.plan import APPLIED, record_rows
+    from diffq_lab.harness import Experiment
     table, recs = recommend_on_trained(**kw)
-    for r in recs.values(): APPLIED[r.plan.digest()] = r.plan
-    return record_rows('recommend', table, root=root)
+    return Experiment('recommend', plans={r.plan.digest(): r.plan for r in recs.values()}).record(table, root=root)
 
 # %% ../nbs/16_recommend.ipynb #73b9e706
 def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):

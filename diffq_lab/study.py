@@ -21,7 +21,7 @@ from .emulate import outlier_channels
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, QuantPolicy, as_policy, quantize
-from .harness import Experiment, summary_columns
+from .harness import Experiment, record_frame, summary_columns
 from .pipelines import (tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders,
                                  weights_digest)
 from .transformer import denoisers, compile_stats
@@ -687,8 +687,7 @@ def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dim
     return out
 
 # %% ../nbs/15_study.ipynb #edfbd729
-def record_transformer_bench(root=None, **kwargs) -> pd.DataFrame:
+def record_transformer_bench(root=None, allow_dirty: bool = False, **kwargs) -> pd.DataFrame:
     "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table."
     df = transformer_bench(**{'progress': True, **kwargs})
-    Experiment('transformer_bench', plans=df.attrs['plans']).record(df, root=root, device=kwargs.get('device'))
-    return df
+    return record_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)
