@@ -30,7 +30,7 @@ __all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'OFFLOAD_MODES', 'PRO
            'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report', 'select_encoder_scheme',
            'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings', 'embedding_cosine',
            'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report', 'RealEncoder',
-           'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'real_encoder']
+           'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'real_encoder', 'real_encoder_available']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -624,3 +624,10 @@ def real_encoder(name, dtype=torch.bfloat16, device=None, refresh: bool = False)
         finally:
             if bars: T.utils.logging.enable_progress_bar()
     return model.to(resolve_device(device)).eval(), tok
+
+# %% ../nbs/06_text_encoders.ipynb #fc121592
+def real_encoder_available(name) -> bool:
+    "Whether `real_encoder(name)` can run here: built into the cache before, or its package is installed."
+    import importlib.util
+    e = get_real_encoder(name)
+    return (encoder_cache_dir(name)/_MARK).exists() or importlib.util.find_spec(e.module) is not None

@@ -71,6 +71,7 @@ for s in $STAGES; do
   timeout -k 3 "$((bs > 6 ? bs - 3 : bs))" "$PY" tools/gpu_stages.py run "$s" $DRY "${fake[@]}" >> "$LOG" 2>&1; rc=$?
   el=$((SECONDS - t0))
   st=ok; (( rc == 124 || rc == 137 )) && st="killed at its budget"; (( rc != 0 && rc != 124 && rc != 137 )) && st=failed
+  (( rc == 3 )) && st=skipped  # the stage said why it cannot run here (in run.log)
   record "$s" "$bs" "$el" "$rc" "$st"
   say "=== $s: $st (rc $rc, $el s)"
   pack

