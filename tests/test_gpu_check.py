@@ -149,6 +149,23 @@ def test_rehearsal_check_reads_the_out_folder(tmp_path):
     assert any(p == 'stage trained: killed' for p in problems) and any('10 files' in p for p in problems)
 
 
+
+def test_rehearsal_accepts_only_the_skip_this_image_must_make(tmp_path):
+    work = tmp_path/'work'
+    (work/'results').mkdir(parents=True)
+    rows = ''.join(f"{s}\t1\t1\t{3 if s == 'trained' else 0}\t{'skipped' if s == 'trained' else 'ok'}\n"
+                   for s in ('install', *stages.RUN_STAGES))
+    (work/'status.tsv').write_text(rows)
+    for s, kinds in stages.TABLES.items():
+        for k in kinds if s != 'trained' else ():
+            pd.DataFrame([dict(run='r', utc='u', config='dense', status='ok', error='')]).to_csv(work/'results'/f'{k}.csv')
+    out = tmp_path/'out'
+    stages.pack(work, out)
+    (out/'run.log').write_text('stage trained skipped: no disk\n')  # a skip for another reason: a problem
+    assert 'stage trained: skipped' in rehearsal.check_out(out)
+    (out/'run.log').write_text(f"stage trained skipped: ... {rehearsal.EXPECTED_SKIPS['trained']} (93 MB) ...\n")
+    assert rehearsal.check_out(out) == []
+
 # ---------------------------------------------------------------------------------------------------- the import
 def _gpu_work(tmp_path, dry=False):
     work = tmp_path/'work'
