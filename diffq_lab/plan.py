@@ -4,28 +4,24 @@
 
 # %% ../nbs/04_plan.ipynb #3f1094a9
 from __future__ import annotations
-import hashlib, json, logging, re, shutil, tempfile, warnings
+import hashlib, json, re, shutil, tempfile, warnings
 from collections import Counter
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import (append_rows, atomic_write_text, record_tables, check_writable, module_device, resolve_device,
-                            results_dir)
+from .core import atomic_write_text, record_tables, check_writable, module_device, resolve_device
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
 from .capability import resolve_backend, select_scheme
 
-_log = logging.getLogger(__name__)
-
 # %% auto #0
-__all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'APPLIED', 'LinearPlan',
+__all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'LinearPlan',
            'ComponentPlan', 'component_role', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears',
            'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
-           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan', 'save_plans', 'record_rows',
-           'run_schemes']
+           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -580,41 +576,3 @@ def write_plan(plan: QuantPlan, # the plan to write
         record_tables({}, report=(stage, out.parent))  # the store's journal: one commit moves both files, or neither
     finally: shutil.rmtree(stage, ignore_errors=True)
     return snippet
-
-# %% ../nbs/04_plan.ipynb #26807ca6
-APPLIED: dict[str, QuantPlan] = {}  # digest -> plan, for every plan a row of this process was made from
-
-def save_plans(digests, root=None) -> list[Path]:
-    "Write the plans behind `digests` (a table's `plan` column) as `plans/<digest>.json` beside the results tables."
-    out = []
-    for d in dict.fromkeys(x for x in digests if isinstance(x, str) and x):
-        if d not in APPLIED:
-            raise ValueError(f'no applied plan {d!r} in this process: record the rows where they were measured')
-        out.append(APPLIED[d].save(results_dir(root)/'plans'/f'{d}.json'))
-    return out
-
-# %% ../nbs/04_plan.ipynb #72260951
-def record_rows(kind: str, table: pd.DataFrame, root=None, device=None) -> pd.DataFrame:
-    "Record `table` in results table `kind`, each row's applied plan beside it under `plans/`; the whole table."
-    save_plans(table['plan'] if 'plan' in table else [], root)
-    return append_rows(kind, table.to_dict('records'), root=root, device=device)
-
-# %% ../nbs/04_plan.ipynb #9dcb0383
-def run_schemes(schemes, run, progress: bool = False, desc: str = 'schemes') -> list[dict]:
-    "For each scheme: `run(scheme) -> (applied QuantPlan or None, measurements)`; one row each, failures included."
-    requested = [normalize_scheme(s) for s in schemes]  # every name checked before any work
-    rows = []
-    it = requested
-    if progress:
-        from tqdm.auto import tqdm
-        it = tqdm(requested, desc=desc)
-    for s in it:
-        try:
-            plan, measured = run(s)
-            cols = plan.columns() if plan is not None else {}
-            if plan is not None: APPLIED[cols['plan']] = plan
-            rows.append({'requested': s or 'dense', **cols, **measured, 'status': 'ok', 'error': ''})
-        except Exception as e:  # noqa: BLE001 -- one scheme failing is a result; the others still run
-            _log.warning('%s failed: %s: %s', s, type(e).__name__, e)
-            rows.append({'requested': s or 'dense', 'status': 'failed', 'error': f'{type(e).__name__}: {str(e)[:300]}'})
-    return rows
