@@ -480,7 +480,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
              ) -> int:
     "Per-Linear denoiser formats for a GPU under a PSNR bar, measured here; the plan names the real model's Linears."
     from diffq_lab.core import markdown_table
-    from diffq_lab.crossover import gpu_spec
+    from diffq_lab.gpus import gpu_spec
     from diffq_lab.export import expand_plan
     from diffq_lab.pipelines import get_family
     from diffq_lab.plan import check_plan_out, write_plan
@@ -513,7 +513,8 @@ def crossover(
     all_layers: bool = False, # one row per Linear instead of per layer kind
 ) -> int:
     "Roofline analysis: which of a model's Linears each format speeds up on a GPU (a prediction)."
-    from diffq_lab.crossover import cli_crossover, get_model
+    from diffq_lab.crossover import cli_crossover
+    from diffq_lab.memory import get_model
     if frames is not None and not get_model(family).video:
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
                          '(drop --frames, or pick a video model such as wan)')
@@ -537,7 +538,7 @@ _COMPILE_MODE = Param(choices=('none', 'inductor', 'cudagraphs'))  # the speed m
 # %% ../nbs/17_cli.ipynb #51938913
 @command
 def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, l4, a10g, rtx6000ada, gb200, ...)
-            family: str = 'z-image', # a family with real dims (z-image, flux.1-dev, qwen-image, sd3.5, wan, ...)
+            family: str = 'z-image', # a real-dims family (z-image, flux.1-dev, qwen-image, cogvideox-5b, ltx-2, ...)
             work: workload = workload(), # one modelled pipeline call
             schemes: _scheme_or_dense = 'int8,fp8', # comma list of schemes to predict beside dense bf16, or 'all'
             compile: _COMPILE_MODE = 'inductor', # eager, torch.compile, or compile + CUDA graphs
@@ -545,10 +546,9 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
            ) -> int:
     "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, GiB."
     import json as _json
-    from diffq_lab.crossover import gpu_spec
-    from diffq_lab.memory import get_model
-    from diffq_lab.speed import Workload, format_predictions, predict as _predict
-    gpu_spec(gpu); fam = get_model(family).name  # names checked before the model is traced
+    from diffq_lab.gpus import gpu_spec
+    from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
+    gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
     recs = _predict(gpu, fam, tuple(schemes), Workload(**vars(work), compile=compile))
     print(_json.dumps(recs, indent=1, default=str) if json else format_predictions(recs))
     return 0

@@ -20,7 +20,9 @@ from .text_encoder import plan_text_encoders
 from .block_select import capture_calls
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
-from .crossover import gpu_spec, gpu_schemes, latent_grid, layer_pattern, model_linear_shapes
+from .gpus import gpu_spec, gpu_schemes
+from .memory import latent_grid
+from .crossover import layer_pattern, model_linear_shapes
 from .speed import Workload, default_path, linear_time, pipeline_time
 
 # %% auto #0

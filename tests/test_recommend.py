@@ -4,7 +4,7 @@ import json, os, subprocess, sys, textwrap
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
-from diffq_lab.crossover import gpu_spec
+from diffq_lab.gpus import gpu_spec
 from diffq_lab.speed import Workload
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.plan import to_pipeline_config
