@@ -26,8 +26,9 @@ __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_
            'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'BENCH_COLS',
            'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
            'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
-           'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
-           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
+           'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'linear_calls', 'model_linear_shapes',
+           'layer_policy', 'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover',
+           'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 ROOFLINE_SCHEMES = tuple(SPEC_COLS)   # the formats with a tensor-core peak in the spec table
@@ -498,6 +499,22 @@ def _as_grid(tokens) -> tuple[int, int, int]:
     raise ValueError(f'tokens must be a positive int (a square grid) or (h, w) / (f, h, w) token counts, '
                      f'got {tokens!r}')
 
+# %% ../nbs/12_crossover.ipynb #62f88096
+@contextlib.contextmanager
+def linear_calls(module: nn.Module):
+    "Within the block, every nn.Linear call of `module` appends its fqn and (M, K, N) to the yielded list."
+    rows, hooks = [], []
+    def record(fqn):
+        def hook(mod, args):
+            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
+        return hook
+    try:
+        for fqn, mod in module.named_modules():
+            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
+        yield rows
+    finally:
+        for h in hooks: h.remove()
+
 # %% ../nbs/12_crossover.ipynb #3675bf4e
 def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -> pd.DataFrame:
     "(M, K, N) of every Linear call in one forward of `transformer` (a module or model name) at `tokens` image tokens."
@@ -515,17 +532,7 @@ def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -
     if text_tokens is None:
         raise ValueError('text_tokens is needed for a transformer module (a model name has a default)')
     kwargs = _inputs(transformer, _as_grid(tokens), text_tokens, batch)
-    rows, hooks = [], []
-    def record(fqn):
-        def hook(mod, args):
-            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
-        return hook
-    try:
-        for fqn, mod in transformer.named_modules():
-            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
-        with torch.no_grad(): transformer(**kwargs)
-    finally:
-        for h in hooks: h.remove()
+    with linear_calls(transformer) as rows, torch.no_grad(): transformer(**kwargs)
     df = pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N'])
     df['gflop'] = 2 * df.M * df.K * df.N / 1e9
     return df

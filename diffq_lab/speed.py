@@ -19,7 +19,7 @@ from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pip
                               quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .memory import _selective   # torchao's FLUX recipe (09_memory's `rules='selective'`)
 from .gpus import gpu_spec, gpu_schemes
-from .crossover import model_linear_shapes
+from .crossover import linear_calls, model_linear_shapes
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',
@@ -171,17 +171,9 @@ def _video_kwargs(fam: VideoDiT, grid, T: int, B: int) -> dict:
 @functools.lru_cache(maxsize=16)
 def _video_trace(name: str, grid: tuple, T: int, B: int) -> tuple[pd.DataFrame, object]:
     "(M, K, N) of every Linear call and the op trace of one forward of a `SPEED_FAMILIES` denoiser."
-    tr, rows, hooks = _video_module(name), [], []
-    def record(fqn):
-        def hook(mod, args):
-            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
-        return hook
-    try:
-        for fqn, mod in tr.named_modules():
-            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
-        with torch.no_grad(): trace = trace_ops(lambda: tr(**_video_kwargs(SPEED_FAMILIES[name], grid, T, B)))
-    finally:
-        for h in hooks: h.remove()
+    tr = _video_module(name)
+    with linear_calls(tr) as rows, torch.no_grad():
+        trace = trace_ops(lambda: tr(**_video_kwargs(SPEED_FAMILIES[name], grid, T, B)))
     return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
 
 # %% ../nbs/12a_speed.ipynb #b2cb48d3
