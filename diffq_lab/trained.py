@@ -21,10 +21,10 @@ __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_C
            'CAPTION_TOKENS', 'CHAT_TEMPLATE', 'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS',
            'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL', 'TARGETS', 'TABLE_SCHEMES', 'caption', 'layouts', 'draw_scene',
            'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts', 'trained_encoder', 'encoder_record',
-           'build_components', 'caption_states', 'TrainRecipe', 'train_vae', 'train_dit', 'trained_manifest',
-           'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading', 'check_encoder',
-           'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
-           'checks', 'adherence', 'evaluate', 'record_trained', 'render_set', 'adherence_by_scheme',
+           'build_components', 'caption_states', 'whiten_caption_embedder', 'TrainRecipe', 'train_vae', 'train_dit',
+           'trained_manifest', 'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading',
+           'check_encoder', 'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse',
+           'relation_of', 'checks', 'adherence', 'evaluate', 'record_trained', 'render_set', 'adherence_by_scheme',
            'record_adherence_by_scheme', 'encoder_keep_table', 'record_encoder_keep']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
@@ -132,7 +132,7 @@ def heldout_prompts() -> list[str]:
     return [caption(*p) for p in scene_params() if is_held_out(p)]
 
 # %% ../nbs/14_trained.ipynb #e26d6a8a
-DIT_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=576, n_layers=1, n_refiner_layers=1,
+DIT_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=576, n_layers=2, n_refiner_layers=1,
                   n_heads=4, n_kv_heads=4, norm_eps=1e-5, qk_norm=True, cap_feat_dim=576, rope_theta=256.0,
                   t_scale=1000.0, axes_dims=[48, 48, 48], axes_lens=[256, 32, 32])  # FFN int(576*8/3) = 1536
 VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*3,
@@ -206,6 +206,20 @@ def caption_states(pipe, captions, chunk: int = 32) -> list[torch.Tensor]:
             out += [e.float() for e in embs]
     return out
 
+# %% ../nbs/14_trained.ipynb #e6c8fc51
+def whiten_caption_embedder(transformer, # the DiT, whose `cap_embedder` (RMSNorm, then Linear) is set in place
+                            states, # the frozen encoder's states of the training captions, one (tokens, 576) each
+                            ridge: float = 0.1, # added to every eigenvalue, as a share of their mean: damps rare directions
+                           ):
+    "Initialise the DiT's caption projection to whiten (ZCA) its normalised `states`: prompts' differences start salient."
+    norm, proj = transformer.cap_embedder
+    with torch.no_grad():
+        x = torch.cat([norm(s.float()) for s in states]).double()
+        ev, u = torch.linalg.eigh(torch.cov(x.T))
+        w = u @ torch.diag((ev.clamp_min(0) + ridge*ev.clamp_min(0).mean()).rsqrt()) @ u.T
+        proj.weight.copy_(w.to(proj.weight.dtype)); proj.bias.copy_((-w @ x.mean(0)).to(proj.bias.dtype))
+
+
 # %% ../nbs/14_trained.ipynb #4a959436
 @dataclass(frozen=True)
 class TrainRecipe:
@@ -213,13 +227,14 @@ class TrainRecipe:
     vae_steps: int = 800     # autoencoder steps (the last quarter decays its lr to 0)
     vae_bs: int = 16         # autoencoder batch
     vae_lr: float = 2e-3     # autoencoder peak learning rate (AdamW)
-    dit_steps: int = 2800    # DiT flow-matching steps
+    dit_steps: int = 5000    # DiT flow-matching steps
     dit_bs: int = 16         # DiT batch
     dit_lr: float = 1e-3     # DiT peak learning rate (AdamW, no weight decay)
     warmup: int = 100        # DiT steps of linear warm-up
-    decay: int = 0           # DiT steps at the end over which its lr falls linearly to 0
+    decay: int = 2500        # DiT steps at the end over which its lr falls linearly to 0
     ema: float = 0.995       # DiT weight EMA, warmed up as min(ema, (1 + i)/(10 + i)): the saved weights
     p_uncond: float = 0.1    # share of empty captions (classifier-free guidance)
+    whiten: float | None = 0.1  # ridge of the caption projection's whitening start (None: diffusers' initialisation)
 
     @classmethod
     def of(cls, recipe=None, **overrides) -> TrainRecipe:
@@ -285,7 +300,7 @@ def _flow_loss(tr, z0, states, idx, empty, p_uncond, g) -> torch.Tensor:
 def train_dit(pipe, # the pipeline: its DiT is trained, its autoencoder and frozen encoder are read
               images, # (N, 3, 32, 32) in [0, 1]
               captions, # one caption per image
-              recipe: TrainRecipe | None = None, # dit_* , warmup, decay, ema, p_uncond (default: the committed recipe)
+              recipe: TrainRecipe | None = None, # dit_*, warmup, decay, ema, p_uncond, whiten (default: the committed one)
               seed: int = 0, # the batches' generator seed
               log=None, # a function of one progress line, or None
               callback=None, # `callback(step, ema_model, curve, seconds)` after each step (e.g. a checkpoint)
@@ -296,6 +311,7 @@ def train_dit(pipe, # the pipeline: its DiT is trained, its autoencoder and froz
     uniq = sorted(set(captions)); pos = {c: i for i, c in enumerate(uniq)}
     embs = caption_states(pipe, uniq + [''])  # the encoder is frozen: its states are computed once
     cap_idx = torch.tensor([pos[c] for c in captions])
+    if r.whiten is not None: whiten_caption_embedder(tr, embs, r.whiten)
     g = torch.Generator().manual_seed(seed)
     opt = torch.optim.AdamW(tr.parameters(), lr=r.dit_lr, weight_decay=0.0)
     avg = copy.deepcopy(tr).eval().requires_grad_(False)
