@@ -209,9 +209,9 @@ def caption_states(pipe, captions, chunk: int = 32) -> list[torch.Tensor]:
 # %% ../nbs/14_trained.ipynb #e6c8fc51
 def whiten_caption_embedder(transformer, # the DiT, whose `cap_embedder` (RMSNorm, then Linear) is set in place
                             states, # the frozen encoder's states of the training captions, one (tokens, 576) each
-                            ridge: float = 0.1, # added to every eigenvalue, as a share of their mean: damps rare directions
+                            ridge: float = 0.1, # added to each eigenvalue, as a share of their mean: damps rare ones
                            ):
-    "Initialise the DiT's caption projection to whiten (ZCA) its normalised `states`: prompts' differences start salient."
+    "Start the DiT's caption projection as the ZCA whitening of its normalised `states`: prompts' differences salient."
     norm, proj = transformer.cap_embedder
     with torch.no_grad():
         x = torch.cat([norm(s.float()) for s in states]).double()
@@ -300,7 +300,7 @@ def _flow_loss(tr, z0, states, idx, empty, p_uncond, g) -> torch.Tensor:
 def train_dit(pipe, # the pipeline: its DiT is trained, its autoencoder and frozen encoder are read
               images, # (N, 3, 32, 32) in [0, 1]
               captions, # one caption per image
-              recipe: TrainRecipe | None = None, # dit_*, warmup, decay, ema, p_uncond, whiten (default: the committed one)
+              recipe: TrainRecipe | None = None, # dit_*, warmup, decay, ema, p_uncond, whiten (default: the committed)
               seed: int = 0, # the batches' generator seed
               log=None, # a function of one progress line, or None
               callback=None, # `callback(step, ema_model, curve, seconds)` after each step (e.g. a checkpoint)
@@ -624,7 +624,7 @@ def _compare(imgs: dict, ref: dict, ref_adh: list) -> dict:
     p = [float(psnr(a, b)) for a, b in zip(x, y)]
     lp = st_lpips(x, y, per_frame=True).tolist()
     e, d, ep, el = summarise(adh), paired_bootstrap(adh, ref_adh), summarise(p, allow_inf=True), summarise(lp)
-    return dict(renders=len(ks), adherence=e.mean, adh_lo=e.lo, adh_hi=e.hi, delta=d.mean, delta_lo=d.lo,
+    return dict(renders=len(ks), adherence=e.mean, adherence_lo=e.lo, adherence_hi=e.hi, delta=d.mean, delta_lo=d.lo,
                 delta_hi=d.hi, psnr=ep.mean, psnr_lo=ep.lo, psnr_hi=ep.hi, psnr_identical=ep.n_inf,
                 st_lpips=el.mean, st_lpips_lo=el.lo, st_lpips_hi=el.hi, ssim=float(ssim(x, y)), metric='st-lpips alex')
 

@@ -125,8 +125,8 @@ def test_every_format_quantises_every_attention_and_mlp_linear(pipe):
     t = pd.concat([linear_counts(pipe.transformer, min_features=0), linear_counts(pipe.transformer)])
     assert pipe.transformer.config.dim == 576 and pipe.transformer.layers[0].feed_forward.w1.out_features == 1536
     ok = t[t.scheme != 'int4wo']
-    assert set(ok.attention_mlp) == {'21/21'}
-    assert set(ok[ok.min_features == 512].quantized) == {'22/29'}  # and the 576-wide caption embedder
+    assert set(ok.attention_mlp) == {'28/28'}
+    assert set(ok[ok.min_features == 512].quantized) == {'29/37'}  # and the 576-wide caption embedder
     q = {(r.scheme, r.min_features): int(r.quantized.split('/')[0]) for r in t.itertuples()}
     assert all(q[s, 0] >= 24 for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4', 'nvfp4wo'))
     assert q['mxfp8', 0] == 22
