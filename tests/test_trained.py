@@ -129,7 +129,7 @@ def test_every_format_quantises_every_attention_and_mlp_linear(pipe):
     assert set(ok[ok.min_features == 512].quantized) == {'29/37'}  # and the 576-wide caption embedder
     q = {(r.scheme, r.min_features): int(r.quantized.split('/')[0]) for r in t.itertuples()}
     assert all(q[s, 0] >= 24 for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4', 'nvfp4wo'))
-    assert q['mxfp8', 0] == 22
+    assert q['mxfp8', 0] == 29
     assert 'divisible by 128' in t[t.scheme == 'int4wo'].dense_because.iloc[0]
 
 def test_loads_and_renders_deterministically(pipe):
