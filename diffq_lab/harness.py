@@ -67,7 +67,7 @@ class Experiment:
         for d in dict.fromkeys(x for x in digests if isinstance(x, str) and x):
             if d not in self.plans:
                 raise ValueError(f'no plan {d!r} in this experiment: record rows where they were measured')
-            out.append(self.plans[d].save(results_dir(root)/'plans'/f'{d}.json'))
+            out.append(self.plans[d].save(results_dir(root)/'plans'/f'{d}.json', compact=True))  # 200+ files travel
         return out
 
     def record(self, table: pd.DataFrame, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:

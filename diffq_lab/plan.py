@@ -138,16 +138,19 @@ class QuantPlan:
         if not isinstance(d, dict) or d.get('version') != 1 or not isinstance(d.get('components'), dict):
             raise ValueError('not a QuantPlan (version 1): expected {"version": 1, "components": {...}}')
         return cls({c: _component_from_json(c, p) for c, p in d['components'].items()}, resolved_here=False)
-    def to_json(self) -> str: return json.dumps(self.to_dict(), indent=1, sort_keys=True)
+    def to_json(self, compact: bool = False) -> str:
+        "The plan as JSON: indented for reading, or `compact` (one line) for the results folder's many plans."
+        layout = dict(separators=(',', ':')) if compact else dict(indent=1)
+        return json.dumps(self.to_dict(), sort_keys=True, **layout)
     @classmethod
     def from_json(cls, text: str) -> QuantPlan:
         try: d = json.loads(text)
         except (json.JSONDecodeError, RecursionError) as e:
             raise ValueError(f'not a QuantPlan: not JSON ({type(e).__name__}: {e})'[:300]) from None
         return cls.from_dict(d)
-    def save(self, path) -> Path:
-        "Write the plan as JSON to `path` (atomically)."
-        atomic_write_text(path, self.to_json()); return Path(path)
+    def save(self, path, compact: bool = False) -> Path:
+        "Write the plan as JSON to `path` (atomically), indented or `compact`."
+        atomic_write_text(path, self.to_json(compact)); return Path(path)
     @classmethod
     def load(cls, path) -> QuantPlan:
         try: return cls.from_json(Path(path).read_text(encoding='utf-8'))
