@@ -667,6 +667,7 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
                         target: str = 'both', # what each scheme quantises: 'text_encoder', 'transformer' or 'both'
                         policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
                         reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
+                        renders: dict | None = None, # when given, filled with each scheme's renders: {scheme: {pair: image}}
                         **settings, # QuantPolicy fields laid over `policy` (e.g. keep=(0, 0), min_features=0)
                        ) -> pd.DataFrame:
     "Per scheme on `target`: render `prompts` x `seeds` as dense does; adherence, its change, PSNR, ST-LPIPS vs dense."
@@ -684,6 +685,8 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
     def one(scheme):
         pipe, st = _quantised_trained(scheme, target, policy)
         plan = st['quant_plan']
+        imgs = render_set(pipe, pairs)
+        if renders is not None: renders[scheme] = imgs
         enc = [c for a, c in plan.components.items() if a != 'transformer']
         tr = plan.components.get('transformer')
         keep = str(policy.keep) if policy.keep is not None else 'family'
@@ -692,7 +695,7 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
                           transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None,
                           te_quantized=(f'{sum(c.n_quantized for c in enc)}/{sum(c.n_linear for c in enc)}'
                                         if enc else None),
-                          **_compare(render_set(pipe, pairs), ref, ref_adh))
+                          **_compare(imgs, ref, ref_adh))
     est = _compare(ref, ref, ref_adh)
     dense = dict(requested='dense', scheme='dense', target=target, status='ok', **est)
     ex = Experiment('trained_schemes')
@@ -710,6 +713,20 @@ def record_adherence_by_scheme(root=None, targets=TARGETS, **kw) -> pd.DataFrame
                                                      guidance=TRAINED_GUIDANCE), root=root)
 
 # %% ../nbs/14_trained.ipynb #df72d022
+def _vs(imgs: dict, base: dict, ref: dict) -> dict:
+    "Paired changes of PSNR (vs dense `ref`) and adherence from renders `base` to `imgs` of the same pairs."
+    from diffq_lab.quality import psnr
+    from diffq_lab.stats import paired_bootstrap
+    ks = list(ref)
+    p = lambda im: [float(psnr(im[k], ref[k])) for k in ks]
+    pa, pb = p(imgs), p(base)
+    g = paired_bootstrap(pa, pb) if np.isfinite(pa + pb).all() else None  # a render equal to dense has no finite gain
+    a = paired_bootstrap([adherence(imgs[k], k[0]) for k in ks], [adherence(base[k], k[0]) for k in ks])
+    nan = float('nan')
+    return dict(psnr_gain=g.mean if g else nan, psnr_gain_lo=g.lo if g else nan, psnr_gain_hi=g.hi if g else nan,
+                adherence_gain=a.mean, adherence_gain_lo=a.lo, adherence_gain_hi=a.hi)
+
+# %% ../nbs/14_trained.ipynb #525adfeb
 def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) encoder blocks kept bf16, one row each
                        scheme='int8', # the encoder's scheme (the DiT stays dense)
                        prompts=None, # the prompts (default: the 36 held-out ones)
@@ -718,14 +735,25 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
                        reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
                        **settings, # QuantPolicy fields laid over `policy`
                       ) -> pd.DataFrame:
-    "`scheme` on the encoder alone under each keep-bf16 schedule: do renders drift without one, does one repair them?"
+    "`scheme` on the encoder under each keep-bf16 schedule, each paired against the first (`keeps[0]`: none kept)."
+    from diffq_lab.harness import concat_frames
     policy = as_policy(policy, **settings)
     prompts = heldout_prompts() if prompts is None else list(prompts)
     if reference is None: reference = render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds])
-    rows = [adherence_by_scheme([scheme], prompts, seeds, 'text_encoder', replace(policy, keep=tuple(k)), reference)
-            for k in keeps]
-    from diffq_lab.harness import concat_frames
-    return concat_frames([rows[0]] + [r.iloc[1:] for r in rows[1:]])
+    ref = {(p, s): reference[p, s] for p in prompts for s in seeds}
+    frames, imgs = [], []
+    for k in keeps:
+        got = {}
+        frames.append(adherence_by_scheme([scheme], prompts, seeds, 'text_encoder', replace(policy, keep=tuple(k)),
+                                          ref, renders=got))
+        imgs.append(got.get(scheme))  # None when the scheme failed under this schedule (its row says why)
+    rows = [frames[0].iloc[:1]]
+    for f, im in zip(frames, imgs):  # the gains say whether a schedule repairs what the first one loses
+        f = f.iloc[1:].copy()
+        if im is not None and imgs[0] is not None:
+            for col, v in _vs(im, imgs[0], ref).items(): f[col] = v
+        rows.append(f)
+    return concat_frames(rows)
 
 # %% ../nbs/14_trained.ipynb #49f135b8
 def record_encoder_keep(root=None, **kw) -> pd.DataFrame:
