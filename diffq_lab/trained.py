@@ -25,8 +25,8 @@ __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_C
            'trained_manifest', 'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading',
            'check_encoder', 'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse',
            'relation_of', 'checks', 'adherence', 'evaluate', 'record_trained', 'seed_spread', 'record_seed_spread',
-           'spread_summary', 'render_set', 'adherence_by_scheme', 'record_adherence_by_scheme', 'encoder_keep_table',
-           'record_encoder_keep']
+           'spread_summary', 'sampling_table', 'record_sampling', 'render_set', 'adherence_by_scheme',
+           'record_adherence_by_scheme', 'encoder_keep_table', 'record_encoder_keep']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
@@ -459,7 +459,7 @@ def render_trained(pipe, # the trained pipeline (dense or quantised)
                    prompt: str, # a procedural caption
                    seed: int = 0, # the noise seed (CPU generator)
                    steps: int = TRAINED_STEPS, # sampling steps
-                   guidance: float = TRAINED_GUIDANCE, # classifier-free guidance scale (1: none)
+                   guidance: float = TRAINED_GUIDANCE, # classifier-free guidance: pos + g*(pos - neg) (0: none)
                    **kw, # passed to the pipeline call
                   ) -> torch.Tensor:
     "Render `prompt` with the trained pipeline at 32x32: float32 (3, 32, 32) in [0, 1]."
@@ -596,9 +596,10 @@ def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
 def seed_spread(pipe=None, # the trained pipeline (default: the committed one, dense)
                 seeds=range(4, 36), # noise seeds, none of them the tables' 0-3
                 prompts=None, # the prompts (default: the 36 held-out ones)
+                **kw, # sampling settings passed to `render_trained` (steps, guidance)
                ) -> pd.DataFrame:
     "Adherence seed by seed: one row per seed, its mean over `prompts` and its five checks' pass rates."
-    df = evaluate(pipe or load_trained_pipeline(), prompts, tuple(seeds))
+    df = evaluate(pipe or load_trained_pipeline(), prompts, tuple(seeds), **kw)
     out = df.groupby('seed', sort=False)[[*CHECKS, 'adherence']].mean().reset_index()
     return out.assign(prompts=df.prompt.nunique())
 
@@ -620,6 +621,28 @@ def spread_summary(spread: pd.DataFrame, # `seed_spread`'s rows (or a `trained_s
     return pd.DataFrame([dict(seeds=len(a), prompts=int(spread.prompts.iloc[0]), adherence=e.mean, ci_low=e.lo,
                               ci_high=e.hi, sd=float(a.std(ddof=1)) if len(a) > 1 else float('nan'),
                               worst=float(a.min()), best=float(a.max()), at_bar=float((a >= bar).mean()))])
+
+# %% ../nbs/14_trained.ipynb #a949e6e0
+def sampling_table(settings=((8, 1.0), (8, 3.0), (16, 1.0), (12, 3.0), (16, 3.0)), # (steps, guidance), one row each
+                   seeds=range(4, 20), # noise seeds, none of them the tables' 0-3
+                   prompts=None, # the prompts (default: the 36 held-out ones)
+                  ) -> pd.DataFrame:
+    "Dense adherence under each sampling setting, seed by seed: mean with its CI over seeds, paired vs the first."
+    from diffq_lab.stats import paired_bootstrap
+    pipe, rows, base = load_trained_pipeline(), [], None
+    for steps, guidance in settings:
+        per = seed_spread(pipe, seeds, prompts, steps=steps, guidance=guidance)
+        a = per.adherence.tolist(); base = a if base is None else base
+        g = paired_bootstrap(a, base)  # the same seeds: each seed's mean against the first setting's
+        rows.append(dict(steps=steps, guidance=guidance, **spread_summary(per).iloc[0].to_dict(),
+                         vs_first=g.mean, vs_first_lo=g.lo, vs_first_hi=g.hi))
+    return pd.DataFrame(rows)
+
+# %% ../nbs/14_trained.ipynb #8ca945b6
+def record_sampling(root=None, **kw) -> pd.DataFrame:
+    "`sampling_table` of the dense trained pipeline on the held-out prompts, to `trained_sampling`."
+    return append_rows('trained_sampling', sampling_table(**kw).assign(model='trained-z-image').to_dict('records'),
+                       root=root)
 
 # %% ../nbs/14_trained.ipynb #021536ff
 TARGETS = ('text_encoder', 'transformer', 'both')  # what a row of the scheme tables quantises

@@ -31,6 +31,7 @@ TABLES = {
     'transformer_bench': _transformer_bench,
     'trained_adherence': _module('trained', 'record_trained'),
     'trained_seeds': _module('trained', 'record_seed_spread'),
+    'trained_sampling': _module('trained', 'record_sampling'),
     'trained_schemes': _module('trained', 'record_adherence_by_scheme'),
     'trained_encoder_keep': _module('trained', 'record_encoder_keep'),
     'recommend': _module('recommend', 'record_recommendations', bar=40.0),
