@@ -451,7 +451,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
 
 # %% ../nbs/14_trained.ipynb #3bbafe94
 # the sampling settings the findings use: z-image guides as pos + g*(pos - neg), so 3.0 is classic CFG 4; chosen by
-# `evaluate` over 16 seeds (4-19) against 8 steps at 1.0, the earlier setting, and checked on 32 others (see Findings)
+# `sampling_table` on seeds 4-19 against 8 steps at 1.0 (the earlier setting), checked on seeds 20-35 (`seed_spread`)
 TRAINED_STEPS, TRAINED_GUIDANCE = 12, 3.0
 
 # %% ../nbs/14_trained.ipynb #81517e6f
