@@ -23,8 +23,8 @@ from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 __all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LOAD_MODES', 'linear_bytes',
            'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline', 'get_model',
            'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'pipeline_trace',
-           'quantised_linears', 'MemoryEstimate', 'Workload', 'pipeline_memory', 'free_memory', 'MemoryPlan',
-           'plan_memory']
+           'flux_selective', 'linears_under_rules', 'quantised_linears', 'MemoryEstimate', 'Workload',
+           'pipeline_memory', 'free_memory', 'MemoryPlan', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -364,21 +364,30 @@ def pipeline_trace(family, # a family with real denoiser dims
 # the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
 QUANT_RULES = ('lab', 'all', 'selective')
 
-def _selective(fqn, K, N) -> bool:
+def flux_selective(fqn: str, # the Linear's name in the transformer
+                   K: int, # its input features
+                   N: int, # its output features
+                  ) -> bool:
     "torchao's FLUX recipe: skip embedders, norm_out, proj_out, single-block norm.linear and Linears under 1024."
     return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
 
 # %% ../nbs/09_memory.ipynb #bbca76f5
+def linears_under_rules(transformer: nn.Module, # a denoiser (meta tensors do)
+                        scheme, # the scheme (None, 'bf16' or 'dense': none)
+                        rules: str, # one of `QUANT_RULES`
+                        floor: int, # the lab's width floor (rules 'lab')
+                       ) -> frozenset:
+    "The names of `transformer`'s Linears that take `scheme` under `rules`."
+    if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
+    if scheme in (None, 'bf16', 'dense'): return frozenset()
+    if rules == 'lab': return frozenset(plan_transformer(transformer, scheme, min_features=floor, device='cpu').quantized)
+    lin = {f: m for f, m in transformer.named_modules() if isinstance(m, nn.Linear)}
+    return frozenset(f for f, m in lin.items() if rules == 'all' or flux_selective(f, m.in_features, m.out_features))
+
 @functools.lru_cache(maxsize=64)
 def _picked(family, scheme, rules: str, floor: int) -> frozenset:
     "The names `quantised_linears` returns, cached per (family, scheme, rules, width floor)."
-    if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
-    tr = _meta_parts(get_model(family).name)['transformer']
-    if scheme in (None, 'bf16', 'dense'): return frozenset()
-    if rules == 'lab': return frozenset(plan_transformer(tr, scheme, min_features=floor, device='cpu').quantized)
-    lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
-    if rules == 'all': return frozenset(lin)
-    return frozenset(f for f, m in lin.items() if _selective(f, m.in_features, m.out_features))
+    return linears_under_rules(_meta_parts(get_model(family).name)['transformer'], scheme, rules, floor)
 
 # %% ../nbs/09_memory.ipynb #bbca76f6
 def quantised_linears(family, # a family with real denoiser dims

@@ -16,8 +16,7 @@ from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
 from .transformer import plan_transformer
 from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory, pipeline_trace,
-                              quantised_linears, trace_ops, Workload as MemoryWorkload)
-from .memory import _selective   # torchao's FLUX recipe (09_memory's `rules='selective'`)
+                              linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
 from .crossover import linear_calls, model_linear_shapes
 
@@ -207,12 +206,7 @@ def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
 def _picked(name: str, scheme: str, rules: str, features: int) -> frozenset:
     "The denoiser Linears of family `name` that take `scheme` under `rules` (the lab's at `features` wide)."
     if name not in SPEED_FAMILIES: return quantised_linears(name, scheme, rules, min_features=features)
-    tr = _video_module(name)
-    if rules == 'lab':
-        plan = plan_transformer(tr, scheme, device='cpu', policy=QuantPolicy(min_features=features))
-        return frozenset(plan.quantized)
-    lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
-    return frozenset(f for f, m in lin.items() if rules == 'all' or _selective(f, m.in_features, m.out_features))
+    return linears_under_rules(_video_module(name), scheme, rules, features)
 
 # %% ../nbs/12a_speed.ipynb #13b58336
 def kernel_points() -> pd.DataFrame:
