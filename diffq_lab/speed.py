@@ -14,7 +14,6 @@ from .core import markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
-from .transformer import plan_transformer
 from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory, pipeline_trace,
                               linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
