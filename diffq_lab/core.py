@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #22cc86dc
 from __future__ import annotations
-import contextlib, csv, datetime, io, json, math, os, platform, re, shutil, subprocess, tempfile, uuid
+import contextlib, csv, datetime, io, json, math, os, platform, re, shutil, subprocess, tempfile, uuid, warnings
 from filelock import FileLock
 from importlib.metadata import version as _pkg_version, PackageNotFoundError
 from pathlib import Path
@@ -15,8 +15,8 @@ import torch
 __all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'STAMP_COLUMNS', 'resolve_device', 'module_device', 'check_device',
            'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root',
            'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable',
-           'DamagedTable', 'load_table', 'recover_commits', 'check_recordable', 'record_tables', 'append_rows',
-           'latest_run', 'markdown_table', 'provenance']
+           'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits', 'check_recordable', 'record_tables',
+           'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
@@ -176,9 +176,9 @@ def fingerprint(device=None) -> dict:
 
 # %% ../nbs/00_core.ipynb #80074406
 def results_dir(root=None) -> Path:
-    "The results folder: `root`, else `$DIFFQ_LAB_RESULTS`, else `data/results` of this checkout."
+    "The results folder: `root`, else `$DIFFQ_LAB_RESULTS`, else `data/results` of this checkout (`~` expanded)."
     root = root or os.environ.get('DIFFQ_LAB_RESULTS') or repo_root()/'data'/'results'
-    return Path(root)
+    return Path(root).expanduser()
 
 # %% ../nbs/00_core.ipynb #83fed1aa
 def _table_path(kind, root=None) -> Path:
@@ -300,30 +300,119 @@ def _signals_deferred():
 
 # %% ../nbs/00_core.ipynb #e412ced5
 _JOURNAL = '.diffq-commit-'  # <folder>/.diffq-commit-<id>.{staging,committed,abandoned,done}: one recording's journal
+# what recovery acts on: a `.report` goes with its journal, `.quarantined` and any other name stay as they are
+_STATES = ('staging', 'committed', 'abandoned', 'done')
 
 def _fsync(path):
     fd = os.open(path, os.O_RDONLY)
     try: os.fsync(fd)
     finally: os.close(fd)
 
+# %% ../nbs/00_core.ipynb #bcfcb9b7
+class JournalWarning(UserWarning):
+    "A results journal that cannot be read or checked: renamed aside (`.quarantined`), nothing of it replayed."
+
+# %% ../nbs/00_core.ipynb #c8b08ac2
+def _entry(path, folder: Path, what: str, pattern: str = None) -> Path:
+    "`path` as the entry (named like `pattern`) it names in resolved `folder`: absolute, no '..', no link on the way."
+    p = Path(path) if isinstance(path, str) else None
+    try: ok = (p is not None and p.is_absolute() and '..' not in p.parts and p.name not in ('', '.')
+               and p.parent.resolve() == folder and (pattern is None or re.fullmatch(pattern, p.name)))
+    except (OSError, RuntimeError): ok = False  # a loop of links
+    if not ok: raise ValueError(f'{what} {str(path)[:200]!r} is not an entry of {folder} the store writes')
+    return folder/p.name
+
+# %% ../nbs/00_core.ipynb #a5bbc9ec
+def _report_dir(journal: Path, report) -> Path | None:
+    "The staged report `journal` names, checked: its own `<id>.report` (absolute, no '..', not a link); None: none."
+    if report is None: return None
+    own = journal.with_suffix('.report').name  # `_commit` names it so: nothing else is ever a journal's report
+    p = Path(report) if isinstance(report, str) else None
+    if p is None or p.name != own or not p.is_absolute() or '..' in p.parts:
+        raise ValueError(f'its report {str(report)[:200]!r} is not its own staged report (a folder named {own})')
+    try: p = p.parent.resolve()/own
+    except (OSError, RuntimeError) as e: raise ValueError(f'its report {report!r} cannot be resolved ({e})') from None
+    if p.is_symlink(): raise ValueError(f'its report {p} is a link')
+    return p
+
+# %% ../nbs/00_core.ipynb #a67919ae
+def _out_dir(path, beside: Path) -> Path:
+    "A report's out folder `path`, checked: `beside` (the folder of its staged report) itself, or a real folder in it."
+    if isinstance(path, str) and Path(path) == beside: return beside
+    out = _entry(path, beside, "the report's folder")
+    if out.is_symlink(): raise ValueError(f"the report's folder {out} is a link")
+    return out
+
+# %% ../nbs/00_core.ipynb #a9088455
+_BACKUP = r'\.diffq-old-\d+'  # what a staged report keeps of the files it replaces
+
+def _report_op(op: list, rep: Path, out: Path) -> list:
+    "One report operation checked: `rep`'s staged files into `out`, what they replace kept in `rep`."
+    kind, *p = op
+    if kind == 'mkdir' and len(p) == 1 and _out_dir(p[0], rep.parent) == out: return ['mkdir', out]
+    if kind == 'unlink' and len(p) == 2:
+        return ['unlink', _entry(p[0], out, 'a report file'), _entry(p[1], rep, 'a backup', _BACKUP)]
+    if kind == 'move' and len(p) == 3:
+        return ['move', _entry(p[0], rep, 'a staged file'), _entry(p[1], out, 'a report file'),
+                _entry(p[2], rep, 'a backup', _BACKUP)]
+    raise ValueError(f'an operation the store never writes: {str(op)[:200]}')
+
 # %% ../nbs/00_core.ipynb #ab25189a
-def _paths(journal: Path, ops) -> list:
-    "`ops` with their paths made absolute: a table's staged file and backup are named relative to the journal folder."
-    return [[op, *(p if p is None else str(journal/p) for p in paths)] for op, *paths in ops]
+def _paths(journal: Path, ops, rep: Path | None) -> list:
+    "`ops` checked, made absolute: the journal's staged tables onto its folder's tables, `rep`'s files into one folder."
+    home = journal.parent.resolve(); own = home/journal.name
+    if not all(isinstance(op, list) and op and all(p is None or isinstance(p, str) for p in op) for op in ops):
+        raise ValueError('its operations are not lists of names')
+    mine = lambda p: p if p is None or Path(p).is_absolute() else str(own/p)  # a table's staged file: by its name
+    checked, out = [], None
+    for op in ops:
+        if op[0] == 'move' and len(op) == 4 and (rep is None or Path(op[1] or '').parent != rep):  # a table
+            checked.append(['move', _entry(mine(op[1]), own, 'a staged table', r'\d+\.table'),
+                            _entry(op[2], home, 'a table', r'[a-z0-9][a-z0-9_\-]*\.csv'),
+                            op[3] and _entry(mine(op[3]), own, 'a backup', r'\d+\.old')])
+            continue
+        if rep is None or not rep.is_dir(): raise ValueError(f'it moves a report it has not staged: {str(op)[:200]}')
+        target = op[1] if op[0] == 'mkdir' else str(Path(op[1 if op[0] == 'unlink' else 2] or '').parent)
+        out = out or _out_dir(target, rep.parent)  # one out folder for the whole report
+        checked.append(_report_op(op, rep, out))
+    if links := [str(op[1]) for op in checked if op[0] == 'move' and op[1].is_symlink()]:
+        raise ValueError(f'it would move links into place: {links[:3]}')
+    return checked
+
+# %% ../nbs/00_core.ipynb #0cd42c9f
+def _journal_json(journal: Path) -> dict:
+    "`journal`'s journal.json: a plain file of at most 1 MiB that parses to a list of operations; else ValueError."
+    f = journal/'journal.json'
+    if f.is_symlink() or not f.is_file(): raise ValueError('it has no journal.json file')
+    if f.stat().st_size > 1 << 20: raise ValueError('its journal.json is over 1 MiB')
+    try: data = json.loads(f.read_text(encoding='utf-8'))
+    except ValueError as e: raise ValueError(f'its journal.json does not parse ({e})') from None
+    if not isinstance(data, dict) or not isinstance(data.get('ops'), list):
+        raise ValueError('its journal.json holds no list of operations')
+    return data
+
+# %% ../nbs/00_core.ipynb #9ad30434
+def _read_journal(journal: Path) -> tuple:
+    "`journal`'s checked operations and the staged report it names: all that replaying it may touch; else ValueError."
+    data = _journal_json(journal)
+    rep = _report_dir(journal, data.get('report'))
+    return _paths(journal, data['ops'], rep), rep
 
 # %% ../nbs/00_core.ipynb #3097c957
-def _redo(journal: Path, ops):
-    "Apply a committed journal's operations; each is idempotent, so running them again finishes a cut commit."
-    for op, path, *rest in _paths(journal, ops):
-        if op == 'mkdir': Path(path).mkdir(parents=True, exist_ok=True)
+def _redo(ops, again: bool = True):
+    "Apply checked `ops`; each is idempotent, so `again` finishes a cut commit (a source already gone moved already)."
+    for op, path, *rest in ops:
+        if op == 'mkdir': Path(path).mkdir(exist_ok=True)
         elif op == 'unlink': Path(path).unlink(missing_ok=True)
-        elif Path(path).exists():  # 'move': a source already gone was moved already
-            Path(rest[0]).parent.mkdir(parents=True, exist_ok=True); os.replace(path, rest[0])
+        elif os.path.lexists(path):
+            try: os.replace(path, rest[0])
+            except OSError as e: raise OSError(e.errno, f'could not move {path} to {rest[0]}: {e.strerror or e}') from e
+        elif not again: raise FileNotFoundError(2, f'could not move {path} to {rest[0]}: it is gone')
 
 # %% ../nbs/00_core.ipynb #bc1dfaca
-def _undo(journal: Path, ops):
-    "Put back what `_redo` applied of `ops` (in reverse), from the backups taken when the journal was staged."
-    for op, path, *rest in reversed(_paths(journal, ops)):
+def _undo(ops):
+    "Put back what `_redo` applied of checked `ops` (in reverse), from the backups taken when the journal was staged."
+    for op, path, *rest in reversed(ops):
         if op == 'mkdir':
             with contextlib.suppress(OSError): Path(path).rmdir()
         elif op == 'unlink' and rest[0] and Path(rest[0]).exists(): os.replace(rest[0], path)
@@ -332,37 +421,63 @@ def _undo(journal: Path, ops):
             if rest[1] and Path(rest[1]).exists(): os.replace(rest[1], rest[0])
 
 # %% ../nbs/00_core.ipynb #5c8252c1
-def _retire(journal: Path, state: str):
-    "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its report."
-    try: report = json.loads((journal/'journal.json').read_text())['report']
-    except (OSError, ValueError, KeyError, TypeError): report = None
+def _retire(journal: Path, state: str, report: Path | None = None):
+    "Drop `journal` as `state` ('done', 'abandoned'): renamed first (the decision), then deleted with its own `report`."
     try: os.replace(journal, journal.with_suffix('.' + state)); journal = journal.with_suffix('.' + state)
     except OSError: (journal/'journal.json').unlink(missing_ok=True)  # a journal without its list is never redone
-    if report: shutil.rmtree(report, ignore_errors=True)
+    if report is not None and not report.is_symlink(): shutil.rmtree(report, ignore_errors=True)  # `_report_dir`'s
     shutil.rmtree(journal, ignore_errors=True)
+
+# %% ../nbs/00_core.ipynb #52b11ab5
+def _quarantine(journal: Path, why):
+    "Rename `journal` aside as `.quarantined` (never replayed, never deleted) and say so in one warning line."
+    to = journal.with_suffix('.quarantined')
+    if os.path.lexists(to): to = journal.with_name(f'{journal.stem}-{uuid.uuid4().hex[:8]}.quarantined')
+    try: os.rename(journal, to); where = f'renamed aside to {to.name}'
+    except OSError as e: where = f'left as it is (it cannot be renamed: {e.strerror or e})'
+    warnings.warn(f'results journal {journal} refused, nothing of it replayed: {why}; {where}', JournalWarning,
+                  stacklevel=4)
+
+# %% ../nbs/00_core.ipynb #da86e3f4
+def _report_named(journal: Path) -> Path | None:
+    "The checked staged report of a journal that is not replayed; None when its journal.json was never written whole."
+    try: data = _journal_json(journal)
+    except ValueError: return None  # cut while it was written: the stage was not yet renamed to its report
+    return _report_dir(journal, data.get('report'))
+
+# %% ../nbs/00_core.ipynb #e665d20d
+def _journals(folder: Path) -> list:
+    "The journals in `folder` that recovery acts on (staging, committed, abandoned, done), in name order."
+    return sorted(j for j in folder.glob(_JOURNAL + '*') if j.suffix[1:] in _STATES) if folder.is_dir() else []
 
 # %% ../nbs/00_core.ipynb #68926606
 def _recover(folder: Path):
-    "Finish every journal in `folder` (lock held): a committed one is redone, any other is dropped with its report."
-    for j in sorted(folder.glob(_JOURNAL + '*')):
-        if not j.is_dir() or j.suffix == '.report': continue  # a staged report goes with its journal, never alone
-        if j.suffix == '.committed' and (j/'journal.json').exists():
-            _redo(j, json.loads((j/'journal.json').read_text())['ops'])
-            _retire(j, 'done')
-        elif j.suffix in ('.staging', '.committed'): _retire(j, 'abandoned')
-        else: _retire(j, j.suffix[1:])
+    "Finish `folder`'s journals (lock held): a committed one redone, others dropped; one failing its checks set aside."
+    for j in _journals(folder):
+        try:
+            if j.is_symlink() or not j.is_dir(): raise ValueError('it is not a folder')
+            if j.suffix == '.committed' and os.path.lexists(j/'journal.json'):
+                (ops, rep), state = _read_journal(j), 'done'
+            else:  # never reached its commit point (or was retired): dropped, with the report it staged
+                ops, rep = [], _report_named(j)
+                state = 'abandoned' if j.suffix in ('.staging', '.committed') else j.suffix[1:]
+        except ValueError as e:
+            _quarantine(j, e)
+            continue
+        _redo(ops)
+        _retire(j, state, rep)
 
 # %% ../nbs/00_core.ipynb #b656606b
 def _recover_pending(folder: Path):
     "Recover `folder`'s journals under the commit lock, when it has any (a reader that finds none takes no lock)."
-    if folder.is_dir() and any(folder.glob(_JOURNAL + '*')):
+    if _journals(folder):
         with _commit_lock(): _recover(folder)
 
 # %% ../nbs/00_core.ipynb #b0f06f7f
 def recover_commits(folder):
     "Finish (or drop, if it never reached its commit point) each recording cut short in `folder`; their names."
-    folder = Path(folder)
-    pending = [j.name for j in folder.glob(_JOURNAL + '*')] if folder.is_dir() else []
+    folder = Path(folder).expanduser()
+    pending = [j.name for j in _journals(folder)]
     _recover_pending(folder)
     return pending
 
@@ -378,8 +493,11 @@ def _keep(path: Path, backup: Path) -> str | None:
 def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
     "The journal's operations putting the files of `stage` (renamed `into`) into `out`, removing the stale `owns`."
     if out.exists() and not out.is_dir(): raise ValueError(f'cannot put a report into {out}: it is a file')
+    if out != stage.parent and out.parent != stage.parent:  # recovery's rule: a journal writes only beside its stage
+        raise ValueError(f'the report folder {out} must be the folder of its staged report {stage} or a folder in it')
     if any(not n or Path(n).name != n for n in owns): raise ValueError(f'report_files must be plain names, got {owns}')
-    if any(not f.is_file() for f in stage.iterdir()): raise ValueError(f'staged report {stage}: only files')
+    if any(not f.is_file() or f.is_symlink() for f in stage.iterdir()):
+        raise ValueError(f'staged report {stage}: only files')
     if os.stat(stage).st_dev != os.stat(out if out.exists() else out.parent).st_dev:
         raise ValueError(f'the staged report {stage} must be on the same filesystem as {out}')
     ops = [] if out.exists() else [['mkdir', str(out)]]
@@ -390,8 +508,8 @@ def _report_ops(stage: Path, out: Path, owns, into: Path) -> list:
 
 # %% ../nbs/00_core.ipynb #72bbb297
 def _commit(home: Path, texts: dict, report=None, owns=()):
-    "Write `texts` ({path: csv}), move `report` (stage, out): all or none, by a journal in `home` one rename commits."
-    journal = home/f'{_JOURNAL}{os.getpid()}-{uuid.uuid4().hex[:8]}.staging'
+    "Write `texts` ({absolute path: csv}), move `report` (absolute stage, out): all or none, by a journal in `home`."
+    journal, into = home/f'{_JOURNAL}{os.getpid()}-{uuid.uuid4().hex[:8]}.staging', None
     journal.mkdir(parents=True)
     try:
         ops, umask = [], os.umask(0); os.umask(umask)
@@ -400,7 +518,6 @@ def _commit(home: Path, texts: dict, report=None, owns=()):
             with open(src, 'x', encoding='utf-8') as f: f.write(text); f.flush(); os.fsync(f.fileno())
             os.chmod(src, path.stat().st_mode & 0o7777 if path.exists() else 0o666 & ~umask)
             ops.append(['move', src.name, str(path), _keep(path, journal/f'{i}.old') and f'{i}.old'])
-        into = None
         if report is not None:
             stage, out = report
             into = stage.parent/journal.with_suffix('.report').name
@@ -412,18 +529,21 @@ def _commit(home: Path, texts: dict, report=None, owns=()):
             for op in ops:
                 if op[0] == 'unlink' or op[0] == 'move' and op[1].startswith(str(into)):
                     _keep(Path(op[-2]), Path(op[-1]))  # what the report replaces, to put back on a failure
-        _fsync(journal); committed = journal.with_suffix('.committed')
-        os.replace(journal, committed); journal = committed  # the commit point
+        committed = journal.with_suffix('.committed')
+        ops = _paths(committed, ops, _report_dir(committed, into and str(into)))  # recovery's checks, before committing
+        _fsync(journal); os.replace(journal, committed); journal = committed  # the commit point
         _fsync(home)
     except BaseException:
-        _retire(journal, 'abandoned')
+        _retire(journal, 'abandoned', into)
         raise
-    try: _redo(journal, ops)
-    except BaseException:
-        _undo(journal, ops)  # e.g. a full disk: back to how it was, and the journal dropped
-        _retire(journal, 'abandoned')
+    try: _redo(ops, again=False)
+    except BaseException as e:
+        _undo(ops)  # e.g. a full disk: back to how it was, and the journal dropped
+        _retire(journal, 'abandoned', into)
+        if isinstance(e, OSError):  # one line: which move failed, and that nothing changed
+            raise OSError(e.errno, f'{e.strerror or e}; nothing was recorded, every file is as it was') from e
         raise
-    _retire(journal, 'done')
+    _retire(journal, 'done', into)
 
 # %% ../nbs/00_core.ipynb #1486194b
 def _check_clean_tree(root, allow_dirty):
@@ -449,17 +569,19 @@ def record_tables(tables: dict,               # {kind: a row or rows (dicts)}; m
                   root=None,                  # the results folder (default: `results_dir()`)
                   device=None,                # the device the rows' fingerprint names
                   allow_dirty: bool = False,  # record into data/results from a tree with uncommitted changes
-                  report=None,                # (staged folder, out folder): the staged files move into out, same commit
+                  report=None,                # (staged folder, out folder: the stage's folder or one beside the stage)
                   report_files=(),            # names in out the report owns: removed there when the stage lacks them
                  ) -> dict[str, pd.DataFrame]:
     "Append rows to several tables and move a staged report as one recording (one run id), all or none; the tables."
     tables = {k: [dict(v)] if isinstance(v, dict) else [dict(r) for r in v] for k, v in tables.items()}
     if not (tables or report) or not all(tables.values()):
         raise ValueError('a recording needs at least one row per table (or a report)')
-    paths = {k: _table_path(k, root) for k in tables}
-    report = None if report is None else tuple(Path(p) for p in report)
+    for k in tables: _table_path(k)  # a bad kind is refused first
+    # the journal names absolute paths: a relative one means the caller's working folder, never the journal's
+    report = None if report is None else tuple(Path(p).expanduser().resolve() for p in report)
     if report is not None and not report[0].is_dir(): raise ValueError(f'the staged report {report[0]} is not a folder')
-    home = results_dir(root) if tables else report[0].parent  # where the recording's journal lives
+    home = results_dir(root).resolve() if tables else report[0].parent  # where the recording's journal lives
+    paths = {k: _table_path(k, home) for k in tables}
     if tables: _check_clean_tree(root, allow_dirty); fp = fingerprint(device); home.mkdir(parents=True, exist_ok=True)
     run = f"{fp['utc']}-{uuid.uuid4().hex[:6]}" if tables else None  # one id per recording: its rows stay together
     with _commit_lock(), _signals_deferred():  # a signal from any thread waits until the commit is whole
