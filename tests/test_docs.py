@@ -5,7 +5,7 @@ Executing every notebook takes minutes on 2 cores, so this test builds the WHOLE
 link is checked) but executes only the notebooks whose outputs it checks (index, findings, compare); the
 other pages render unexecuted, with their show_doc output, as nbdev's own docs do. `make docs` executes all.
 """
-import html, importlib.util, os, re, subprocess, sys
+import html, importlib.util, json, os, re, subprocess, sys, time
 from pathlib import Path
 from urllib.parse import urlsplit, unquote
 import pytest
@@ -147,46 +147,135 @@ def _one_line(r) -> str:
     assert len(lines) == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
     return lines[0]
 
-def test_out_is_never_a_folder_it_did_not_make_nor_a_file(tmp_path):
-    _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1')
-    mine = tmp_path/'my_documents'; mine.mkdir(); (mine/'notes.txt').write_text('mine')
-    r = _build(tmp_path, tmp_path/'nbs', mine)
-    assert r.returncode == 2 and 'did not make' in _one_line(r) and str(mine) in r.stderr
-    assert [p.name for p in mine.iterdir()] == ['notes.txt'] and (mine/'notes.txt').read_text() == 'mine'
-    f = tmp_path/'notes.txt'; f.write_text('mine too')
-    r = _build(tmp_path, tmp_path/'nbs', f)
-    assert r.returncode == 2 and 'is a file' in _one_line(r) and f.read_text() == 'mine too'
-    assert not (tmp_path/'cache').exists()  # refused before any work
-
 def test_a_truncated_notebook_is_one_line(tmp_path):
     _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1', truncate=True)
     r = _build(tmp_path, tmp_path/'nbs', tmp_path/'site')
     assert r.returncode == 1 and 'toy.ipynb' in _one_line(r) and 'not a readable notebook' in r.stderr
     assert not (tmp_path/'site').exists()
 
-def test_failing_cells_are_one_line_each_and_the_old_site_stays(tmp_path):
-    _toy_nb(tmp_path/'good'/'toy.ipynb', 'x = 1', 'print(x)')
-    site = tmp_path/'site'
-    r = _build(tmp_path, tmp_path/'good', site)
-    assert r.returncode == 0, r.stderr[-3000:]
-    assert (site/bd.MARKER).exists() and (site/'toy.html').exists()
-    before = (site/'toy.html').read_text()
-    bad = tmp_path/'bad'
-    _toy_nb(bad/'a_exit.ipynb', 'x = 1', 'import sys\nsys.exit(0)', 'print(2)')
-    _toy_nb(bad/'b_osexit.ipynb', 'import os\nos._exit(0)')
-    _toy_nb(bad/'c_hang.ipynb', 'x = 1', 'while True: pass')
-    _toy_nb(bad/'d_raise.ipynb', '1/0')
-    r = _build(tmp_path, bad, site, '--timeout', '3', '--jobs', '2')
-    assert r.returncode == 1 and 'Traceback' not in r.stderr, r.stderr[-3000:]
-    lines = r.stderr.strip().removeprefix('build_docs.py: ').splitlines()
-    assert len(lines) == 4, r.stderr
-    got = {l.split(':')[0]: l for l in lines}
-    assert 'cell [2]' in got['a_exit.ipynb'] and 'SystemExit' in got['a_exit.ipynb']
-    assert 'cell [1]' in got['b_osexit.ipynb'] and 'ended the process' in got['b_osexit.ipynb']
-    assert 'cell [2]' in got['c_hang.ipynb'] and 'ran past the 3 s' in got['c_hang.ipynb']
-    assert 'cell [1]' in got['d_raise.ipynb'] and 'ZeroDivisionError' in got['d_raise.ipynb']
-    assert (site/'toy.html').read_text() == before and (site/bd.MARKER).exists()   # a failed build leaves the site as it was
-    assert not [p for p in tmp_path.iterdir() if '.building-' in p.name]           # and no staging folder behind
+def test_out_is_never_a_folder_it_did_not_make_nor_a_file(tmp_path):
+    _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1')
+    mine = tmp_path/'my_documents'; mine.mkdir(); (mine/'notes.txt').write_text('mine')
+    r = _build(tmp_path, tmp_path/'nbs', mine)
+    assert r.returncode == 2 and 'did not write' in _one_line(r) and str(mine) in r.stderr and 'notes.txt' in r.stderr
+    assert [p.name for p in mine.iterdir()] == ['notes.txt'] and (mine/'notes.txt').read_text() == 'mine'
+    f = tmp_path/'notes.txt'; f.write_text('mine too')
+    r = _build(tmp_path, tmp_path/'nbs', f)
+    assert r.returncode == 2 and 'is a file' in _one_line(r) and f.read_text() == 'mine too'
+    assert not (tmp_path/'cache').exists()  # refused before any work
+
+def _refusal(capsys, *args) -> str:
+    "What main() says, in one line and exit 2, when refusing `args` (in this process: no build starts)."
+    with pytest.raises(SystemExit) as e: bd.main(['html', *map(str, args)])
+    err = capsys.readouterr().err.strip()
+    assert e.value.code == 2 and len(err.splitlines()) == 1 and 'Traceback' not in err, (e.value.code, err)
+    return err
+
+def test_a_portfolio_or_an_old_site_is_never_taken_for_ours(tmp_path, capsys):
+    _toy_nb(tmp_path/'nbs'/'toy.ipynb', 'x = 1')
+    folio = tmp_path/'folio'; (folio/'assets').mkdir(parents=True)   # what the pre-manifest builder mistook for a site of its own
+    (folio/'assets'/'extra.css').write_text('body{}'); (folio/'my_portfolio.html').write_text('<p>mine</p>'); (folio/'index.html').write_text('i')
+    assert 'my_portfolio.html' in _refusal(capsys, '--nbs', tmp_path/'nbs', '--out', folio)
+    old = tmp_path/'old'; old.mkdir(); (old/bd.OLD_MARKER).write_text(''); (old/'index.html').write_text('i')
+    assert 'earlier builder' in _refusal(capsys, '--nbs', tmp_path/'nbs', '--out', old)
+    assert (folio/'my_portfolio.html').read_text() == '<p>mine</p>' and (old/'index.html').exists()
+
+def test_the_builder_removes_only_what_its_manifest_lists(tmp_path):
+    site, outside = tmp_path/'site', tmp_path/'outside.txt'
+    (site/'assets').mkdir(parents=True); (site/'empty').mkdir(); outside.write_text('keep')
+    for f in ('index.html', 'assets/a.css'): (site/f).write_text('old')
+    (site/bd.MANIFEST).write_text(json.dumps({'files': ['index.html', 'assets/a.css', '../outside.txt', '/etc/hostname']}))
+    assert bd.check_out(site) == site.resolve()                  # everything in it is listed: a site of ours
+    (site/'assets'/'mine.css').write_text('a user file')        # one file more, and it is not ours any longer
+    with pytest.raises(bd.DocsError, match=r'did not write \(assets/mine\.css'): bd.check_out(site)
+    (site/'assets'/'mine.css').unlink()
+    stage = tmp_path/'stage'; stage.mkdir(); (stage/'index.html').write_text('new'); bd.write_manifest(stage)
+    assert json.loads((stage/bd.MANIFEST).read_text())['files'] == ['index.html']
+    bd.replace_site(stage, site)
+    assert sorted(p.name for p in site.rglob('*')) == [bd.MANIFEST, 'index.html'] and (site/'index.html').read_text() == 'new'
+    assert outside.read_text() == 'keep' and not stage.exists()  # a listed path outside the folder is never followed
+    (site/bd.MANIFEST).write_text('{"files": [')                 # a manifest that does not parse lists nothing
+    with pytest.raises(bd.DocsError, match='did not write'): bd.check_out(site)
+
+def test_bad_nbs_and_out_are_one_line_exit_2(tmp_path, capsys, monkeypatch):
+    nbs = tmp_path/'nbs'; _toy_nb(nbs/'toy.ipynb', 'x = 1')
+    assert 'no such folder' in _refusal(capsys, '--nbs', tmp_path/'missing', '--out', tmp_path/'site')
+    (tmp_path/'empty').mkdir()
+    assert 'no notebooks' in _refusal(capsys, '--nbs', tmp_path/'empty', '--out', tmp_path/'site')
+    assert 'is a file' in _refusal(capsys, '--nbs', nbs/'toy.ipynb', '--out', tmp_path/'site')
+    assert 'kernel file system' in _refusal(capsys, '--nbs', nbs, '--out', '/proc/diffq_docs')
+    assert 'kernel file system' in _refusal(capsys, '--nbs', nbs, '--out', '/sys/diffq_docs')
+    assert '--cell-timeout' in _refusal(capsys, '--nbs', nbs, '--cell-timeout', '0')
+    assert '--max-site-mb' in _refusal(capsys, '--nbs', nbs, '--max-site-mb', 'nan')
+    assert 'no notebook named' in _refusal(capsys, '--nbs', nbs, '--out', tmp_path/'site', '--execute', 'nope')
+    mnt = tmp_path/'mnt'; mnt.mkdir()
+    monkeypatch.setattr(bd.os.path, 'ismount', lambda p: Path(p) == mnt)
+    assert 'mount point' in _refusal(capsys, '--nbs', nbs, '--out', mnt)
+    def denied(**kw): raise PermissionError(13, 'Permission denied')
+    monkeypatch.setattr(bd.tempfile, 'mkdtemp', denied)
+    assert 'cannot make a folder' in _refusal(capsys, '--nbs', nbs, '--out', tmp_path/'ro'/'site')
+    assert not (tmp_path/'site').exists() and not (tmp_path/'ro').exists()
+
+def test_cell_output_and_site_size_are_capped(tmp_path):
+    small = [{'output_type': 'stream', 'name': 'stdout', 'text': 'ok\n'}]
+    assert bd.cap_outputs(small, 10_000) is small
+    big = [{'output_type': 'stream', 'name': 'stdout', 'text': 'line\n' * 2000},
+           {'output_type': 'display_data', 'data': {'image/png': 'x' * 50_000}, 'metadata': {}},
+           {'output_type': 'error', 'ename': 'ValueError', 'evalue': 'bad\nvalue', 'traceback': ['t' * 50_000]}]
+    got = bd.cap_outputs(big, 5_000)
+    assert [o['output_type'] for o in got] == ['stream', 'error', 'display_data']   # the image cut whole, the failure kept
+    assert got[0]['text'].endswith('line\n') and len(got[0]['text']) <= 4_000         # cut at a line
+    assert got[1]['traceback'] == ['ValueError: bad | value']
+    note = got[-1]['data']['text/plain']
+    assert 'Output cut' in note and '0.1 MB' in note and '--max-cell-output' in note and 'docs-truncated' in got[-1]['data']['text/html']
+    assert bd.cap_outputs(got, 5_000) == got                                              # capped once, not twice
+    (tmp_path/'page.html').write_bytes(b'x' * 2_000_000)
+    assert bd.site_size(tmp_path, 3) == 2_000_000
+    with pytest.raises(bd.DocsError, match=r'^the site would be 2 MB, over the 1 MB cap \(--max-site-mb\); biggest: page\.html 2\.0 MB'):
+        bd.site_size(tmp_path, 1)
+
+def test_strict_decides_the_exit_code_of_a_site_with_failed_pages(tmp_path, monkeypatch):
+    monkeypatch.setattr(bd, 'html_site', lambda *a, **k: (tmp_path, {tmp_path/'x.ipynb': 'cell [1] raised'}))
+    assert bd.main(['html']) is None                          # the site is built: exit 0, the failures listed by html_site
+    with pytest.raises(SystemExit) as e: bd.main(['html', '--strict'])
+    assert e.value.code == 1
+
+def test_a_failing_notebook_gets_a_page_saying_so_and_the_rest_builds(tmp_path):
+    """One small build: a good notebook with too much output, one that raises a long multi-line error, one that hangs,
+    one that ends its process; into a folder an earlier build made (its manifest lists a page gone since)."""
+    nbs, site = tmp_path/'nbs', tmp_path/'site'
+    _toy_nb(nbs/'a_good.ipynb', 'print("z" * 30_000)', 'print("printed-after-7")')
+    _toy_nb(nbs/'b_raise.ipynb', 'print("ran-before-7")', 'raise AssertionError("close:\\n  got <b>1.25</b>\\n  want 1.5 " + "y" * 500)')
+    _toy_nb(nbs/'c_hang.ipynb', 'x = 1', 'while True: pass')
+    _toy_nb(nbs/'d_osexit.ipynb', 'import os\nos._exit(3)')
+    site.mkdir(); (site/'gone.html').write_text('old'); (site/bd.MANIFEST).write_text(json.dumps({'files': ['gone.html']}))
+    env = {**os.environ, 'DIFFQ_DOCS_CACHE': str(tmp_path/'cache')}
+    t = time.time()
+    p = subprocess.Popen([sys.executable, str(ROOT/'tools'/'build_docs.py'), 'html', '--nbs', str(nbs), '--out', str(site),
+                          '--cell-timeout', '2', '--max-cell-output', '0.01', '--strict'],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env)
+    first, first_s = p.stdout.readline(), time.time() - t
+    out, err = p.communicate(timeout=600)
+    assert p.returncode == 1 and 'Traceback' not in err, out + err[-3000:]                  # --strict: exit 1, and yet a site
+    assert first.startswith('build_docs.py: 4 page(s)') and first_s < 5, (first, first_s)   # at once, before any heavy import
+    assert re.search(r'executing: 100%.*4/4', err) and 'processing' in err and 'rendering 4 page(s)' in err  # tqdm, on stderr
+    summary = err[err.index('build_docs.py: 3 of 4 notebook(s) failed'):].splitlines()
+    assert len(summary) == 4, summary
+    got = {l.split(':')[0].strip(): l for l in summary[1:]}
+    assert 'cell [2]' in got['b_raise.ipynb'] and 'AssertionError: close: | got <b>1.25</b> | want 1.5 ' + 'y' * 500 in got['b_raise.ipynb']
+    assert 'cell [2]' in got['c_hang.ipynb'] and 'ran past the 2 s cell timeout' in got['c_hang.ipynb']
+    assert 'cell [1]' in got['d_osexit.ipynb'] and 'exit code 3' in got['d_osexit.ipynb']
+    assert not (site/'gone.html').exists() and {'a_good.html', 'b_raise.html', 'c_hang.html', 'd_osexit.html'} <= {p.name for p in site.iterdir()}
+    assert set(json.loads((site/bd.MANIFEST).read_text())['files']) == {str(p.relative_to(site)) for p in site.rglob('*') if p.is_file()} - {bd.MANIFEST}
+    good = (site/'a_good.html').read_text()
+    assert 'docs-failed' not in good and 'Output cut: this cell wrote 30 kB; the docs keep its first 10 kB' in good and 'printed-after-7' in good and 'z' * 30_000 not in good
+    b = (site/'b_raise.html').read_text()
+    assert 'class="docs-failed"' in b and 'ran up to the one that failed' in b and 'ran-before-7' in b
+    banner = re.search(r'<p class="docs-failed-error">([^<]*)</p>', b).group(1)
+    assert html.unescape(banner).endswith('raised AssertionError: close: | got <b>1.25</b> | want 1.5 ' + 'y' * 500)  # whole, one line
+    for page in ('c_hang', 'd_osexit'):
+        assert 'shown unexecuted' in (site/f'{page}.html').read_text(), page
+    assert not [q for q in tmp_path.iterdir() if '.building-' in q.name]                     # no staging folder behind
 
 def test_nav_labels_progress_bars_search_banner_and_scrolling_tables():
     assert bd.nav_label('18_findings', 'Findings') == 'Findings' and bd.nav_label('19_main', '__main__') == 'Main'

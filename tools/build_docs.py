@@ -1,12 +1,20 @@
 """The lab's docs, built offline: `make docs` (a static site in _docs/) and `make readme` (README.md).
 
-    python tools/build_docs.py html [--execute all|none|NAME,...] [--out DIR] [--jobs N] [--fresh] [--timeout S]
+    python tools/build_docs.py html [--execute all|none|NAME,...] [--out DIR] [--nbs DIR] [--jobs N] [--fresh]
+                                    [--cell-timeout S] [--max-cell-output MB] [--max-site-mb MB] [--strict]
     python tools/build_docs.py readme
 
-Failures are one line each, naming the notebook and the cell (a cell that raises, ends the process or runs past
---timeout; a notebook that is not valid JSON): exit 1. A bad --out is refused before any work: exit 2. The site is
-built in a folder beside --out and moved there whole; --out is replaced only when it is new, empty, or a site this
-builder made (it holds the builder's marker file, .diffq_docs_site): a folder of anything else is never deleted.
+A notebook that fails (a cell raises, ends the process, or runs past --cell-timeout, default 600 s) never stops the
+site: its page opens with a banner holding the whole error in one line, then its cells as far as they ran (or
+unexecuted, if the process died); the rest builds, and the command lists the failures at the end on stderr, one line
+a notebook. Exit 0 then (the site is there); --strict makes it exit 1, for CI that must not publish such a page.
+Output is capped: a cell's outputs beyond --max-cell-output MB (default 5) are cut with a visible note on the page,
+and a site over --max-site-mb (default 300) is refused in one line, leaving --out as it was.
+Bad input is refused in one line before any work, exit 2: a missing or empty --nbs; an --out that is a file, under
+/proc, /sys or /dev, a mount point, unwritable, or a folder holding files this builder did not write. The site is
+built in a folder beside --out and moved there whole; the builder removes only the files its manifest
+(.diffq-docs-manifest.json, written into every site it makes) lists: a folder with any other file is never touched.
+A notebook that is not valid JSON stops the build (exit 1): restore it. Progress goes to stderr (tqdm).
 
 Why mkdocs-material + mkdocs-jupyter, not hand-built nbconvert pages, Sphinx + myst-nb or nbdev_docs:
   * nbdev_docs needs Quarto, which cannot be installed on these machines (PyPI's quarto-cli downloads a
@@ -53,11 +61,16 @@ from urllib.parse import urlsplit, unquote
 ROOT = Path(__file__).resolve().parent.parent
 NBS, CACHE = ROOT/'nbs', Path(os.environ.get('DIFFQ_DOCS_CACHE') or ROOT/'_proc'/'executed')  # the cache: env for tests
 BUILDER_VERSION = '3'  # bump when execution changes what a cached notebook holds
-MARKER = '.diffq_docs_site'  # written into every site this builder makes: only such a folder is ever replaced
-CELL_TIMEOUT = 1200  # seconds a cell may run before its notebook's build is stopped (--timeout)
+MANIFEST = '.diffq-docs-manifest.json'  # every file the builder wrote into a site: the only files it ever removes
+OLD_MARKER = '.diffq_docs_site'  # what builders before the manifest left: such a site lists nothing, so it is refused
+CELL_TIMEOUT = 600  # seconds a cell may run before its notebook is stopped (--cell-timeout)
+MAX_CELL_OUTPUT_MB = 5  # a cell's outputs beyond this are cut, with a note on the page (--max-cell-output)
+MAX_SITE_MB = 300  # a site bigger than this is refused (--max-site-mb): GitHub Pages takes 1 GB, a reader far less
+VIRTUAL_FS = ('/proc', '/sys', '/dev')  # kernel file systems: a site cannot live there
 
 class DocsError(Exception):
-    "A failure the builder reports in one line (naming the notebook and cell), with no traceback."
+    "A failure the builder reports in one line (naming the notebook and cell), with no traceback; `code` is the exit status."
+    def __init__(self, msg: str, code: int = 1): super().__init__(msg); self.code = code
 
 def _say(msg: str, code: int):
     print(f'build_docs.py: {msg}', file=sys.stderr); raise SystemExit(code)
@@ -93,20 +106,96 @@ def nav_label(stem: str, title: str) -> str:
 
 ACRONYMS = {'cli': 'CLI', 'gguf': 'GGUF'}  # page titles that are names, not words
 
+def check_nbs(folder: Path | None) -> list[Path]:
+    "The notebooks of `folder` (default nbs/), refused in one line (exit 2) if it is missing, not a folder, or holds none."
+    folder = Path(folder or NBS).expanduser()
+    if not folder.is_dir():
+        raise DocsError(f'--nbs {folder}: ' + ('it is a file, not a folder' if folder.exists() else 'no such folder') +
+                        '; name the folder of notebooks (default nbs/)', 2)
+    nbs = notebooks(folder)
+    if not nbs: raise DocsError(f'--nbs {folder}: no notebooks (*.ipynb) in it; name the folder of notebooks (default nbs/)', 2)
+    return nbs
+
+def _manifest(out: Path) -> set[str] | None:
+    "The paths (relative, posix) the builder wrote into `out`, as its manifest lists them; None without a readable one."
+    try: d = json.loads((out/MANIFEST).read_text(encoding='utf-8'))
+    except (OSError, UnicodeDecodeError, ValueError): return None
+    files = d.get('files') if isinstance(d, dict) else None
+    if not isinstance(files, list) or not all(isinstance(f, str) for f in files): return None
+    return set(files) | {MANIFEST}
+
+def _entries(out: Path):
+    "Every file, link and folder under `out` as (path, relative posix name, is_folder), links not followed, deepest first."
+    for top, dirs, files in os.walk(out, topdown=False):
+        for n in files + [d for d in dirs if os.path.islink(os.path.join(top, d))]:
+            p = Path(top)/n; yield p, p.relative_to(out).as_posix(), False
+        for d in dirs:
+            p = Path(top)/d
+            if not p.is_symlink(): yield p, p.relative_to(out).as_posix(), True
+
+def unlisted(out: Path) -> list[str]:
+    "The files under `out` its manifest does not list (all of them without one): what the builder must never remove."
+    listed = _manifest(out) or set()
+    return sorted(rel for _, rel, folder in _entries(out) if not folder and rel not in listed)
+
 def check_out(out: Path) -> Path:
     "`out` resolved, if the builder may (re)place a site there: else DocsError (exit 2) saying why, before any work."
     out = Path(out).expanduser().resolve()
-    if out.exists() and not out.is_dir(): raise DocsError(f'--out {out}: it is a file, not a folder; name a folder for the site')
-    if out.is_dir() and any(out.iterdir()) and not (out/MARKER).exists() and not _legacy_site(out):
-        raise DocsError(f'--out {out}: refusing to replace a folder this builder did not make (it has files and no {MARKER}); '
-                        'name a new or empty folder')
-    if out == ROOT or out in ROOT.parents or out == NBS: raise DocsError(f'--out {out}: that folder holds the sources')
+    say = lambda why: DocsError(f'--out {out}: {why}', 2)
+    if any(out == Path(v) or Path(v) in out.parents for v in VIRTUAL_FS):
+        raise say(f'it lies under {next(v for v in VIRTUAL_FS if out == Path(v) or Path(v) in out.parents)}, a kernel file system; name a folder on disk')
+    if out == ROOT or out in ROOT.parents or out == NBS: raise say('that folder holds the sources')
+    if out.exists() and not out.is_dir(): raise say('it is a file, not a folder; name a folder for the site')
+    if out.is_dir():
+        if os.path.ismount(out): raise say('it is a mount point, which the builder cannot replace (it swaps in a new folder); name a folder inside it')
+        stray = unlisted(out)
+        if stray:
+            why = ('a site made by an earlier builder, without a manifest of its files: remove it once yourself'
+                   if (out/OLD_MARKER).exists() and _manifest(out) is None else
+                   f'refusing to replace a folder holding files this builder did not write ({", ".join(stray[:3])}'
+                   + (f' and {len(stray) - 3} more' if len(stray) > 3 else '') + f'; no {MANIFEST} lists them)')
+            raise say(why + '; name a new or empty folder')
+        if not all(os.access(p, os.W_OK | os.X_OK) for p in [out] + [p for p, _, f in _entries(out) if f]):
+            raise say('not writable, so its old site cannot be removed; name a folder you can write')
+    anc = out.parent  # the site is built beside `out`, so that folder (or the nearest that exists) must take a new folder
+    while not anc.exists(): anc = anc.parent
+    if not anc.is_dir(): raise say(f'{anc} is a file, so no folder can be made there')
+    try: os.rmdir(tempfile.mkdtemp(dir=anc, prefix='.diffq-docs-probe-'))
+    except OSError as e: raise say(f'cannot make a folder in {anc} ({e.strerror or e}); name a folder you can write') from None
     return out
 
-def _legacy_site(out: Path) -> bool:
-    "A site an earlier version of this builder made (before the marker): only mkdocs's outputs, with the builder's CSS."
-    made = {'assets', 'search', 'sitemap.xml', 'sitemap.xml.gz'}
-    return (out/'assets'/'extra.css').is_file() and all(p.name in made or p.suffix == '.html' for p in out.iterdir())
+def write_manifest(site: Path):
+    "List every file of `site` in its manifest: the files a later build may remove, and no others."
+    files = sorted(rel for _, rel, folder in _entries(site) if not folder and rel != MANIFEST)
+    (site/MANIFEST).write_text(json.dumps({'builder': 'tools/build_docs.py', 'note': 'the files this builder wrote: '
+                                           'the only ones its next build removes', 'files': files}, indent=1))
+
+def replace_site(stage: Path, out: Path):
+    "Move the finished site `stage` to `out`, first removing only the files `out`'s manifest lists (and folders left empty)."
+    if out.exists():
+        if stray := unlisted(out): raise DocsError(f'--out {out}: files appeared that this builder did not write ({", ".join(stray[:3])}); the new site is not installed', 2)
+        listed = _manifest(out) or set()
+        for p, rel, folder in list(_entries(out)):  # deepest first: a folder is removed only once emptied
+            if folder:
+                try: p.rmdir()
+                except OSError: pass  # not empty: something it does not list (refused above), left alone
+            elif rel in listed: p.unlink()
+        out.rmdir()  # empty now, or an OSError: nothing unlisted is ever removed
+    os.replace(stage, out)
+
+def site_size(site: Path, cap_mb: float):
+    "The size of `site` in bytes; DocsError in one line naming the biggest files when it is over `cap_mb`."
+    sizes = {p: p.stat().st_size for p in site.rglob('*') if p.is_file() and not p.is_symlink()}
+    total = sum(sizes.values())
+    if total > cap_mb * 1e6:
+        big = ', '.join(f'{p.relative_to(site)} {n / 1e6:.1f} MB' for p, n in sorted(sizes.items(), key=lambda t: -t[1])[:3])
+        raise DocsError(f'the site would be {total / 1e6:.0f} MB, over the {cap_mb:g} MB cap (--max-site-mb); biggest: {big}; '
+                        '--out is as it was')
+    return total
+
+def one_line(text: str) -> str:
+    "A message of any length on one line, whole: its lines joined by ' | '."
+    return ' | '.join(l.strip() for l in str(text).splitlines() if l.strip())
 
 # ------------------------------------------------------------------------------------------ 1. execute
 def _skip_re():
@@ -150,6 +239,38 @@ def _snapshot_widgets(cell):
         o['data'] = {'text/html': '<div class="widget-snapshot">' + snap + '<p class="widget-note">A static snapshot '
                      'of an interactive widget: open the notebook in JupyterLab to use it.</p></div>'}
 
+def _text(v) -> str: return ''.join(v) if isinstance(v, list) else str(v or '')
+
+def _out_size(o: dict) -> int:
+    "Characters an output puts on a page: its text, every representation of its data, its traceback."
+    return (len(_text(o.get('text'))) + sum(len(_text(v)) for v in (o.get('data') or {}).values())
+            + sum(len(str(l)) for l in o.get('traceback') or []))
+
+def cap_outputs(outputs: list, limit: int) -> list:
+    "`outputs` within `limit` characters: the first ones whole, a stream cut at a line, the rest dropped, and a visible note."
+    total = sum(map(_out_size, outputs))
+    if total <= limit: return outputs
+    kept, left = [], max(limit - 1000, 0)  # room for the note, so that a capped cell fits when capped again
+    for o in outputs:
+        n = _out_size(o)
+        if n <= left: kept.append(o); left -= n; continue
+        if o.get('output_type') == 'stream' and left > 0:  # its head, to the last whole line that fits
+            head = _text(o.get('text'))[:left]
+            kept.append({**o, 'text': head[:head.rfind('\n') + 1] or head})
+        elif o.get('output_type') == 'error':  # that the cell failed matters more than where: keep its message line
+            kept.append({**o, 'traceback': [f"{o.get('ename', 'Error')}: {one_line(o.get('evalue', ''))[:max(left, 1000)]}"]})
+        left = 0  # anything else cut in half (an image, a table) is no use: dropped
+    note = (f'Output cut: this cell wrote {_size(total)}; the docs keep its first {_size(limit)} '
+            '(tools/build_docs.py --max-cell-output). Run the notebook to see it all.')
+    kept.append({'output_type': 'display_data', 'metadata': {},
+                 'data': {'text/plain': note, 'text/html': f'<div class="docs-truncated">{html.escape(note)}</div>'}})
+    return kept
+
+def _size(n: float) -> str: return f'{n / 1e6:.1f} MB' if n >= 1e5 else f'{n / 1e3:.0f} kB'
+
+def _max_output() -> int:
+    return int(float(os.environ.get('DIFFQ_DOCS_MAX_CELL_OUTPUT') or MAX_CELL_OUTPUT_MB * 1e6))
+
 def _execute_here(src: Path, dst: Path):
     "Run `src` in this process like nbdev_test (from nbs/, flagged cells skipped) and write it, with outputs, to `dst`."
     from execnb.nbio import read_nb, write_nb
@@ -170,12 +291,23 @@ def _execute_here(src: Path, dst: Path):
         if status and c.cell_type == 'code' and not skipped:  # which cell runs now: the parent names it if the process ends here
             Path(status).write_text(json.dumps({'cell': c.idx_, 'line': c.source.strip().splitlines()[0][:60] if c.source.strip() else ''}))
         return skipped
-    try: shell.run_all(nb, exc_stop=True, preproc=pre, postproc=_snapshot_widgets)
-    except BaseException as e:  # one line for the parent, naming the cell (its traceback stays in the notebook's own run)
+    limit = _max_output()
+    def post(c):
+        _snapshot_widgets(c)
+        if c.get('outputs'): c['outputs'] = cap_outputs(c['outputs'], limit)  # 300 MB of prints is no page: cut here, before the cache
+    try: shell.run_all(nb, exc_stop=True, preproc=pre, postproc=post)
+    except BaseException as e:  # the whole message in one line for the parent, naming the cell (the traceback stays in the page)
         at = json.loads(Path(status).read_text()) if status and Path(status).exists() else {}
-        if status: Path(status).write_text(json.dumps({**at, 'done': True}))  # the cells are over: no timeout from here
-        print(f'DIFFQ-DOCS-ERROR: cell [{at.get("cell", "?")}] {at.get("line", "")!r} raised {type(e).__name__}: '
-              f'{(str(e).strip().splitlines() or [""])[0][:300]}', file=sys.stderr, flush=True)
+        msg = one_line(e)
+        if len(msg) > limit: msg = msg[:limit] + f' ... ({len(msg) - limit} more characters: over --max-cell-output)'
+        err = f'cell [{at.get("cell", "?")}] {at.get("line", "")!r} raised {type(e).__name__}' + (f': {msg}' if msg else '')
+        if status: Path(status).write_text(json.dumps({**at, 'done': True, 'error': err}))  # the cells are over: no timeout from here
+        if partial := os.environ.get('DIFFQ_DOCS_PARTIAL'):  # the cells as far as they ran, the failing one with its traceback
+            try:
+                for c in nb.cells: c.get('metadata', {}).pop('execution', None)
+                write_nb(nb, partial)
+            except Exception: pass  # the page then shows the notebook unexecuted, with the same banner
+        print(f'DIFFQ-DOCS-ERROR: {err}', file=sys.stderr, flush=True)
         raise SystemExit(1) from None
     if status: Path(status).write_text(json.dumps({'done': True}))
     for c in nb.cells: c.get('metadata', {}).pop('execution', None)
@@ -197,42 +329,63 @@ def _rel(p: Path) -> str:
 _ENV = {'OMP_NUM_THREADS': '1', 'TOKENIZERS_PARALLELISM': 'false', 'MPLBACKEND': 'Agg',
         'TQDM_DISABLE': '1', 'HF_HUB_DISABLE_PROGRESS_BARS': '1'}  # no progress bars in a page: they read as errors there
 
-def _run_one(nb: Path, dst: Path, timeout: int = CELL_TIMEOUT) -> tuple[Path, str]:
-    "Execute `nb` into `dst` in its own process, watched: (nb, '') when it ran whole, else (nb, one line saying where it stopped)."
+def _run_one(nb: Path, dst: Path, timeout: int = CELL_TIMEOUT, partial: Path | None = None,
+             on_cell=lambda nb, at: None) -> tuple[Path, str]:
+    """Execute `nb` into `dst` in its own process, watched: (nb, '') when it ran whole, else (nb, one line saying where it
+    stopped, with the whole error), and then, in `partial`, its cells as far as they ran (when the process lived to write them).
+    `on_cell(nb, at)` hears of each cell as it starts (at: its status, a dict) and every few seconds while it runs."""
     env = {**os.environ, **_ENV, 'HF_HUB_OFFLINE': os.environ.get('HF_HUB_OFFLINE', '1')}
     t = time.time()
     with tempfile.TemporaryDirectory(prefix='diffq_docs_exec_') as tmp:
-        status, log = Path(tmp)/'status.json', Path(tmp)/'stderr.txt'
-        env['DIFFQ_DOCS_STATUS'] = str(status)
+        status, log, part = Path(tmp)/'status.json', Path(tmp)/'stderr.txt', Path(tmp)/'partial.ipynb'
+        env['DIFFQ_DOCS_STATUS'], env['DIFFQ_DOCS_PARTIAL'] = str(status), str(part)
         dst.unlink(missing_ok=True)
         with open(log, 'w') as err:
             proc = subprocess.Popen([sys.executable, __file__, '_exec', str(nb), str(dst)], stdout=subprocess.DEVNULL, stderr=err, env=env)
-            started, last = time.time(), None
+            started, last, heard, news, err = time.time(), None, 0.0, False, ''
             while proc.poll() is None:  # the per-cell timeout: a cell is timed from when it starts
                 try: mark = status.read_text()
                 except OSError: mark = None  # not yet (the imports before the first cell get 10 minutes at least)
-                if mark != last: started, last = time.time(), mark
+                if mark != last: started, last, news = time.time(), mark, True
+                if time.time() - heard > (1 if news else 5):  # a new cell at most once a second; a long one still shows as alive
+                    heard, news = time.time(), False; on_cell(nb, _status(status))
                 if time.time() - started > (max(timeout, 600) if not last or '"done"' in last else timeout):
                     proc.kill(); proc.wait()
-                    return nb, f'{_cell(status)} ran past the {timeout} s cell timeout (--timeout)'
+                    err = f'{_cell(status)} ran past the {timeout:g} s cell timeout (--cell-timeout)'
+                    break
                 time.sleep(0.2)
-        lines = [l for l in log.read_text(errors='replace').splitlines() if l.strip()]
-        mine = [l.removeprefix('DIFFQ-DOCS-ERROR: ') for l in lines if l.startswith('DIFFQ-DOCS-ERROR: ')]
-        if mine: err = mine[-1]
-        elif proc.returncode != 0: err = f'{_cell(status)} ended the process with exit code {proc.returncode}' + (f': {lines[-1][:300]}' if lines else '')
-        elif not dst.exists(): err = f'{_cell(status)} ended the process (exit code 0, e.g. sys.exit or os._exit) before the notebook finished'
-        else: err = ''
-    print(f'  executed {nb.name} in {time.time() - t:.1f} s' + (' FAILED' if err else ''), flush=True)
+        if not err:
+            lines = [l for l in log.read_text(errors='replace').splitlines() if l.strip()]
+            if at := _status(status).get('error'): err = at
+            elif proc.returncode != 0: err = f'{_cell(status)} ended the process with exit code {proc.returncode}' + (f': {lines[-1]}' if lines else '')
+            elif not dst.exists(): err = f'{_cell(status)} ended the process (exit code 0, e.g. sys.exit or os._exit) before the notebook finished'
+        if partial is not None:
+            partial.unlink(missing_ok=True)  # a run of an older failure is no page of this one
+            if err and part.exists(): partial.parent.mkdir(parents=True, exist_ok=True); shutil.move(part, partial)
+    _write(f'  executed {nb.name} in {time.time() - t:.1f} s' + (' FAILED' if err else ''))
     return nb, err
+
+def _write(msg: str):
+    "A line on stdout that leaves the progress bars on stderr whole."
+    from tqdm import tqdm
+    tqdm.write(msg, file=sys.stdout); sys.stdout.flush()
+
+def _status(status: Path) -> dict:
+    try: d = json.loads(status.read_text())
+    except (OSError, ValueError): return {}
+    return d if isinstance(d, dict) else {}
 
 def _cell(status: Path) -> str:
     "The cell the status file names, as 'cell [i] 'first line''."
-    try: at = json.loads(status.read_text())
-    except (OSError, ValueError): return 'the notebook (before its first cell)'
+    at = _status(status)
+    if 'cell' not in at: return 'the notebook (before its first cell)'
     return f'cell [{at.get("cell", "?")}] {at.get("line", "")!r}'
 
-def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: bool = False, timeout: int = CELL_TIMEOUT) -> dict[Path, Path]:
-    "Executed copies of `nbs` (cached by content), each run in a fresh process; raise naming every notebook that failed."
+def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: bool = False,
+                timeout: int = CELL_TIMEOUT) -> tuple[dict[Path, Path | None], dict[Path, str]]:
+    """Executed copies of `nbs` (cached by content), each run in a fresh process, and the failures: ({nb: its run, or of
+    a failed one its cells as far as they ran, or None}, {nb: one line saying where and why it failed}). Progress on stderr."""
+    from tqdm import tqdm
     state = _state_hash()
     out, todo = {}, []
     for nb in nbs:
@@ -242,14 +395,32 @@ def execute_all(nbs: list[Path], jobs: int = 2, fresh: bool = False, stale_ok: b
         if not dst.exists() and stale_ok and (runs := sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime)):
             out[nb] = runs[-1]; print(f'  reusing {runs[-1].name} (an older run: the notebook, package or data changed since)')
         elif fresh or not dst.exists(): todo.append((nb, dst))
-    if todo: print(f'executing {len(todo)} notebook(s), {jobs} at a time ({len(nbs) - len(todo)} reused from {_rel(CACHE)})')
-    with ThreadPoolExecutor(max(1, jobs)) as ex: results = list(ex.map(lambda job: _run_one(*job, timeout=timeout), todo))
-    failed = [f'{nb.name}: {err}' for nb, err in results if err]
-    if failed: raise DocsError('\n'.join(failed))
+    failed = {}
+    if not todo: return out, failed
+    print(f'executing {len(todo)} notebook(s), {jobs} at a time ({len(nbs) - len(todo)} reused from {_rel(CACHE)}); '
+          f'a cell may run {timeout:g} s (--cell-timeout)', flush=True)
+    bar = tqdm(total=len(todo), desc='executing', unit='nb', file=sys.stderr, dynamic_ncols=True)
+    running = {}
+    def on_cell(nb, at):  # the bar names what runs now: each notebook and its cell
+        running[nb.stem] = f'{nb.stem} [{at["cell"]}]' if 'cell' in at else nb.stem
+        bar.set_postfix_str(', '.join(running.values()), refresh=True)
+    def job(nb, dst):
+        try: return _run_one(nb, dst, timeout=timeout, partial=CACHE/'failed'/f'{nb.stem}.ipynb', on_cell=on_cell)
+        finally:
+            running.pop(nb.stem, None)
+            bar.set_postfix_str(', '.join(running.values()), refresh=False); bar.update(1)
+    try:
+        with ThreadPoolExecutor(max(1, jobs)) as ex:
+            for nb, err in ex.map(lambda j: job(*j), todo):
+                if not err: continue
+                failed[nb] = err
+                part = CACHE/'failed'/f'{nb.stem}.ipynb'
+                out[nb] = part if part.exists() else None
+    finally: bar.close()
     for nb, _ in todo:  # keep the 3 newest runs of each notebook (another build may be using an older one)
         for old in sorted(CACHE.glob(f'{nb.stem}.*.ipynb'), key=lambda p: p.stat().st_mtime, reverse=True)[3:]:
             old.unlink(missing_ok=True)
-    return out
+    return out, failed
 
 # ------------------------------------------------------------------------------------------ 2. process
 def _fm2md(src: str, site: bool = True) -> str:
@@ -312,8 +483,18 @@ def _doc_procs(executed: bool) -> list:
         procs.append(exec_show_docs_lenient if proc is P.exec_show_docs else proc)
     return procs
 
-def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool = True) -> dict:
-    "The notebook as its docs page (or, `site=False`, the README) shows it: nbdev's doc processors, then the fixes above."
+def failure_cell(err: str, ran: bool) -> dict:
+    "The banner a failed notebook's page opens with: that it failed, and the whole error, on one line."
+    how = ('its cells below ran up to the one that failed (with its traceback); the rest show no output' if ran else
+           'its cells below are shown unexecuted')
+    return {'cell_type': 'markdown', 'metadata': {}, 'source':
+            f'<div class="docs-failed"><p><strong>This notebook failed when the docs were built</strong>: {how}. '
+            f'Run it in JupyterLab to see why.</p><p class="docs-failed-error">{html.escape(one_line(err))}</p></div>'}
+
+def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool = True, failure: str = '',
+              max_output: int = int(MAX_CELL_OUTPUT_MB * 1e6)) -> dict:
+    """The notebook as its docs page (or, `site=False`, the README) shows it: nbdev's doc processors, then the fixes above;
+    each cell's outputs capped at `max_output` characters; a `failure` (one line) as a banner under the title."""
     from execnb.nbio import read_nb, nb2str
     from nbdev.process import NBProcessor
     nb = read_nb(executed or nb_path)
@@ -338,12 +519,16 @@ def processed(nb_path: Path, executed: Path | None, pages: set[str], site: bool 
             if not src.strip(): continue
             src = math_to_mathml(rw(src)) if site else src
         c['source'] = src
-        if c['cell_type'] == 'code': c['outputs'] = [o for o in map(_no_progress, c.get('outputs', [])) if o is not None]
+        if c['cell_type'] == 'code':
+            c['outputs'] = cap_outputs([o for o in map(_no_progress, c.get('outputs', [])) if o is not None], max_output)
         for o in c.get('outputs', []):
             for k, v in o.get('data', {}).items():
                 if k in ('text/markdown', 'text/html'):
                     o['data'][k] = rw(''.join(v) if isinstance(v, list) else v)
         cells.append(c)
+    if failure:  # under the title (and its lead), above everything else
+        at = next((i + 1 for i, c in enumerate(cells) if c['cell_type'] == 'markdown' and c['source'].startswith('# ')), 0)
+        cells.insert(at, failure_cell(failure, ran=executed is not None))
     for i, c in enumerate(cells): c.setdefault('id', f'docs-{i}')  # cells the processors added have none
     d['cells'] = cells
     d['nbformat'], d['nbformat_minor'] = 4, max(5, d.get('nbformat_minor', 5))
@@ -370,6 +555,9 @@ EXTRA_CSS = """
 .widget-snapshot .ws-image { image-rendering: pixelated; }
 .widget-snapshot .ws-option { display: inline-block; padding: 0.1em 0.6em; margin: 0 0.2em; border: 1px solid #bbb; border-radius: 3px; }
 .widget-snapshot .ws-selected { background: var(--md-primary-fg-color); color: var(--md-primary-bg-color); }
+.docs-failed { border-left: 4px solid #c62828; background: #fdecea; color: #5f1111; padding: 0.4em 1em; margin: 1em 0; }
+.docs-failed-error { font-family: var(--md-code-font-family, monospace); font-size: 0.85em; overflow-wrap: anywhere; }
+.docs-truncated { border-left: 4px solid #e0a800; background: #fff8e1; color: #5c4400; padding: 0.3em 0.8em; font-size: 0.85em; }
 .widget-snapshot .widget-note { font-size: 0.8em; color: var(--md-default-fg-color--light); margin: 0.4em 0 0; }
 math { font-size: 1.05em; }
 """
@@ -515,45 +703,79 @@ def external_assets(out: Path) -> list[str]:
 # ------------------------------------------------------------------------------------------ commands
 def html_site(execute: str = 'all', out: Path = ROOT/'_docs', jobs: int = 2, fresh: bool = False,
               only: list[str] | None = None, strict_anchors: bool = False, stale_ok: bool = False,
-              timeout: int = CELL_TIMEOUT, folder: Path | None = None) -> Path:
-    "Build the site: execute what `execute` names ('all', 'none' or notebook names), process, render, check."
+              timeout: int = CELL_TIMEOUT, folder: Path | None = None, max_cell_output_mb: float = MAX_CELL_OUTPUT_MB,
+              max_site_mb: float = MAX_SITE_MB, strict: bool = False) -> tuple[Path, dict[Path, str]]:
+    """Build the site: execute what `execute` names ('all', 'none' or notebook names), process, render, check.
+    Returns (the site, {notebook: one line} for each that failed: its page says so and the rest is built)."""
+    from tqdm import tqdm
     t0 = time.time()
     out = check_out(out)
-    nbs = notebooks(folder)
+    nbs = check_nbs(folder)
     check_notebooks(nbs)
-    if only: nbs = [p for p in nbs if p.stem in only or page_name(p) in only]
+    if only:
+        if unknown := set(only) - {p.stem for p in nbs} - {page_name(p) for p in nbs}: raise DocsError(f'--only: no notebook named {sorted(unknown)}', 2)
+        nbs = [p for p in nbs if p.stem in only or page_name(p) in only]
     want = {p.stem for p in nbs} if execute == 'all' else set() if execute == 'none' else set(execute.split(','))
     unknown = want - {p.stem for p in nbs} - {page_name(p) for p in nbs}
-    if unknown: raise SystemExit(f'no notebook named {sorted(unknown)}')
+    if unknown: raise DocsError(f"--execute: no notebook named {sorted(unknown)} (give 'all', 'none' or names separated by commas)", 2)
+    print(f'build_docs.py: {len(nbs)} page(s) from {_rel(Path(folder or NBS).resolve())}/ into {_rel(out)}/', flush=True)  # within 2 s: no heavy import yet
     to_run = [p for p in nbs if p.stem in want or page_name(p) in want]
-    executed = execute_all(to_run, jobs=jobs, fresh=fresh, stale_ok=stale_ok, timeout=timeout)
+    os.environ['DIFFQ_DOCS_MAX_CELL_OUTPUT'] = str(int(max_cell_output_mb * 1e6))  # the executing processes inherit it
+    executed, failed = execute_all(to_run, jobs=jobs, fresh=fresh, stale_ok=stale_ok, timeout=timeout)
     t1 = time.time()
     pages = {page_name(p) for p in nbs}
     docs, navs = {}, []
-    for p in nbs:
-        d = processed(p, executed.get(p), pages)
+    for p in tqdm(nbs, desc='processing', unit='page', file=sys.stderr, dynamic_ncols=True):
+        try: d = processed(p, executed.get(p), pages, failure=failed.get(p, ''), max_output=int(max_cell_output_mb * 1e6))
+        except Exception as e:  # nbdev's processors choked on it: still a page, saying so
+            failed[p] = f'processing its page raised {type(e).__name__}: {one_line(e)}'
+            d = {'cells': [{'cell_type': 'markdown', 'metadata': {}, 'source': f'# {p.stem}'}, failure_cell(failed[p], False)],
+                 'metadata': {}, 'nbformat': 4, 'nbformat_minor': 5}
+            for i, c in enumerate(d['cells']): c['id'] = f'docs-{i}'
         docs[page_name(p)] = d
         navs.append((page_name(p), nav_label(p.stem, _title(d, page_name(p)))))
     t2 = time.time()
     out.parent.mkdir(parents=True, exist_ok=True)
     stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.building-'))
     try:
-        render(docs, navs, stage)
+        with _ticking(f'rendering {len(docs)} page(s) with mkdocs'): render(docs, navs, stage)
         dead, stray = postprocess(stage)
         ext = external_assets(stage)
         for s in stray: print(f'warning: link to a missing anchor (a renamed heading?) {s}')
         bad = ['dead internal link ' + d for d in dead] + ['external asset ' + e for e in ext]
         if strict_anchors: bad += ['missing anchor ' + s for s in stray]
-        if bad: raise SystemExit('docs check failed:\n  ' + '\n  '.join(bad))
-        (stage/MARKER).write_text('made by tools/build_docs.py: the builder replaces this folder on its next build\n')
+        if bad: raise DocsError(f'docs check failed ({len(bad)}): ' + '; '.join(bad) + '; --out is as it was')
+        size = site_size(stage, max_site_mb)
+        write_manifest(stage)
         os.chmod(stage, 0o755)  # mkdtemp makes 0700
         check_out(out)  # still ours (or new) now that the site is ready
-        if out.exists(): shutil.rmtree(out)
-        os.replace(stage, out)
+        replace_site(stage, out)
     finally: shutil.rmtree(stage, ignore_errors=True)
-    print(f'wrote {len(docs)} pages to {out} (execute {t1 - t0:.0f} s, process {t2 - t1:.0f} s, render {time.time() - t2:.0f} s)')
-    print(f'open {out/"index.html"}; for search, serve it: python -m http.server -d {_rel(out)} 8000')
-    return out
+    print(f'wrote {len(docs)} pages ({size / 1e6:.1f} MB) to {out} (execute {t1 - t0:.0f} s, process {t2 - t1:.0f} s, '
+          f'render {time.time() - t2:.0f} s)')
+    print(f'open {out/"index.html"}; for search, serve it: python -m http.server -d {_rel(out)} 8000', flush=True)
+    report_failures(failed, len(docs), strict)
+    return out, failed
+
+class _ticking:
+    "A line on stderr naming a long step and the time it has taken, redrawn every 2 s (mkdocs reports no progress of its own)."
+    def __init__(self, desc: str): self.desc = desc
+    def __enter__(self):
+        import threading
+        from tqdm import tqdm
+        self.bar = tqdm(desc=self.desc, bar_format='{desc}: {elapsed}', file=sys.stderr)
+        self.stop = threading.Event()
+        self.th = threading.Thread(target=lambda: [self.bar.refresh() for _ in iter(lambda: self.stop.wait(2), True)], daemon=True)
+        self.th.start()
+    def __exit__(self, *exc): self.stop.set(); self.th.join(); self.bar.close()
+
+def report_failures(failed: dict[Path, str], total: int, strict: bool):
+    "The notebooks that failed, one line each on stderr, after the site is written."
+    if not failed: return
+    print(f'build_docs.py: {len(failed)} of {total} notebook(s) failed; the site is built and their pages say so '
+          + ('(--strict: exit 1)' if strict else '(exit 0; --strict makes this exit 1)') + ':', file=sys.stderr)
+    for nb, err in sorted(failed.items()): print(f'  {nb.name}: {err}', file=sys.stderr)
+    sys.stderr.flush()
 
 def readme():
     "README.md from nbs/index.ipynb (executed, or reused from the cache), as GitHub shows it."
@@ -562,7 +784,9 @@ def readme():
     import nbformat
     idx = NBS/'index.ipynb'
     check_notebooks([idx])
-    d = processed(idx, execute_all([idx])[idx], pages=set(), site=False)  # links to nbs/*.ipynb stay: they work on GitHub
+    runs, failed = execute_all([idx])
+    if failed: raise DocsError(f'{idx.name}: {failed[idx]}; README.md is left as it was')  # the README is never a failed run
+    d = processed(idx, runs[idx], pages=set(), site=False)  # links to nbs/*.ipynb stay: they work on GitHub
     c = Config(); c.TagRemovePreprocessor.remove_input_tags = {'remove_input'}; c.TagRemovePreprocessor.enabled = True
     body, _ = MarkdownExporter(config=c).from_notebook_node(nbformat.reads(json.dumps(d), as_version=4))
     body = re.sub(r'\n{3,}', '\n\n', body).strip() + '\n'
@@ -581,8 +805,13 @@ def main(argv=None):
     h = sub.add_parser('html', help='the static site, into _docs/')
     h.add_argument('--execute', default='all', help="'all' (default), 'none', or notebook names separated by commas")
     h.add_argument('--only', default='', help='build only these notebooks (comma-separated names)')
-    h.add_argument('--out', default=str(ROOT/'_docs'), help=f'the site folder (default _docs/): new, empty, or a site this builder made ({MARKER})')
-    h.add_argument('--timeout', type=int, default=CELL_TIMEOUT, help=f'seconds a cell may run (default {CELL_TIMEOUT})')
+    h.add_argument('--out', default=str(ROOT/'_docs'), help=f'the site folder (default _docs/): new, empty, or a site this builder made ({MANIFEST})')
+    h.add_argument('--cell-timeout', '--timeout', dest='timeout', type=float, default=CELL_TIMEOUT,
+                   help=f'seconds a cell may run before its notebook is stopped and its page says so (default {CELL_TIMEOUT})')
+    h.add_argument('--max-cell-output', type=float, default=MAX_CELL_OUTPUT_MB, metavar='MB',
+                   help=f"a cell's outputs beyond this many MB are cut, with a note on the page (default {MAX_CELL_OUTPUT_MB})")
+    h.add_argument('--max-site-mb', type=float, default=MAX_SITE_MB, metavar='MB', help=f'refuse a site bigger than this (default {MAX_SITE_MB})')
+    h.add_argument('--strict', action='store_true', help='exit 1 when a notebook failed (the site is still built, its page saying so)')
     h.add_argument('--nbs', default=str(NBS), help='the folder of notebooks (default nbs/)')
     h.add_argument('--jobs', type=int, default=2, help='notebooks executed at once (one torch thread each)')
     h.add_argument('--fresh', action='store_true', help='execute again even where a cached run matches')
@@ -592,14 +821,17 @@ def main(argv=None):
     e = sub.add_parser('_exec'); e.add_argument('src'); e.add_argument('dst')
     a = ap.parse_args(argv)
     if a.cmd == '_exec': return _execute_here(Path(a.src).resolve(), Path(a.dst).resolve())
-    if a.cmd == 'html' and a.timeout < 1: ap.error(f'--timeout must be >= 1 second, got {a.timeout}')
+    if a.cmd == 'html':
+        for flag, v, lo in (('--cell-timeout', a.timeout, 1), ('--max-cell-output', a.max_cell_output, 0.001),
+                            ('--max-site-mb', a.max_site_mb, 0.001), ('--jobs', a.jobs, 1)):
+            if not v >= lo or v == float('inf'): _say(f'{flag} must be a number >= {lo:g}, got {v:g}', 2)
     try:
         if a.cmd == 'html':
-            html_site(a.execute, Path(a.out), a.jobs, a.fresh, [s for s in a.only.split(',') if s] or None, a.strict_anchors,
-                      a.stale_ok, a.timeout, Path(a.nbs))
+            _, failed = html_site(a.execute, Path(a.out), a.jobs, a.fresh, [s for s in a.only.split(',') if s] or None,
+                                  a.strict_anchors, a.stale_ok, a.timeout, Path(a.nbs), a.max_cell_output, a.max_site_mb, a.strict)
+            if failed and a.strict: raise SystemExit(1)
         else: readme()
-    except DocsError as e:
-        _say(str(e), 2 if str(e).startswith('--out') else 1)
+    except DocsError as e: _say(str(e), e.code)
     except KeyboardInterrupt: _say('interrupted; the site in --out is as it was', 130)
 
 if __name__ == '__main__':
