@@ -167,19 +167,28 @@ def test_rehearsal_accepts_only_the_skip_this_image_must_make(tmp_path):
     assert rehearsal.check_out(out) == []
 
 # ---------------------------------------------------------------------------------------------------- the import
+def _plan():
+    from diffq_lab.plan import ComponentPlan, LinearPlan, QuantPlan
+    return QuantPlan({'': ComponentPlan({'lin': LinearPlan(None, None, 'too narrow', (8, 8))})})
+
+
+PLAN = _plan()  # a real plan: the import loads each one as a QuantPlan named by its digest
+
+
 def _gpu_work(tmp_path, dry=False):
     work = tmp_path/'work'
     (work/'results'/'plans').mkdir(parents=True)
     prov = dict(dry_run=dry, python='3.12.3', device='cuda', device_name='NVIDIA H200', capability='9.0',
                 git_sha='abc123def456', code_matches_source=True, utc='2026-12-02T10:00:00Z', host='gpu',
                 packages=dict(torch='2.11.0+cu130', torchao='0.18.0', diffusers='0.42.1', transformers='5.17.0'))
+    if dry: prov.update(device='cpu', device_name='CPU AMD EPYC', capability=None)  # a dry run says it ran on a CPU
     (work/'provenance.json').write_text(json.dumps(prov))
     (work/'status.tsv').write_text('probe\t40\t12\t0\tok\ngemm_eager\t25\t9\t0\tok\n')
     pd.DataFrame([dict(run='2026-12-02T10:01:00Z-aaaaaa', device='cuda', device_name='NVIDIA H200', capability='9.0',
                        torch='2.11.0+cu130', git_sha=None, utc='2026-12-02T10:01:00Z', M=8192, K=8192, N=8192, scheme=s,
                        median_s=t) for s, t in (('bf16', 1.4e-3), ('int8', 0.8e-3))]
                  ).to_csv(work/'results'/'gemm_bench.csv', index=False)
-    (work/'results'/'plans'/'0123456789ab.json').write_text('{}')
+    (work/'results'/'plans'/f'{PLAN.digest()}.json').write_text(PLAN.to_json(compact=True))
     stages.pack(work, tmp_path/'out')
     return tmp_path/'out'/'results.tar.gz'
 
@@ -198,8 +207,8 @@ def test_import_brings_rows_home_once(tmp_path):
     assert list(g.git_sha.astype(str)) == ['111', 'abc123def456', 'abc123def456']  # the stamped sha fills the blank
     runs = pd.read_csv(into/'gpu_runs.csv')
     assert runs.device_name.tolist() == ['NVIDIA H200'] and 'gemm_eager ok 9/25 s' in runs.stages[0]
-    assert (into/'plans'/'0123456789ab.json').exists()
-    assert gimport.import_tarball(tarball, into) == {'gemm_bench': 0, 'plans': 1}  # twice: nothing added
+    assert (into/'plans'/f'{PLAN.digest()}.json').read_text() == PLAN.to_json(compact=True)
+    assert gimport.import_tarball(tarball, into) == {'gemm_bench': 0, 'plans': 0}  # twice: nothing added
     assert len(pd.read_csv(into/'gemm_bench.csv')) == 3 and len(pd.read_csv(into/'gpu_runs.csv')) == 1
 
 
