@@ -9,7 +9,8 @@ TOOLS = REPO/'tools'
 sys.path.insert(0, str(TOOLS))
 if 'gpu_import' not in sys.modules:
     spec = importlib.util.spec_from_file_location('gpu_import', TOOLS/'gpu_import.py')
-    sys.modules['gpu_import'] = importlib.util.module_from_spec(spec); spec.loader.exec_module(sys.modules['gpu_import'])
+    sys.modules['gpu_import'] = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(sys.modules['gpu_import'])
 gi = sys.modules['gpu_import']
 
 PROV = dict(dry_run=False, python='3.12.3', executable='/usr/bin/python3', host='gpu', device='cuda',
@@ -109,6 +110,8 @@ def test_a_good_run_imports_once(tmp_path, store, capsys):
     before = _snapshot(store)
     assert gi.import_tarball(path, store) == {'capability': 0, 'plans': 0}  # twice: nothing added
     assert _snapshot(store) == before
+    (store/'plans'/f'{PLAN.digest()}.json').unlink()  # a plan lost since: it alone comes back
+    assert gi.import_tarball(path, store) == {'capability': 0, 'plans': 1} and _snapshot(store) == before
 
 
 def test_leftovers_newlines_and_a_new_stage_kind(tmp_path, store):
@@ -121,6 +124,22 @@ def test_leftovers_newlines_and_a_new_stage_kind(tmp_path, store):
                                                                           'gpu_runs': 1, 'plans': 0}
     import pandas as pd
     assert pd.read_csv(store/'te_bench.csv').error[0] == 'RuntimeError: CUDA error\n\tat x'  # a multi-line error
+
+
+def test_a_dry_run_only_when_allowed(tmp_path, store, capsys):
+    prov = dict(PROV, dry_run=True, device='cpu', device_name='CPU AMD EPYC', capability=None, torch_cuda=None,
+                gpu_count=0)
+    table = _csv([_row(device='cpu', device_name='CPU AMD EPYC', capability='', run='dry-1')])
+    path = _pack(tmp_path/'dry.tar.gz', _members(prov=prov, table=table))
+    _refused(tmp_path, store, capsys, path=path, says='--allow-dry-run to import anyway')
+    assert gi.main([str(path), '--into', str(store), '--allow-dry-run']) == 0
+    import pandas as pd
+    assert pd.read_csv(store/'gpu_runs.csv').device.tolist() == ['cpu']
+
+
+def test_a_row_may_name_its_gpu_by_index(tmp_path, store):
+    path = _pack(tmp_path/'run.tar.gz', _members(table=_csv([_row(device='cuda:0')]), plan=False))
+    assert gi.import_tarball(path, store)['capability'] == 1
 
 
 def test_a_rerun_without_the_probe_takes_its_device_from_the_rows(tmp_path, store):
@@ -175,7 +194,7 @@ def test_gzip_bombs_stop_at_the_cap(tmp_path, store, capsys, monkeypatch):
     t0 = time.perf_counter()
     _refused(tmp_path, store, capsys, path=tmp_path/'bomb.tar.gz', says='over the')
     assert time.perf_counter() - t0 < 2
-    # bytes no member header declares (a GNU long name tarfile reads whole, zeros past the archive's end): the stream cap
+    # bytes no member header declares (a GNU long name, read whole; zeros past the archive's end): the stream's cap
     monkeypatch.setattr(gi, 'MAX_TOTAL', 2**20)
     long = tarfile.TarInfo('././@LongLink'); long.type = tarfile.GNUTYPE_LONGNAME; long.size = 4 * 2**20
     _refused(tmp_path, store, capsys, path=_bomb(tmp_path, long), says='more than 1048576 bytes')
@@ -240,7 +259,8 @@ def test_rows_must_be_measured_where_provenance_says(tmp_path, store, capsys):
 
 # ----------------------------------------------------------------------------------------------- refused: status
 @pytest.mark.parametrize('status, says', [
-    ('probe\t30\t12\tok\n', '4 fields, expected 5'), ('', 'status.tsv is empty'), ('probe\t30\t12\t0\tgreat\n', 'great'),
+    ('probe\t30\t12\tok\n', '4 fields, expected 5'), ('', 'status.tsv is empty'),
+    ('probe\t30\t12\t0\tgreat\n', 'great'),
     ('evil\t30\t12\t0\tok\n', "unknown stage 'evil'"), ('probe\tthirty\t12\t0\tok\n', 'must be integers'),
     ('install\t20\t3\t0\tok\n', 'written by stage probe'), (b'probe\t30\t12\t0\tok\n\xff', 'not UTF-8'),
 ])
@@ -255,8 +275,11 @@ def test_table_columns_and_cells(tmp_path, store, capsys):
     wide = _csv([[*_row(), 'x']], [*COLS, 'evil'])
     _refused(tmp_path, store, capsys, _members(table=wide), says="columns the capability table does not: ['evil']")
     for bad, says in (('a\0b', 'holds a NUL byte'), ('a\x1b[31m', "control character '\\x1b'"),
+                      ('gpu\u202eok', "control character '\\u202e'"),
                       ('x' * 5000, 'over 4096 characters')):
         _refused(tmp_path, store, capsys, _members(table=_csv([_row(runs_as=bad)])), says=says)
+    cr = _csv([_row(runs_as='@@')]).replace(b'@@', b'"a\rb"')  # quoted: the CSV is whole, the cell is not
+    _refused(tmp_path, store, capsys, _members(table=cr), says="control character '\\r'")
     for table, says in ((_csv([_row()])[:-1], 'cut short'), (_csv([_row()[:-1]]), 'fields where the header has'),
                         (_csv([_row()], [*COLS[:-1], 'run']), 'repeated columns'),
                         (_csv([_row()[1:]], COLS[1:]), 'has no run column'),
@@ -291,6 +314,13 @@ def test_a_plans_folder_that_is_a_file_refuses_all_then_a_reimport_lands_all(tmp
     (store/'plans').unlink()
     assert gi.import_tarball(path, store) == {'capability': 2, 'gpu_runs': 1, 'plans': 1}  # not skipped as done
     assert (store/'plans'/f'{PLAN.digest()}.json').is_file()
+
+
+def test_plans_never_go_through_a_link(tmp_path, store, capsys):
+    (tmp_path/'elsewhere').mkdir()
+    (store/'plans').symlink_to(tmp_path/'elsewhere')
+    _refused(tmp_path, store, capsys, _members(), says='or is a link')
+    assert not any((tmp_path/'elsewhere').iterdir())
 
 
 def test_a_failed_plan_move_leaves_no_row(tmp_path, store, capsys, monkeypatch):

@@ -49,8 +49,10 @@ UTC = re.compile(r'\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ')
 CAPABILITY = re.compile(r'\d{1,2}\.\d{1,2}')
 GIT_SHA = re.compile(r'[0-9a-f]{4,40}(\+dirty)?')
 PACKAGE = re.compile(r'[A-Za-z0-9][A-Za-z0-9_.\-]{0,63}')
-CONTROL = re.compile(r'[\x00-\x1f\x7f-\x9f]')        # no control character at all
-CONTROL_CELL = re.compile(r'[\x00-\x08\x0b-\x1f\x7f-\x9f]')  # ... save the newline and tab of a multi-line error
+_FORMAT = '\u200b-\u200f\u2028-\u202e\u2060-\u206f\ufeff'  # invisible and bidi controls: text that shows otherwise
+CONTROL = re.compile(f'[\\x00-\\x1f\\x7f-\\x9f{_FORMAT}]')        # no control character at all
+CONTROL_CELL = re.compile(f'[\\x00-\\x08\\x0b-\\x1f\\x7f-\\x9f{_FORMAT}]')  # save a multi-line error's newline, tab
+GPU_DEVICE = re.compile(r'cuda(:\d{1,2})?')  # a row's device: fingerprint's 'cuda', or a row's own 'cuda:0'
 STATUS_FIELDS = ('stage', 'budget_s', 'elapsed_s', 'rc', 'status')
 STAGE_STATUSES = ('ok', 'failed', 'killed at its budget', 'skipped', 'no wheels')  # what gpu_check.sh records
 FILL = ('device', 'device_name', 'capability', 'git_sha')  # provenance columns a row may lack; filled from provenance
@@ -351,7 +353,6 @@ def _filled(df, prov: dict):
 def check_rows(kind: str, df, prov: dict, path='tarball') -> set:
     "Refuse a row without its run, UTC time or device, or measured elsewhere than the run says; {(device_name, cap)}."
     dry, where = prov['dry_run'], f'{path}: results/{kind}.csv'
-    want = 'cpu' if dry else 'cuda'
     for col in ('device', 'device_name'):
         if col not in df: raise BadTarball(f'{where}: its rows do not say their {col}, nor does provenance.json')
     seen = set()
@@ -359,7 +360,7 @@ def check_rows(kind: str, df, prov: dict, path='tarball') -> set:
         if _blank(r['run']) or not UTC.fullmatch(str(r['utc'])):
             raise BadTarball(f'{where} line {i}: a row needs its run id and a UTC time (YYYY-MM-DDTHH:MM:SSZ)')
         dev, name, cap = r['device'], r['device_name'], r.get('capability')
-        if dev != want:
+        if not (dev == 'cpu' if dry else isinstance(dev, str) and GPU_DEVICE.fullmatch(dev)):
             raise BadTarball(f'{where} line {i}: measured on {str(dev)[:20]!r}, but the run is a '
                              f'{"dry run (cpu)" if dry else "GPU run (cuda)"}')
         if not dry and (_cpu_name(name) or _blank(cap) or not CAPABILITY.fullmatch(str(cap))):
@@ -375,8 +376,8 @@ def check_rows(kind: str, df, prov: dict, path='tarball') -> set:
 def _check_target(root: Path, plans: dict, path):
     "Before anything is written: refuse a store or plans folder that is not a folder, a plan's name that is not a file."
     if root.exists() and not root.is_dir(): raise BadTarball(f'{path}: cannot import into {root}: it is not a folder')
-    if (root/'plans').exists() and not (root/'plans').is_dir():
-        raise BadTarball(f'{path}: cannot put plans into {root/"plans"}: it is not a folder')
+    if (root/'plans').is_symlink() or (root/'plans').exists() and not (root/'plans').is_dir():
+        raise BadTarball(f'{path}: cannot put plans into {root/"plans"}: it is not a folder (or is a link)')
     for name in plans:
         f = root/'plans'/name
         if (f.exists() or f.is_symlink()) and not (f.is_file() and not f.is_symlink()):
