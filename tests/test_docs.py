@@ -184,13 +184,17 @@ def test_the_builder_removes_only_what_its_manifest_lists(tmp_path):
     site, outside = tmp_path/'site', tmp_path/'outside.txt'
     (site/'assets').mkdir(parents=True); (site/'empty').mkdir(); outside.write_text('keep')
     for f in ('index.html', 'assets/a.css'): (site/f).write_text('old')
-    (site/bd.MANIFEST).write_text(json.dumps({'files': ['index.html', 'assets/a.css', '../outside.txt', '/etc/hostname']}))
-    assert bd.check_out(site) == site.resolve()                  # everything in it is listed: a site of ours
+    sha = bd._sha(site/'index.html')
+    (site/bd.MANIFEST).write_text(json.dumps({'files': {'index.html': sha, 'assets/a.css': sha, '../outside.txt': sha, '/etc/hostname': sha}}))
+    assert bd.check_out(site) == site.resolve()                  # everything in it is listed, as written: a site of ours
     (site/'assets'/'mine.css').write_text('a user file')        # one file more, and it is not ours any longer
     with pytest.raises(bd.DocsError, match=r'did not write \(assets/mine\.css'): bd.check_out(site)
     (site/'assets'/'mine.css').unlink()
+    (site/'index.html').write_text('edited by hand')            # nor is a page changed since the builder wrote it
+    with pytest.raises(bd.DocsError, match=r'did not write \(index\.html'): bd.check_out(site)
+    (site/'index.html').write_text('old')
     stage = tmp_path/'stage'; stage.mkdir(); (stage/'index.html').write_text('new'); bd.write_manifest(stage)
-    assert json.loads((stage/bd.MANIFEST).read_text())['files'] == ['index.html']
+    assert json.loads((stage/bd.MANIFEST).read_text())['files'] == {'index.html': bd._sha(stage/'index.html')}
     bd.replace_site(stage, site)
     assert sorted(p.name for p in site.rglob('*')) == [bd.MANIFEST, 'index.html'] and (site/'index.html').read_text() == 'new'
     assert outside.read_text() == 'keep' and not stage.exists()  # a listed path outside the folder is never followed
@@ -248,7 +252,7 @@ def test_a_failing_notebook_gets_a_page_saying_so_and_the_rest_builds(tmp_path):
     _toy_nb(nbs/'b_raise.ipynb', 'print("ran-before-7")', 'raise AssertionError("close:\\n  got <b>1.25</b>\\n  want 1.5 " + "y" * 500)')
     _toy_nb(nbs/'c_hang.ipynb', 'x = 1', 'while True: pass')
     _toy_nb(nbs/'d_osexit.ipynb', 'import os\nos._exit(3)')
-    site.mkdir(); (site/'gone.html').write_text('old'); (site/bd.MANIFEST).write_text(json.dumps({'files': ['gone.html']}))
+    site.mkdir(); (site/'gone.html').write_text('old'); bd.write_manifest(site)
     env = {**os.environ, 'DIFFQ_DOCS_CACHE': str(tmp_path/'cache')}
     t = time.time()
     p = subprocess.Popen([sys.executable, str(ROOT/'tools'/'build_docs.py'), 'html', '--nbs', str(nbs), '--out', str(site),
@@ -267,6 +271,7 @@ def test_a_failing_notebook_gets_a_page_saying_so_and_the_rest_builds(tmp_path):
     assert 'cell [1]' in got['d_osexit.ipynb'] and 'exit code 3' in got['d_osexit.ipynb']
     assert not (site/'gone.html').exists() and {'a_good.html', 'b_raise.html', 'c_hang.html', 'd_osexit.html'} <= {p.name for p in site.iterdir()}
     assert set(json.loads((site/bd.MANIFEST).read_text())['files']) == {str(p.relative_to(site)) for p in site.rglob('*') if p.is_file()} - {bd.MANIFEST}
+    assert bd.not_ours(site) == []                                                         # so the next build may replace it
     good = (site/'a_good.html').read_text()
     assert 'docs-failed' not in good and 'Output cut: this cell wrote 30 kB; the docs keep its first 10 kB' in good and 'printed-after-7' in good and 'z' * 30_000 not in good
     b = (site/'b_raise.html').read_text()

@@ -13,7 +13,8 @@ and a site over --max-site-mb (default 300) is refused in one line, leaving --ou
 Bad input is refused in one line before any work, exit 2: a missing or empty --nbs; an --out that is a file, under
 /proc, /sys or /dev, a mount point, unwritable, or a folder holding files this builder did not write. The site is
 built in a folder beside --out and moved there whole; the builder removes only the files its manifest
-(.diffq-docs-manifest.json, written into every site it makes) lists: a folder with any other file is never touched.
+(.diffq-docs-manifest.json, written into every site it makes) lists, each unchanged since (its sha256): a folder with
+any other file, or a page edited since, is never touched.
 A notebook that is not valid JSON stops the build (exit 1): restore it. Progress goes to stderr (tqdm).
 
 Why mkdocs-material + mkdocs-jupyter, not hand-built nbconvert pages, Sphinx + myst-nb or nbdev_docs:
@@ -53,7 +54,7 @@ What this builder adds around mkdocs, because the notebooks are nbdev notebooks 
      fails and names the link otherwise.
 """
 from __future__ import annotations
-import argparse, base64, hashlib, html, json, os, re, shutil, subprocess, sys, tempfile, time
+import argparse, base64, hashlib, html, itertools, json, os, re, shutil, subprocess, sys, tempfile, time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from urllib.parse import urlsplit, unquote
@@ -116,13 +117,19 @@ def check_nbs(folder: Path | None) -> list[Path]:
     if not nbs: raise DocsError(f'--nbs {folder}: no notebooks (*.ipynb) in it; name the folder of notebooks (default nbs/)', 2)
     return nbs
 
-def _manifest(out: Path) -> set[str] | None:
-    "The paths (relative, posix) the builder wrote into `out`, as its manifest lists them; None without a readable one."
+def _manifest(out: Path) -> dict[str, str] | None:
+    "{relative posix path: sha256} of the files the builder wrote into `out`, as its manifest lists them; None without a readable one."
     try: d = json.loads((out/MANIFEST).read_text(encoding='utf-8'))
     except (OSError, UnicodeDecodeError, ValueError): return None
     files = d.get('files') if isinstance(d, dict) else None
-    if not isinstance(files, list) or not all(isinstance(f, str) for f in files): return None
-    return set(files) | {MANIFEST}
+    if not isinstance(files, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in files.items()): return None
+    return files
+
+def _sha(p: Path) -> str:
+    h = hashlib.sha256()
+    with open(p, 'rb') as f:
+        for b in iter(lambda: f.read(1 << 20), b''): h.update(b)
+    return h.hexdigest()
 
 def _entries(out: Path):
     "Every file, link and folder under `out` as (path, relative posix name, is_folder), links not followed, deepest first."
@@ -133,10 +140,15 @@ def _entries(out: Path):
             p = Path(top)/d
             if not p.is_symlink(): yield p, p.relative_to(out).as_posix(), True
 
-def unlisted(out: Path) -> list[str]:
-    "The files under `out` its manifest does not list (all of them without one): what the builder must never remove."
-    listed = _manifest(out) or set()
-    return sorted(rel for _, rel, folder in _entries(out) if not folder and rel not in listed)
+def not_ours(out: Path, first: int | None = None) -> list[str]:
+    """The files under `out` that are not as the builder wrote them: not in its manifest (all, without one), or changed
+    since (another digest), or a link. What the builder must never remove; the `first` few found, or all."""
+    listed = _manifest(out) or {}
+    return sorted(itertools.islice((rel for p, rel, folder in _entries(out) if not folder and not _ours(p, rel, listed)), first))
+
+def _ours(p: Path, rel: str, listed: dict[str, str]) -> bool:
+    "Whether the file `p` is one the builder wrote, as it wrote it (a plain file, with the digest its manifest lists)."
+    return rel == MANIFEST or (rel in listed and not p.is_symlink() and p.is_file() and _sha(p) == listed[rel])
 
 def check_out(out: Path) -> Path:
     "`out` resolved, if the builder may (re)place a site there: else DocsError (exit 2) saying why, before any work."
@@ -148,12 +160,12 @@ def check_out(out: Path) -> Path:
     if out.exists() and not out.is_dir(): raise say('it is a file, not a folder; name a folder for the site')
     if out.is_dir():
         if os.path.ismount(out): raise say('it is a mount point, which the builder cannot replace (it swaps in a new folder); name a folder inside it')
-        stray = unlisted(out)
-        if stray:
+        if stray := not_ours(out, first=4):  # a few are enough to refuse: no walk of a whole home folder
             why = ('a site made by an earlier builder, without a manifest of its files: remove it once yourself'
                    if (out/OLD_MARKER).exists() and _manifest(out) is None else
                    f'refusing to replace a folder holding files this builder did not write ({", ".join(stray[:3])}'
-                   + (f' and {len(stray) - 3} more' if len(stray) > 3 else '') + f'; no {MANIFEST} lists them)')
+                   + (' and more' if len(stray) > 3 else '') + (f'; no {MANIFEST} lists them)' if _manifest(out) is None else
+                                                                  f'; its {MANIFEST} does not list them as they are now)'))
             raise say(why + '; name a new or empty folder')
         if not all(os.access(p, os.W_OK | os.X_OK) for p in [out] + [p for p, _, f in _entries(out) if f]):
             raise say('not writable, so its old site cannot be removed; name a folder you can write')
@@ -166,21 +178,24 @@ def check_out(out: Path) -> Path:
 
 def write_manifest(site: Path):
     "List every file of `site` in its manifest: the files a later build may remove, and no others."
-    files = sorted(rel for _, rel, folder in _entries(site) if not folder and rel != MANIFEST)
-    (site/MANIFEST).write_text(json.dumps({'builder': 'tools/build_docs.py', 'note': 'the files this builder wrote: '
-                                           'the only ones its next build removes', 'files': files}, indent=1))
+    files = {rel: _sha(p) for p, rel, folder in sorted(_entries(site), key=lambda e: e[1]) if not folder and rel != MANIFEST}
+    (site/MANIFEST).write_text(json.dumps({'builder': 'tools/build_docs.py', 'note': 'the files this builder wrote, with their '
+                                           'sha256: the only ones its next build removes, and only while unchanged', 'files': files}, indent=1))
 
 def replace_site(stage: Path, out: Path):
     "Move the finished site `stage` to `out`, first removing only the files `out`'s manifest lists (and folders left empty)."
     if out.exists():
-        if stray := unlisted(out): raise DocsError(f'--out {out}: files appeared that this builder did not write ({", ".join(stray[:3])}); the new site is not installed', 2)
-        listed = _manifest(out) or set()
-        for p, rel, folder in list(_entries(out)):  # deepest first: a folder is removed only once emptied
-            if folder:
-                try: p.rmdir()
-                except OSError: pass  # not empty: something it does not list (refused above), left alone
-            elif rel in listed: p.unlink()
-        out.rmdir()  # empty now, or an OSError: nothing unlisted is ever removed
+        if stray := not_ours(out, first=3):
+            raise DocsError(f'--out {out}: files appeared that this builder did not write ({", ".join(stray)}); the new site is not installed', 2)
+        listed = _manifest(out) or {}
+        try:
+            for p, rel, folder in list(_entries(out)):  # deepest first: a folder is removed only once emptied
+                if folder:
+                    try: p.rmdir()
+                    except OSError: pass  # not empty: something not ours (refused above), left alone
+                elif _ours(p, rel, listed): p.unlink()
+            out.rmdir()  # empty now, or an OSError: nothing that is not ours is ever removed
+        except OSError as e: raise DocsError(f'--out {out}: could not remove its old site ({e}); the new site is not installed', 1) from None
     os.replace(stage, out)
 
 def site_size(site: Path, cap_mb: float):
