@@ -315,12 +315,18 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     print(format_report(rep))
     return 0
 
+# %% ../nbs/17_cli.ipynb #7a62c941
+def _out_path(out) -> str:
+    "`--out` as the caller meant it: `~` expanded, absolute against the working folder (an empty one is left to refuse)."
+    try: return str(Path(out).expanduser().resolve()) if str(out).strip() else out
+    except (OSError, RuntimeError) as e: raise ValueError(f'--out {out}: {e}') from None  # a loop of links, ~nobody
+
 # %% ../nbs/17_cli.ipynb #5f649425
 def _check_out(out) -> Path:
     "`--out` as a report folder: named, not a file, writable, in a folder that can hold its staged copy."
     from diffq_lab.core import check_writable
     if not str(out).strip(): raise ValueError('--out must name a folder, got an empty path')
-    out = Path(out)
+    out = Path(_out_path(out))
     if out.exists() and not out.is_dir(): raise ValueError(f'--out {out}: it is a file, not a folder')
     if out.exists(): check_writable(out)
     check_writable(out.parent)
@@ -369,7 +375,7 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     "The study: every scheme on the text encoder and transformer, renders and quality against dense; rows and a report."
     from diffq_lab.core import check_recordable
     from diffq_lab.study import default_study
-    check_model(pipe.model); _check_out(out)
+    out = _out_path(out); check_model(pipe.model); _check_out(out)
     if not rec.no_record: check_recordable(_STUDY_TABLES, allow_dirty=rec.allow_dirty)  # before any work
     with _staged_report(out) as stage:
         log = lambda m: print(str(m).replace(str(stage), str(out)))  # the report's path, not its stage's
@@ -450,7 +456,7 @@ def export(
     from diffq_lab.pipelines import get_family
     from diffq_lab.plan import check_plan_out, write_plan
     fam = get_family(family).name  # a name is checked before the out path is touched
-    out = check_plan_out(out); check_model(model)
+    out = check_plan_out(_out_path(out)); check_model(model)
     plan = plan_pipeline(fam, scheme, te_scheme, min_features=min_features)
     write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express; both or neither
     print(_wrote(plan, out))
@@ -487,7 +493,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
     from diffq_lab.recommend import RealTarget, RenderWork, recommend_plan
     from diffq_lab.trained import heldout_prompts
     spec, fam = gpu_spec(gpu), get_family(pipe.family).name  # names checked before any work
-    out = check_plan_out(out); check_model(pipe.model)
+    out = check_plan_out(_out_path(out)); check_model(pipe.model)
     trained, (measured, fam, kw) = _trained(pipe), _measured_on(pipe, fam)
     default = heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background']
     work = RenderWork([(s, p) for s in seeds for p in prompts or default], kw.pop('steps'), device=device, render_kw=kw)

@@ -330,10 +330,11 @@ def _report_dir(journal: Path, report) -> Path | None:
     p = Path(report) if isinstance(report, str) else None
     if p is None or p.name != own or not p.is_absolute() or '..' in p.parts:
         raise ValueError(f'its report {str(report)[:200]!r} is not its own staged report (a folder named {own})')
-    try: p = p.parent.resolve()/own
+    try: real = p.parent.resolve()
     except (OSError, RuntimeError) as e: raise ValueError(f'its report {report!r} cannot be resolved ({e})') from None
-    if p.is_symlink(): raise ValueError(f'its report {p} is a link')
-    return p
+    if real != p.parent or (real/own).is_symlink():  # `_commit` names it resolved: a link on the way points elsewhere
+        raise ValueError(f'its report {report!r} is reached through a link')
+    return real/own
 
 # %% ../nbs/00_core.ipynb #a67919ae
 def _out_dir(path, beside: Path) -> Path:
