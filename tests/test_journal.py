@@ -1,5 +1,6 @@
 """The results store's journal (issue 36 item 1, issue 35 item 1): a planted journal replays nothing outside its store,
-a journal that cannot be read or checked is set aside with one warning, and every path the store writes is the caller's."""
+a journal that cannot be read or checked is set aside with one warning, and every path the store writes is the
+caller's."""
 import json, os, warnings
 from pathlib import Path
 import pytest
@@ -8,6 +9,7 @@ from diffq_lab.core import JournalWarning, load_table, record_tables, recover_co
 
 TABLE = 'scheme,utc\nint8,2026-01-01T00:00:00Z\n'
 J = '.diffq-commit-99-evil'  # the planted journal's name, without its state
+PWNED = {'0.table': 'pwned'}  # a staged "table" a planted journal would move somewhere
 
 
 def _world(tmp_path):
@@ -61,22 +63,23 @@ def _cases(res: Path, outside: Path) -> dict:
     j, rep = res/f'{J}.committed', res/f'{J}.report'
     return {
         'unlink-outside-file': ([['unlink', str(outside/'victim.txt'), str(j/'.diffq-old-0')]], None, {}),
-        'unlink-outside-with-a-report': ([['unlink', str(outside/'victim.txt'), str(rep/'.diffq-old-0')]], str(rep), {}),
-        'overwrite-outside-as-a-table': ([['move', '0.table', str(outside/'other.txt'), None]], None, {'0.table': 'pwned'}),
-        'overwrite-outside-as-a-csv': ([['move', '0.table', str(outside/'other.csv'), None]], None, {'0.table': 'pwned'}),
+        'unlink-outside-with-a-report': ([['unlink', str(outside/'victim.txt'), str(rep/'.diffq-old-0')]],
+                                         str(rep), {}),
+        'overwrite-outside-as-a-table': ([['move', '0.table', str(outside/'other.txt'), None]], None, PWNED),
+        'overwrite-outside-as-a-csv': ([['move', '0.table', str(outside/'other.csv'), None]], None, PWNED),
         'report-into-outside': ([['move', str(rep/'report.md'), str(outside/'other.txt'), str(rep/'.diffq-old-0')]],
                                 str(rep), {}),
         'mkdir-outside': ([['mkdir', str(outside/'new')]], str(rep), {}),
-        'dotdot-table': ([['move', '0.table', str(res/'..'/'outside'/'x.csv'), None]], None, {'0.table': 'pwned'}),
+        'dotdot-table': ([['move', '0.table', str(res/'..'/'outside'/'x.csv'), None]], None, PWNED),
         'dotdot-source': ([['move', str(j/'..'/'..'/'outside'/'victim.txt'), str(res/'study.csv'), None]], None, {}),
         'dotdot-report': ([['unlink', str(outside/'victim.txt'), str(rep/'.diffq-old-0')]],
                           str(res/'..'/'outside'/f'{J}.report'), {}),
-        'symlink-table': ([['move', '0.table', str(res/'link'/'x.csv'), None]], None, {'0.table': 'pwned'}),
+        'symlink-table': ([['move', '0.table', str(res/'link'/'x.csv'), None]], None, PWNED),
         'symlink-out-folder': ([['move', str(rep/'report.md'), str(res/'link'/'other.txt'), str(rep/'.diffq-old-0')]],
                                str(rep), {}),
-        'relative-table': ([['move', '0.table', 'study.csv', None]], None, {'0.table': 'pwned'}),
+        'relative-table': ([['move', '0.table', 'study.csv', None]], None, PWNED),
         'not-an-op': ([['rmtree', str(outside)]], None, {}),
-        'wrong-arity': ([['move', '0.table']], None, {'0.table': 'pwned'}),
+        'wrong-arity': ([['move', '0.table']], None, PWNED),
     }
 
 
@@ -143,7 +146,7 @@ def test_a_quarantined_journal_is_kept_beside_an_earlier_one_and_other_names_are
 
 
 def test_a_legit_journal_cut_after_its_commit_point_passes_the_checks_and_is_finished(tmp_path, monkeypatch):
-    "What `_commit` writes (tables, a report beside its stage in another folder) passes recovery's checks: redone whole."
+    "What `_commit` writes (tables; a report beside its stage, in another folder) passes recovery's checks: redone."
     res, out, stage = tmp_path/'results', tmp_path/'out', tmp_path/'.out.staging'
     res.mkdir(); (res/'study.csv').write_text(TABLE); stage.mkdir(); (stage/'report.md').write_text('new')
     out.mkdir(); (out/'report.md').write_text('old'); (out/'grid.png').write_text('stale')
