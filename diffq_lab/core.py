@@ -406,7 +406,7 @@ def _redo(ops, again: bool = True):
         if op == 'mkdir': Path(path).mkdir(exist_ok=True)
         elif op == 'unlink': Path(path).unlink(missing_ok=True)
         elif os.path.lexists(path):
-            try: os.replace(path, rest[0])
+            try: Path(rest[0]).parent.mkdir(exist_ok=True); os.replace(path, rest[0])  # the parent: home, or beside rep
             except OSError as e: raise OSError(e.errno, f'could not move {path} to {rest[0]}: {e.strerror or e}') from e
         elif not again: raise FileNotFoundError(2, f'could not move {path} to {rest[0]}: it is gone')
 
@@ -436,8 +436,9 @@ def _quarantine(journal: Path, why):
     if os.path.lexists(to): to = journal.with_name(f'{journal.stem}-{uuid.uuid4().hex[:8]}.quarantined')
     try: os.rename(journal, to); where = f'renamed aside to {to.name}'
     except OSError as e: where = f'left as it is (it cannot be renamed: {e.strerror or e})'
-    warnings.warn(f'results journal {journal} refused, nothing of it replayed: {why}; {where}', JournalWarning,
-                  stacklevel=4)
+    msg = f'results journal {journal} refused, nothing of it replayed: {why}; {where}'
+    # a planted name may hold a newline: the warning stays one line
+    warnings.warn(msg if msg.isprintable() else ascii(msg)[1:-1], JournalWarning, stacklevel=4)
 
 # %% ../nbs/00_core.ipynb #da86e3f4
 def _report_named(journal: Path) -> Path | None:

@@ -145,6 +145,15 @@ def test_a_quarantined_journal_is_kept_beside_an_earlier_one_and_other_names_are
     assert len(list(res.glob(f'{J}*.quarantined'))) == 2 and (res/'.diffq-commit-7.bogus').is_dir() and not j.exists()
 
 
+def test_a_planted_journal_whose_name_holds_a_newline_is_still_named_in_one_line(tmp_path):
+    res, outside = _world(tmp_path)
+    j = res/'.diffq-commit-1\nx.committed'; j.mkdir(); (j/'journal.json').write_text('{')
+    with warnings.catch_warnings(record=True) as got:
+        warnings.simplefilter('always'); load_table('study', res)
+    msgs = [str(w.message) for w in got if issubclass(w.category, JournalWarning)]
+    assert len(msgs) == 1 and '\n' not in msgs[0] and '1\\nx' in msgs[0] and not j.exists()
+
+
 def test_a_legit_journal_cut_after_its_commit_point_passes_the_checks_and_is_finished(tmp_path, monkeypatch):
     "What `_commit` writes (tables; a report beside its stage, in another folder) passes recovery's checks: redone."
     res, out, stage = tmp_path/'results', tmp_path/'out', tmp_path/'.out.staging'
