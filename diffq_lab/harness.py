@@ -15,10 +15,15 @@ from .schemes import normalize_scheme
 from .stats import summarise
 
 # %% auto #0
-__all__ = ['Experiment', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
+__all__ = ['Shared', 'Experiment', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
 
 # %% ../nbs/05a_harness.ipynb #62e1a03e
 _log = logging.getLogger(__name__)
+
+# %% ../nbs/05a_harness.ipynb #f1a2b3c2
+class Shared(dict):
+    "A dict that a DataFrame's `attrs` carries by reference: pandas deep-copies `attrs` on every operation."
+    def __deepcopy__(self, memo): return self
 
 # %% ../nbs/05a_harness.ipynb #071137cc
 @dataclass
@@ -58,7 +63,7 @@ class Experiment:
         "`rows` as a table that carries the plans its rows name (`attrs['plans']`)."
         out = pd.DataFrame(list(rows))
         named = out['plan'].dropna() if 'plan' in out else []
-        out.attrs['plans'] = {d: self.plans[d] for d in named if d in self.plans}
+        out.attrs['plans'] = Shared({d: self.plans[d] for d in named if d in self.plans})
         return out
 
     def save_plans(self, digests, root=None) -> list[Path]:
@@ -80,7 +85,7 @@ def concat_frames(frames) -> pd.DataFrame:
     "`pd.concat` of experiment tables, the plans behind their rows merged."
     frames = list(frames)
     out = pd.concat(frames, ignore_index=True)
-    out.attrs['plans'] = {d: p for f in frames for d, p in f.attrs.get('plans', {}).items()}
+    out.attrs['plans'] = Shared({d: p for f in frames for d, p in f.attrs.get('plans', {}).items()})
     return out
 
 # %% ../nbs/05a_harness.ipynb #be472324

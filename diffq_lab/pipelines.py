@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import hashlib, inspect, json, logging, os, re, time, warnings
+import hashlib, inspect, json, logging, os, re, time, warnings, weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Callable
@@ -22,8 +22,8 @@ __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FL
            'TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
            'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family',
            'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer',
-           'load_tokenizer', 'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'check_folder',
-           'load_pipeline', 'measure_tiny_pipeline', 'record_tiny_pipelines']
+           'load_tokenizer', 'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'Encodings',
+           'remember_encodings', 'check_folder', 'load_pipeline', 'measure_tiny_pipeline', 'record_tiny_pipelines']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -716,17 +716,35 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
         return moments + flat.to('cpu').contiguous().view(torch.uint8).numpy().tobytes()
     return flat.to('cpu').view(torch.uint8).numpy().tobytes()
 
+# %% ../nbs/05_pipelines.ipynb #c5d19e01
+_DIGESTS: dict = {}  # module -> (its tensors' identities and versions, their weak references, digest): this process's
+
+def _module_digest(m: nn.Module, name: str = '') -> str:
+    "`m`'s digest (names prefixed `name.`), remembered while its tensors are the same objects at the same version."
+    ts = [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
+    try: key = (name, tuple((n, id(t), t._version, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in ts))
+    except (RuntimeError, NotImplementedError): key = None  # a tensor subclass without storage: hashed every time
+    hit = _DIGESTS.get(id(m))
+    # the weak references prove the ids are still the same tensors (an id is reused once its object is freed)
+    if key is not None and hit and hit[0] == key and all(r() is t for r, (_, t) in zip(hit[1], ts)): return hit[2]
+    h = hashlib.sha256()
+    for n, t in sorted(m.state_dict().items()):
+        if not isinstance(t, torch.Tensor): continue
+        h.update(f'{name}.{n}:{t.dtype}:{tuple(t.shape)}'.encode()); h.update(_tensor_bytes(t))
+    digest = h.hexdigest()
+    if key is not None:
+        if len(_DIGESTS) > 64: _DIGESTS.clear()
+        _DIGESTS[id(m)] = (key, [weakref.ref(t) for _, t in ts], digest)
+    return digest
+
 # %% ../nbs/05_pipelines.ipynb #d0036403
 def weights_digest(model) -> str:
     "sha256 (16 hex digits) of every parameter and buffer of `model` (each module of a pipeline), names, shapes too."
-    mods = ({a: m for a, m in model.components.items() if isinstance(m, nn.Module)} if hasattr(model, 'components')
-            else {'': model})
-    h = hashlib.sha256()
-    for a, m in sorted(mods.items()):
-        for name, t in sorted(m.state_dict().items()):
-            if not isinstance(t, torch.Tensor): continue
-            h.update(f'{a}.{name}:{t.dtype}:{tuple(t.shape)}'.encode()); h.update(_tensor_bytes(t))
-    return h.hexdigest()[:16]
+    if not hasattr(model, 'components'): return _module_digest(model)[:16]
+    mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)}
+    # a pipeline: the digest of its modules' digests, so a module not changed since is not hashed again
+    return hashlib.sha256(''.join(f'{a}:{_module_digest(m, a)};' for a, m in sorted(mods.items())).encode()
+                          ).hexdigest()[:16]
 
 # %% ../nbs/05_pipelines.ipynb #1ac41228
 def _derived_kwargs(pipe) -> dict:
@@ -764,6 +782,42 @@ def render(pipe, # a diffusers pipeline of a known family (tiny or real)
     return (x[None] if x.ndim == 3 else x).float().cpu()
 
 tiny_generate = render  # the name the study's brief uses
+
+# %% ../nbs/05_pipelines.ipynb #c5d19e03
+def _call_key(args, kwargs):
+    "A hashable key of an `encode_prompt` call; None when it carries tensors (precomputed states are passed through)."
+    def k(v):
+        if v is None or isinstance(v, (str, int, float, bool, torch.device, torch.dtype)): return v
+        if isinstance(v, (list, tuple)): return tuple(map(k, v))
+        raise TypeError(type(v).__name__)
+    try: return k(args), tuple(sorted((n, k(v)) for n, v in kwargs.items()))
+    except TypeError: return None
+
+# %% ../nbs/05_pipelines.ipynb #c5d19e04
+class Encodings:
+    "`pipe.encode_prompt`, remembered per call: each prompt is encoded once; once `frozen`, an unseen call is refused."
+    def __init__(self, pipe):
+        self.encode, self.states, self.frozen = pipe.encode_prompt, {}, False
+        pipe.encode_prompt = self  # an instance attribute: the class's method, and other pipelines, are untouched
+
+    def __call__(self, *args, **kwargs):
+        key = _call_key(args, kwargs)
+        if key is None: return self.encode(*args, **kwargs)
+        if key not in self.states:
+            if self.frozen: raise RuntimeError(f'encode_prompt{key[0] or ""} was not encoded before its encoder was '
+                                               'given back: encode every prompt before freeze()')
+            self.states[key] = self.encode(*args, **kwargs)
+        return self.states[key]
+
+    def freeze(self) -> Encodings:
+        "From now on, serve only the calls already seen."
+        self.frozen = True
+        return self
+
+def remember_encodings(pipe) -> Encodings:
+    "Make `pipe` encode each prompt once and remember its states (its own: a copy of `pipe` starts afresh)."
+    if isinstance(pipe.__dict__.get('encode_prompt'), Encodings): del pipe.__dict__['encode_prompt']  # a copy's
+    return Encodings(pipe)
 
 # %% ../nbs/05_pipelines.ipynb #f154e591
 def _file_keys(sub: Path) -> set[str] | None:

@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_plan.ipynb #3f1094a9
 from __future__ import annotations
-import hashlib, json, re, shutil, tempfile, warnings
+import contextlib, hashlib, json, re, shutil, tempfile, warnings
 from collections import Counter
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
@@ -20,8 +20,8 @@ from .capability import resolve_backend, select_scheme
 # %% auto #0
 __all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'LinearPlan',
            'ComponentPlan', 'component_role', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears',
-           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'quantize', 'component_config',
-           'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan']
+           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'restoring', 'quantize',
+           'component_config', 'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -415,6 +415,14 @@ def apply_plan(target, plan, check=None) -> QuantPlan:
                                'rebuild the model') from r
         raise
     return QuantPlan({c: _as_applied(mods[c], p) for c, p in plan.components.items()})
+
+# %% ../nbs/04_plan.ipynb #b7e1c0a2
+@contextlib.contextmanager
+def restoring(*modules: nn.Module):
+    "Every Linear of `modules` put back as it was when the block ends (the same objects, bit-identical): a plan on loan."
+    snap = [s for m in modules for s in _snapshot(m, [f for f, l in m.named_modules() if isinstance(l, nn.Linear)])]
+    try: yield
+    finally: _restore(snap)
 
 # %% ../nbs/04_plan.ipynb #e58d931f
 def quantize(module: nn.Module, scheme, filter_fn=None, backend: str = 'auto', device=None) -> ComponentPlan:

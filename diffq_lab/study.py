@@ -20,10 +20,10 @@ from .core import fidelity
 from .emulate import outlier_channels
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
-from .plan import QuantPlan, QuantPolicy, as_policy, quantize
-from .harness import Experiment, record_frame, summary_columns
+from .plan import QuantPlan, QuantPolicy, as_policy, quantize, restoring
+from .harness import Experiment, Shared, record_frame, summary_columns
 from .pipelines import (tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders,
-                                 weights_digest)
+                                 weights_digest, remember_encodings)
 from .transformer import denoisers, compile_stats
 from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf
@@ -35,10 +35,10 @@ from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
-__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block', 'probe_tokens',
-           'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
-           'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note', 'default_study',
-           'image_quality', 'transformer_bench', 'record_transformer_bench']
+__all__ = ['STUDY_PROMPTS', 'QUICK', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block',
+           'probe_tokens', 'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table',
+           'write_report', 'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note',
+           'default_study', 'image_quality', 'transformer_bench', 'record_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -86,7 +86,7 @@ def scheme_numerics(schemes=SCHEMES, # the schemes, each on a fresh `probe_block
         for k, f in r.pop('per_kind', {}).items(): rows.append(dict(r, tokens=k, **f))
         if r['status'] != 'ok': rows.append(r)
     out = pd.DataFrame(rows)
-    out.attrs['plans'] = ex.plans
+    out.attrs['plans'] = Shared(ex.plans)
     return out
 
 # %% ../nbs/15_study.ipynb #12aed81b
@@ -99,25 +99,18 @@ def _weights_MiB(pipe) -> dict:
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
 # %% ../nbs/15_study.ipynb #0945b3a9
-def _interleaved(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw):
-    "Every pair rendered dense, quantised, quantised, dense (ABBA: drift cancels): images, paired seconds, peak bytes."
-    def renders(pair, out):
+def _timed(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw) -> tuple[list, list]:
+    "Each timed pair rendered dense, quantised, quantised, dense (ABBA: drift cancels) per round: paired seconds."
+    def renders(pair):
         seed, prompt = pair
-        go = lambda name, p: lambda: out.__setitem__(name,
-                                                     render(p, prompt, steps=steps, size=size, seed=seed, **render_kw))
-        return {'dense': go('dense', dense), 'quantised': go('quantised', pipe)}
-    warm_up({'quantised': renders(pairs[0], {})['quantised']}, device)
-    # the memory the quantised renders need beyond the resident weights (the dense ones' alike)
-    mark = memory_mark(device)
-    imgs, t_dense, t_quant = {}, [], []
-    for r in range(rounds):
+        go = lambda p: lambda: render(p, prompt, steps=steps, size=size, seed=seed, **render_kw)
+        return {'dense': go(dense), 'quantised': go(pipe)}
+    t_dense, t_quant = [], []
+    for _ in range(rounds):
         for pair in pairs:
-            out = {}
-            # two rounds of two: dense, quantised, quantised, dense
-            ts = interleaved_times(renders(pair, out), 2, device)
+            ts = interleaved_times(renders(pair), 2, device)  # two rounds of two: dense, quantised, quantised, dense
             t_dense.append(sum(ts['dense'])); t_quant.append(sum(ts['quantised']))
-            if r == 0: imgs[pair] = out['quantised']
-    return imgs, t_dense, t_quant, peak_extra_bytes(mark, device)
+    return t_dense, t_quant
 
 # %% ../nbs/15_study.ipynb #7a0b6b32
 def _speed(t_dense, t_quant, emulated: bool, level: float = 0.95) -> dict:
@@ -148,23 +141,30 @@ def _adherence(imgs, pairs) -> dict:
 # %% ../nbs/15_study.ipynb #5bc5595e
 @dataclass(frozen=True)
 class Renders:
-    "What every arm of a study renders: each seed with each prompt, `steps` steps at `size` pixels, timed in `rounds`."
+    "What every arm of a study renders: each seed with each prompt, `steps` steps at `size` pixels; what it times."
     seeds: tuple = (0, 1)         # each seed is rendered with every prompt
     prompts: tuple | None = None  # None: held-out captions on the trained pipeline, else the first two STUDY_PROMPTS
     steps: int | None = None      # None: TRAINED_STEPS on the trained pipeline, else 2
     size: int = 32                # image side in pixels
-    rounds: int = 1               # ABBA timing rounds per pair
+    rounds: int = 1               # ABBA timing rounds over the timed pairs
+    timed: int | None = None      # how many pairs (the first ones) are timed against dense; None: every pair
 
     def resolved(self, trained: bool) -> Renders:
         "The defaults filled in for the trained (or a tiny) pipeline."
         prompts = self.prompts if self.prompts is not None else heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]
         steps = self.steps if self.steps is not None else TRAINED_STEPS if trained else 2
-        if not isinstance(self.rounds, int) or self.rounds < 1:
-            raise ValueError(f'rounds must be an int >= 1, got {self.rounds!r}')
+        for name, v, least in (('rounds', self.rounds, 1), ('timed', self.timed, 1)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
+                raise ValueError(f'{name} must be an int >= {least}, got {v!r}')
         return replace(self, seeds=tuple(self.seeds), prompts=tuple(prompts), steps=steps)
 
     @property
     def pairs(self) -> list[tuple]: return [(s, p) for s in self.seeds for p in self.prompts]
+
+    @property
+    def timed_pairs(self) -> list[tuple]: return self.pairs[:self.timed]
+
+QUICK = Renders(seeds=(0,), timed=1, rounds=2)  # the first run's study: one seed, one pair timed (`--full`: `Renders()`)
 
 # %% ../nbs/15_study.ipynb #7d738cd4
 _STUDY_RUN = dict(parts=('te', 'transformer'), progress=True, threads=1, control=True)  # a study's run options
@@ -245,13 +245,15 @@ def _study_base(job: _StudyJob, fam: str, n_pairs: int) -> dict:
     "The columns every row of one study shares: what ran, how it was timed and measured."
     r, cuda = job.renders, job.device.type == 'cuda'
     label = 'trained tiny z-image (data/trained)' if job.trained else f'tiny {fam} (random weights)'
+    timed = len(r.timed_pairs)
     return dict(family=fam, model=job.model or label, steps=r.steps, size=r.size, pairs=n_pairs,
                 compile=job.policy.compile,
                 rounds=r.rounds, threads=torch.get_num_threads(), timing='CUDA events' if cuda else 'wall clock',
                 compiler=COMPILER_SETTINGS if job.policy.compile else 'eager',
                 memory='CUDA allocated bytes above the resident weights' if cuda else
                        'process resident set (VmHWM) above its level before the renders',
-                paired='ABBA per (seed, prompt): dense, scheme, scheme, dense')
+                paired=f'ABBA per timed (seed, prompt), {timed} of {n_pairs}: dense, scheme, scheme, dense; '
+                       'denoising and decoding from the remembered encoder states')
 
 # %% ../nbs/15_study.ipynb #3b568e84
 def _quality_columns(q: list[dict]) -> dict:
@@ -267,27 +269,42 @@ def _floored(policy: QuantPolicy, pipe) -> QuantPolicy:
     "`policy` with its width floor fixed from `pipe`'s denoiser: 0 for the lab's tiny pipelines, 512 for real ones."
     return replace(policy, min_features=policy.floor(next(iter(denoisers(pipe).values()))))
 
+# %% ../nbs/15_study.ipynb #a7f3c2d1
+def _arm(job: _StudyJob, dense, s, policy: QuantPolicy) -> tuple:
+    "Scheme `s` on dense's modules: its own denoisers, the shared encoders quantised while its renders encode."
+    r, parts = job.renders, job.run['parts']
+    arm = copy.copy(dense)  # the encoders, VAE and tokenizers are dense's: no copy of a 135M-parameter encoder
+    for a, m in denoisers(dense).items(): setattr(arm, a, copy.deepcopy(m))
+    states = remember_encodings(arm)
+    mark = memory_mark(job.device)
+    with restoring(*text_encoders(dense).values()):
+        pipe, st = load_pipeline_quantized(arm, family=family_of(dense), te_quant=s if 'te' in parts else None,
+                                           transformer_quant=s if 'transformer' in parts else None, device=job.device,
+                                           policy=policy)
+        sizes = _weights_MiB(pipe)
+        imgs = {k: render(pipe, k[1], steps=r.steps, size=r.size, seed=k[0], **job.render_kw) for k in r.pairs}
+    states.freeze()  # the encoders are dense again: this arm renders from the states its quantised encoders gave
+    return pipe, st, imgs, sizes, peak_extra_bytes(mark, job.device)
+
 # %% ../nbs/15_study.ipynb #0e165984
 def _study(job: _StudyJob, arms) -> pd.DataFrame:
-    "The study's loop: the dense reference, then each arm through the harness, ABBA-timed against dense."
+    "The study's loop: the dense reference once, then each arm through the harness on dense's shared modules."
     r, kw = job.renders, job.render_kw
     dense = job.build()
     fam, pairs = family_of(dense), r.pairs
     policy = _floored(job.policy, dense)
-    warm_up({'dense': lambda: render(dense, pairs[0][1], steps=r.steps, size=r.size, seed=pairs[0][0], **kw)},
-            job.device)
+    remember_encodings(dense)
     mark = memory_mark(job.device)
     ref = {k: render(dense, k[1], steps=r.steps, size=r.size, seed=k[0], **kw) for k in pairs}
     dense_extra = peak_extra_bytes(mark, job.device)
+    dense.encode_prompt.freeze()
     base = _study_base(job, fam, len(pairs))
     shown, dense_secs = {}, []
     level = 1 - 0.05 / max(1, len(arms))  # Bonferroni: the study's speed intervals hold together at 95%
     def one(s):
-        parts = job.run['parts']
-        pipe, st = load_pipeline_quantized(job.build(), family=fam, te_quant=s if 'te' in parts else None,
-                                           transformer_quant=s if 'transformer' in parts else None, device=job.device,
-                                           policy=policy)
-        imgs, t_dense, t_quant, extra = _interleaved(dense, pipe, pairs, r.steps, r.size, job.device, r.rounds, **kw)
+        pipe, st, imgs, sizes, extra = _arm(job, dense, s, policy)
+        # the arm's quality renders warmed it up; dense was warmed by the reference
+        t_dense, t_quant = _timed(dense, pipe, r.timed_pairs, r.steps, r.size, job.device, r.rounds, **kw)
         dense_secs.extend(t_dense)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
         if s is not None: shown[s] = imgs[pairs[0]]  # the control renders what dense renders
@@ -296,7 +313,7 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
         return st['quant_plan'], dict(
             base, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
             mem_load_MiB=_mib(st.get('mem_load_bytes')), **_speed(t_dense, t_quant, 'emulate' in backends, level),
-            peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q), **_weights_MiB(pipe),
+            peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q), **sizes,
             **_quality_columns(q), **(_adherence(imgs, pairs) if job.trained else {}))
     ex = Experiment('study', progress=job.run['progress'])
     rows = [{**base, **row} for row in ex.run(arms, one, desc='study')]
@@ -310,7 +327,7 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
                      weights=weights_digest(dense),  # the identity of the weights every row of this table ran from
                      status='ok')
     df = pd.DataFrame([dense_row, *rows])
-    df.attrs.update(renders=shown, reference=ref[pairs[0]], pair=pairs[0], plans=ex.plans)
+    df.attrs.update(renders=Shared(shown), reference=ref[pairs[0]], pair=pairs[0], plans=Shared(ex.plans))
     return df
 
 # %% ../nbs/15_study.ipynb #675e510d
@@ -683,7 +700,7 @@ def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dim
     q = pd.DataFrame([image_quality(bench.outs[c], bench.outs['dense'], run['with_lpips'])
                       if c in bench.outs and 'dense' in bench.outs else {} for c in df['config']], index=df.index)
     out = pd.concat([df, q], axis=1)
-    out.attrs['plans'] = ex.plans
+    out.attrs['plans'] = Shared(ex.plans)
     return out
 
 # %% ../nbs/15_study.ipynb #edfbd729
