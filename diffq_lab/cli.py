@@ -252,13 +252,16 @@ def _trained(pipe: SimpleNamespace) -> bool:
 
 # %% ../nbs/17_cli.ipynb #27fdfabb
 @flag_group
-def renders(seeds: _int_list = '0,1', # comma list of seeds
+def renders(seeds: _int_list = None, # comma list of seeds (default: 0; with --full: 0,1)
             prompts: _prompt_file = None, # a text file, one prompt a line, '#' comments (default: the lab's prompts)
-            steps: _int_in(1, LIMITS['steps']) = None, # denoising steps (default: 8 on the trained pipeline, else 2)
+            steps: _int_in(1, LIMITS['steps']) = None, # denoising steps (default: 12 on the trained pipeline, else 2)
             size: _int_in(16, LIMITS['size'], 16) = 32, # image side in pixels, a multiple of 16
+            full: bool = False, # the full-size study (seeds 0,1): the default is the first run's, one seed, ~1 minute
+            workers: _int_in(1, 2 * (os.cpu_count() or 1)) = 2, # arms side by side in forked processes on a CPU
            ) -> SimpleNamespace:
-    "What the study renders: every seed with every prompt, its denoising steps at its size."
-    return SimpleNamespace(seeds=seeds, prompts=prompts, steps=steps, size=size)
+    "What the study renders: every seed with every prompt, its denoising steps at its size; how many arms at once."
+    seeds = seeds if seeds is not None else [0, 1] if full else [0]
+    return SimpleNamespace(seeds=seeds, prompts=prompts, steps=steps, size=size, full=full, workers=workers)
 
 # %% ../nbs/17_cli.ipynb #3cf10201
 @flag_group
@@ -362,6 +365,13 @@ def _drop_dead_stages(out: Path):
 _STUDY_TABLES = ('capability', 'study_numerics', 'study')  # what a recording study appends to
 
 # %% ../nbs/17_cli.ipynb #86aa79f7
+def _study_line(render: SimpleNamespace, schemes, pipe: SimpleNamespace) -> str:
+    "The study's first line: which study runs (the first run's or the full-size one), on what, how many arms at once."
+    what = 'the full-size study' if render.full else 'the first run\'s study (--full: the full-size one)'
+    on = pipe.model or ('the trained tiny z-image' if _trained(pipe) else f'tiny {pipe.family}')
+    return (f'diffq-lab study: {what}; {on}, {len(schemes)} scheme(s), seeds {",".join(map(str, render.seeds))}, '
+            f'{render.workers} at a time')
+
 @command
 def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
           schemes: _scheme_list() = 'all', # comma list of schemes, or 'all'
@@ -373,6 +383,7 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
           rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The study: every scheme on the text encoder and transformer, renders and quality against dense; rows and a report."
+    print(_study_line(render, schemes, pipe), flush=True)  # at once: the imports below take seconds
     from diffq_lab.core import check_recordable
     from diffq_lab.study import default_study
     out = _out_path(out); check_model(pipe.model); _check_out(out)
@@ -382,7 +393,7 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
         default_study(device, schemes=schemes, out=stage, publish=Path(out), record=not rec.no_record,
                       family=pipe.family, model=pipe.model, trained=_trained(pipe), steps=render.steps,
                       size=render.size, seeds=render.seeds, prompts=render.prompts, compile=quantise.compile,
-                      te_quant='te' in parts, transformer_quant='transformer' in parts,
+                      te_quant='te' in parts, transformer_quant='transformer' in parts, workers=render.workers,
                       min_features=quantise.min_features, allow_dirty=rec.allow_dirty, log=log)
     return 0
 

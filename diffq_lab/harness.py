@@ -4,18 +4,19 @@
 
 # %% ../nbs/05a_harness.ipynb #63cb3a09
 from __future__ import annotations
-import logging
+import functools, logging
 from dataclasses import dataclass, field
 from pathlib import Path
 import numpy as np
 import pandas as pd
+import torch
 from .core import append_rows, results_dir
 from .plan import QuantPlan
 from .schemes import normalize_scheme
 from .stats import summarise
 
 # %% auto #0
-__all__ = ['Shared', 'Experiment', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
+__all__ = ['Shared', 'Experiment', 'forked_map', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
 
 # %% ../nbs/05a_harness.ipynb #62e1a03e
 _log = logging.getLogger(__name__)
@@ -24,6 +25,13 @@ _log = logging.getLogger(__name__)
 class Shared(dict):
     "A dict that a DataFrame's `attrs` carries by reference: pandas deep-copies `attrs` on every operation."
     def __deepcopy__(self, memo): return self
+
+# %% ../nbs/05a_harness.ipynb #f1a2b3c4
+def _attempt(measure, arm) -> tuple:
+    "`measure(arm)` as (plan, columns, None), or (None, None, 'Error: message'): one arm failing is a result."
+    try: return (*measure(arm), None)
+    except Exception as e:  # noqa: BLE001 -- the other arms still run
+        return None, None, f'{type(e).__name__}: {str(e)[:300]}'
 
 # %% ../nbs/05a_harness.ipynb #071137cc
 @dataclass
@@ -40,24 +48,23 @@ class Experiment:
         self.plans[cols['plan']] = plan
         return {**cols, 'scheme': plan.label()}
 
-    def run(self, arms, measure, desc: str | None = None) -> list[dict]:
+    def run(self, arms, measure, desc: str | None = None, workers: int = 1) -> list[dict]:
         "For each arm: `measure(arm) -> (applied QuantPlan or None, columns)`; one row each, failures included."
         requested = [normalize_scheme(a) if a is None or isinstance(a, str) else a for a in arms]  # names checked first
-        it = requested
+        bar = None
         if self.progress:
             from tqdm.auto import tqdm
-            it = tqdm(requested, desc=desc or self.kind)
-        return [self._one(a, measure) for a in it]
+            bar = lambda it: tqdm(it, desc=desc or self.kind, total=len(requested))
+        outcomes = forked_map(functools.partial(_attempt, measure), requested, workers, bar)
+        return [self._row(a, *o) for a, o in zip(requested, outcomes)]
 
-    def _one(self, arm, measure) -> dict:
+    def _row(self, arm, plan, measured, error) -> dict:
         named = arm is None or isinstance(arm, str)
         name = (arm or 'dense') if named else getattr(arm, 'name', str(arm))
-        try:
-            plan, measured = measure(arm)
-            return {'requested': name, **self.keep(plan), **measured, 'status': 'ok', 'error': ''}
-        except Exception as e:  # noqa: BLE001 -- one arm failing is a result; the others still run
-            _log.warning('%s failed: %s: %s', name, type(e).__name__, e)
-            return {'requested': name, 'status': 'failed', 'error': f'{type(e).__name__}: {str(e)[:300]}'}
+        if error is not None:
+            _log.warning('%s failed: %s', name, error)
+            return {'requested': name, 'status': 'failed', 'error': error}
+        return {'requested': name, **self.keep(plan), **measured, 'status': 'ok', 'error': ''}
 
     def frame(self, rows) -> pd.DataFrame:
         "`rows` as a table that carries the plans its rows name (`attrs['plans']`)."
@@ -79,6 +86,32 @@ class Experiment:
         "Append `table` to results table `kind`, each row's plan saved beside it; the whole table."
         self.save_plans(table['plan'] if 'plan' in table else [], root)
         return append_rows(self.kind, table.to_dict('records'), root=root, device=device, allow_dirty=allow_dirty)
+
+# %% ../nbs/05a_harness.ipynb #f1a2b3c6
+_TASK: list = []  # the function a forked child applies: set before the fork, so it is inherited, never pickled
+
+def _forked_call(i):
+    torch.set_num_threads(1)  # a forked child never enters the parent's OpenMP pool
+    return _TASK[0](_TASK[1][i])
+
+def forked_map(fn, # applied to each item; its results must pickle
+               items, # the items, in order
+               workers: int = 1, # processes side by side; 1 (or no safe fork here): this process, one after another
+               bar=None, # wraps the result iterator (a tqdm progress bar)
+              ) -> list:
+    "`[fn(x) for x in items]`, in `workers` forked processes where that is safe, else in this one."
+    import multiprocessing as mp
+    bar = bar or (lambda it: it)
+    forkable = 'fork' in mp.get_all_start_methods() and not torch.cuda.is_initialized()
+    if workers <= 1 or len(items) <= 1 or not forkable: return list(bar(map(fn, items)))
+    _TASK[:] = [fn, list(items)]
+    pool = mp.get_context('fork').Pool(min(workers, len(items)))
+    try:
+        out = list(bar(pool.imap(_forked_call, range(len(items)))))
+        pool.close()
+        return out
+    finally:
+        pool.terminate(); pool.join(); _TASK.clear()
 
 # %% ../nbs/05a_harness.ipynb #35b15b13
 def concat_frames(frames) -> pd.DataFrame:

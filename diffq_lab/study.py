@@ -29,7 +29,7 @@ from .memory import GGUF_TYPES, module_bytes, real_dims_pipeline
 from .gguf import write_gguf
 from .loader import load_pipeline_quantized
 from .quality import quality_metrics
-from .stats import interleaved_times, speed_vs, warm_up
+from .stats import interleaved_times, speed_vs, time_once, warm_up
 from .gpus import COMPILER_SETTINGS, same_compiler_settings
 from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
@@ -99,18 +99,23 @@ def _weights_MiB(pipe) -> dict:
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
 # %% ../nbs/15_study.ipynb #0945b3a9
-def _timed(dense, pipe, pairs, steps, size, device, rounds: int = 1, **render_kw) -> tuple[list, list]:
-    "Each timed pair rendered dense, quantised, quantised, dense (ABBA: drift cancels) per round: paired seconds."
-    def renders(pair):
-        seed, prompt = pair
-        go = lambda p: lambda: render(p, prompt, steps=steps, size=size, seed=seed, **render_kw)
-        return {'dense': go(dense), 'quantised': go(pipe)}
+def _paired_renders(dense, pipe, pairs, timed, rounds, steps, size, device, **render_kw) -> tuple[dict, list, list]:
+    "Every pair rendered quantised, each timed one beside a dense render of it, in ABBA order: images, paired seconds."
+    def go(p, pair) -> tuple[float, torch.Tensor]:
+        out = []
+        secs = time_once(lambda: out.append(render(p, pair[1], steps=steps, size=size, seed=pair[0], **render_kw)),
+                         device)
+        return secs, out[0]
+    imgs = {pairs[0]: go(pipe, pairs[0])[1]}  # the first render warms the quantised pipeline up; dense is warm already
     t_dense, t_quant = [], []
-    for _ in range(rounds):
-        for pair in pairs:
-            ts = interleaved_times(renders(pair), 2, device)  # two rounds of two: dense, quantised, quantised, dense
-            t_dense.append(sum(ts['dense'])); t_quant.append(sum(ts['quantised']))
-    return t_dense, t_quant
+    for r in range(rounds):
+        for pair in pairs if r == 0 else timed:
+            if pair not in timed: imgs[pair] = go(pipe, pair)[1]; continue
+            order = ('dense', 'quantised') if len(t_dense) % 2 == 0 else ('quantised', 'dense')  # AB, BA: drift cancels
+            ts = {k: go(dense if k == 'dense' else pipe, pair) for k in order}
+            t_dense.append(ts['dense'][0]); t_quant.append(ts['quantised'][0])
+            imgs.setdefault(pair, ts['quantised'][1])
+    return imgs, t_dense, t_quant
 
 # %% ../nbs/15_study.ipynb #7a0b6b32
 def _speed(t_dense, t_quant, emulated: bool, level: float = 0.95) -> dict:
@@ -164,10 +169,11 @@ class Renders:
     @property
     def timed_pairs(self) -> list[tuple]: return self.pairs[:self.timed]
 
-QUICK = Renders(seeds=(0,), timed=1, rounds=2)  # the first run's study: one seed, one pair timed (`--full`: `Renders()`)
+QUICK = Renders(seeds=(0,))  # the first run's study: one seed with each prompt (`--full`: `Renders()`, two seeds)
 
 # %% ../nbs/15_study.ipynb #7d738cd4
-_STUDY_RUN = dict(parts=('te', 'transformer'), progress=True, threads=1, control=True)  # a study's run options
+# a study's run options: `workers` > 1 runs its arms side by side in forked processes (`harness.forked_map`)
+_STUDY_RUN = dict(parts=('te', 'transformer'), progress=True, threads=1, control=True, workers=1)
 _BENCH_RUN = dict(dtype=torch.bfloat16, with_lpips=True, threads=1, level=0.95, progress=False)  # a bench's
 _BENCH_RENDERS = dict(seeds=(0,), prompts=('a photo of a cat',), steps=2, size=32, rounds=6)  # one pair, six rounds
 
@@ -245,15 +251,14 @@ def _study_base(job: _StudyJob, fam: str, n_pairs: int) -> dict:
     "The columns every row of one study shares: what ran, how it was timed and measured."
     r, cuda = job.renders, job.device.type == 'cuda'
     label = 'trained tiny z-image (data/trained)' if job.trained else f'tiny {fam} (random weights)'
-    timed = len(r.timed_pairs)
     return dict(family=fam, model=job.model or label, steps=r.steps, size=r.size, pairs=n_pairs,
                 compile=job.policy.compile,
                 rounds=r.rounds, threads=torch.get_num_threads(), timing='CUDA events' if cuda else 'wall clock',
                 compiler=COMPILER_SETTINGS if job.policy.compile else 'eager',
                 memory='CUDA allocated bytes above the resident weights' if cuda else
                        'process resident set (VmHWM) above its level before the renders',
-                paired=f'ABBA per timed (seed, prompt), {timed} of {n_pairs}: dense, scheme, scheme, dense; '
-                       'denoising and decoding from the remembered encoder states')
+                paired=f'{len(r.timed_pairs)} of {n_pairs} (seed, prompt) pairs each rendered dense and scheme, in '
+                       f'alternating order (AB, BA, ...), {r.rounds} round(s); from the remembered encoder states')
 
 # %% ../nbs/15_study.ipynb #3b568e84
 def _quality_columns(q: list[dict]) -> dict:
@@ -271,20 +276,20 @@ def _floored(policy: QuantPolicy, pipe) -> QuantPolicy:
 
 # %% ../nbs/15_study.ipynb #a7f3c2d1
 def _arm(job: _StudyJob, dense, s, policy: QuantPolicy) -> tuple:
-    "Scheme `s` on dense's modules: its own denoisers, the shared encoders quantised while its renders encode."
+    "Scheme `s` on dense's modules: its own denoisers, the shared encoders quantised while it renders, timed in pairs."
     r, parts = job.renders, job.run['parts']
     arm = copy.copy(dense)  # the encoders, VAE and tokenizers are dense's: no copy of a 135M-parameter encoder
     for a, m in denoisers(dense).items(): setattr(arm, a, copy.deepcopy(m))
-    states = remember_encodings(arm)
+    remember_encodings(arm)
     mark = memory_mark(job.device)
-    with restoring(*text_encoders(dense).values()):
+    with restoring(*text_encoders(dense).values()):  # dense renders from its remembered states meanwhile
         pipe, st = load_pipeline_quantized(arm, family=family_of(dense), te_quant=s if 'te' in parts else None,
                                            transformer_quant=s if 'transformer' in parts else None, device=job.device,
                                            policy=policy)
         sizes = _weights_MiB(pipe)
-        imgs = {k: render(pipe, k[1], steps=r.steps, size=r.size, seed=k[0], **job.render_kw) for k in r.pairs}
-    states.freeze()  # the encoders are dense again: this arm renders from the states its quantised encoders gave
-    return pipe, st, imgs, sizes, peak_extra_bytes(mark, job.device)
+        imgs, t_dense, t_quant = _paired_renders(dense, pipe, r.pairs, r.timed_pairs, r.rounds, r.steps, r.size,
+                                                 job.device, **job.render_kw)
+    return st, imgs, t_dense, t_quant, sizes, peak_extra_bytes(mark, job.device)
 
 # %% ../nbs/15_study.ipynb #0e165984
 def _study(job: _StudyJob, arms) -> pd.DataFrame:
@@ -297,29 +302,29 @@ def _study(job: _StudyJob, arms) -> pd.DataFrame:
     mark = memory_mark(job.device)
     ref = {k: render(dense, k[1], steps=r.steps, size=r.size, seed=k[0], **kw) for k in pairs}
     dense_extra = peak_extra_bytes(mark, job.device)
-    dense.encode_prompt.freeze()
+    dense.encode_prompt.freeze()  # every arm's dense renders come from these states
     base = _study_base(job, fam, len(pairs))
-    shown, dense_secs = {}, []
     level = 1 - 0.05 / max(1, len(arms))  # Bonferroni: the study's speed intervals hold together at 95%
     def one(s):
-        pipe, st, imgs, sizes, extra = _arm(job, dense, s, policy)
-        # the arm's quality renders warmed it up; dense was warmed by the reference
-        t_dense, t_quant = _timed(dense, pipe, r.timed_pairs, r.steps, r.size, job.device, r.rounds, **kw)
-        dense_secs.extend(t_dense)
+        st, imgs, t_dense, t_quant, sizes, extra = _arm(job, dense, s, policy)
         q = [quality_metrics(imgs[k], ref[k]) for k in pairs]
-        if s is not None: shown[s] = imgs[pairs[0]]  # the control renders what dense renders
         backends = '+'.join(filter(None,
                                    (st['quant_plan'].columns().get(c) for c in ('te_backend', 'transformer_backend'))))
         return st['quant_plan'], dict(
             base, transformer=st['path'], fallback_reason=st['fallback_reason'] or None, weights=st.weights,
             mem_load_MiB=_mib(st.get('mem_load_bytes')), **_speed(t_dense, t_quant, 'emulate' in backends, level),
             peak_gen_MiB=_mib(extra), finite=all(m['finite'] for m in q), **sizes,
-            **_quality_columns(q), **(_adherence(imgs, pairs) if job.trained else {}))
+            **_quality_columns(q), **(_adherence(imgs, pairs) if job.trained else {}),
+            _shown=imgs[pairs[0]], _dense_secs=t_dense)  # for the report and the dense row; not columns
     ex = Experiment('study', progress=job.run['progress'])
-    rows = [{**base, **row} for row in ex.run(arms, one, desc='study')]
-    for row in rows:  # a second dense pipeline timed against the first: the instrument's own noise floor
-        if row['requested'] == 'dense':
+    rows, shown, dense_secs = [], {}, []
+    for row in ex.run(arms, one, desc='study', workers=job.run['workers']):
+        img, secs = row.pop('_shown', None), row.pop('_dense_secs', [])
+        dense_secs.extend(secs)
+        if row['requested'] == 'dense':  # a second dense pipeline timed against the first: the instrument's noise floor
             row.update(requested='dense (control)', speed='control: two identical dense pipelines')
+        elif img is not None: shown[row['requested']] = img
+        rows.append({**base, **row})
     dense_row = dict(base, requested='dense', scheme='dense',
                      latency_s=float(np.median(dense_secs)) if dense_secs else None,
                      vs_dense=1.0, peak_gen_MiB=_mib(dense_extra), **_weights_MiB(dense),

@@ -8,6 +8,12 @@ import torch
 
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 os.environ['DIFFQ_LAB_CACHE'] = tempfile.mkdtemp(prefix='diffq_lab_test_cache_')
+# The real encoders (SmolLM2, Gemma3) are the one thing shared with the user's cache: each is a deterministic build of
+# an installed wheel (about a minute of CPU), checked against its sha256 manifest on every load, so a session reuses
+# what nbdev_test or an earlier session built instead of building it again; the probes stay this session's own.
+_SHARED = Path(os.environ.get('XDG_CACHE_HOME') or Path.home()/'.cache')/'diffq_lab'/'encoders'
+_SHARED.mkdir(parents=True, exist_ok=True)
+(Path(os.environ['DIFFQ_LAB_CACHE'])/'encoders').symlink_to(_SHARED, target_is_directory=True)
 
 SEED = int(os.environ.get('DIFFQ_LAB_SEED', '0'))  # seed 0 is the suite's; a sweep runs it under others
 _TESTS = str(Path(__file__).resolve().parent)

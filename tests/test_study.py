@@ -98,3 +98,27 @@ def test_short_table_fits_120_columns_with_failures_and_a_legend():
     assert max(map(len, out.splitlines())) <= 120, max(out.splitlines(), key=len)
     assert '0.27 [0.23, 0.30] slower' in out and '99.5% interval' in out and 'reference' in out
     assert 'int4wo: ImportError' in out and 'fp8_layerwise: xxx' in out and 'nan' not in out.lower()
+
+
+def test_forked_arms_give_the_rows_one_process_gives():
+    "workers=2 runs the arms in forked children on dense's shared modules: the same plans, renders and quality columns."
+    kw = dict(schemes=['int8', 'nvfp4'], seeds=(0,), device='cpu', progress=False, min_features=0)
+    one, two = S.run_study(workers=1, **kw), S.run_study(workers=2, **kw)
+    cols = ['requested', 'scheme', 'plan', 'te_scheme', 'transformer_quantized', 'psnr', 'ssim', 'te_MiB', 'status']
+    assert one[cols].equals(two[cols]), (one[cols], two[cols])
+    assert (two.status == 'ok').all() and np.isinf(two.psnr.iloc[1])  # the control still renders exactly what dense does
+    assert set(two.attrs['renders']) == {'int8', 'nvfp4'} and two.latency_s.notna().all()
+
+
+def test_the_shared_encoder_is_given_back_dense_after_every_arm():
+    "Arms quantise dense's own text encoder in place and restore it: after a study it is bit-identical, with no hooks."
+    import torch
+    from diffq_lab.pipelines import weights_digest
+    pipe = tiny_pipeline('z-image')
+    before = {k: v.clone() for k, v in pipe.text_encoder.state_dict().items()}
+    job = S._StudyJob(lambda: pipe, S.Renders(seeds=(0,)).resolved(False), S.as_policy(None, min_features=0),
+                      dict(S._STUDY_RUN, progress=False), torch.device('cpu'), False, None)
+    S._study(job, ['fp8_layerwise', 'int8'])
+    after = pipe.text_encoder.state_dict()
+    assert all(torch.equal(before[k], after[k]) and before[k].dtype == after[k].dtype for k in before)
+    assert not any(hasattr(m, '_diffusers_hook') for m in pipe.text_encoder.modules())
