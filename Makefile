@@ -6,7 +6,7 @@ PY    := $(BIN)/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: study test lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels gpu-rehearsal gpu-import
+.PHONY: study test record lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels gpu-rehearsal gpu-import
 
 venv: $(VENV)/.installed
 
@@ -35,6 +35,11 @@ $(VENV)/.installed: settings.ini setup.py
 # The first run's study (one seed, about a minute on 2 cores); STUDY_ARGS=--full runs the full-size one
 study: venv
 	$(BIN)/diffq-lab study $(STUDY_ARGS)
+
+# Every committed CPU results table re-recorded from this checkout (commit first: rows carry the git sha); the
+# experiments, not tests. TABLES="study recommend" records some of them (tools/record_cpu.py names them all).
+record: venv
+	$(PY) tools/record_cpu.py $(TABLES)
 
 # Fails when the exported package or the notebooks differ from what nbdev_export / nbdev_clean make
 # of them: a hand edit of diffq_lab/*.py, or an unexported or uncleaned notebook.

@@ -229,11 +229,13 @@ def parser() -> argparse.ArgumentParser:
 
 # %% ../nbs/17_cli.ipynb #61a77525
 @flag_group
-def recording(no_record: bool = False, # do not append rows to data/results
+def recording(record: bool = False, # append the rows to data/results: the tracked tables the docs publish as findings
+              no_record: bool = False, # record nothing (the default; kept for scripts that say it)
               allow_dirty: bool = False, # record from a code tree with uncommitted changes (the rows say +dirty)
              ) -> SimpleNamespace:
-    "Whether the command records its rows under data/results, and from what code tree."
-    return SimpleNamespace(no_record=no_record, allow_dirty=allow_dirty)
+    "Whether the command records its rows under data/results (only when asked), and from what code tree."
+    if record and no_record: raise ValueError('--record and --no-record contradict each other: give one')
+    return SimpleNamespace(no_record=not record, allow_dirty=allow_dirty)
 
 # %% ../nbs/17_cli.ipynb #f80cafa4
 @flag_group

@@ -516,8 +516,8 @@ def recorded_note(counts: dict, root=None) -> str:
     tabs = [f'  {l}{rows(l)}' for l in lines if l not in plans]
     more = [f'  {len(plans)} plan file(s) in {folder / "plans"}'] if plans else []
     return '\n'.join([_fill('changed tracked files (the lab\'s findings: the docs and README render them; review and '
-                             'commit them, or `git checkout -- data/results` to drop this run; --no-record '
-                             'runs without recording):'), *tabs, *more])
+                             'commit them, or `git checkout -- data/results` to drop this run; a run without '
+                             '--record records nothing):'), *tabs, *more])
 
 REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into its report folder
 
@@ -563,7 +563,8 @@ def default_study(device=None, # where it runs (default: cuda if present)
                       report=(out, publish) if publish is not None and out is not None else None,
                       report_files=REPORT_FILES)
         log(recorded_note({'capability': len(cap), 'study_numerics': len(num), 'study': len(study)}, root))
-    else: log('not recorded (record=False, diffq-lab study --no-record): no results table changed')
+    else: log('not recorded: no results table changed (diffq-lab study --record, or record=True, appends the rows '
+                  'to data/results, the findings the docs publish)')
     log(f'study finished in {time.perf_counter() - t0:.1f} s' + (f'; report in {out}' if out else ''))
     return dict(capability=cap, numerics=num, summary=summary, study=study)
 

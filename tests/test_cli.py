@@ -14,7 +14,7 @@ def test_probe_prints_report(capsys, tmp_path, monkeypatch):
 
 def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
-    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--seeds', '0', '--out', str(tmp_path/'out')]) == 0
+    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--seeds', '0', '--out', str(tmp_path/'out'), '--record']) == 0
     out = capsys.readouterr().out
     assert 'Scheme numerics' in out and 'encoder + transformer quantised per scheme' in out
     assert sorted(p.name for p in (tmp_path/'out').iterdir()) == ['grid.png', 'report.html', 'report.md']
@@ -43,7 +43,7 @@ def test_a_damaged_table_stops_the_study_before_any_work(tmp_path, monkeypatch, 
     path = tmp_path/'results'/'study.csv'
     path.write_text(path.read_text()[:-5])
     before = path.read_bytes()
-    with pytest.raises(SystemExit) as e: main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')])
+    with pytest.raises(SystemExit) as e: main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out'), '--record'])
     assert e.value.code == 2 and 'study.csv, line 2' in capsys.readouterr().err
     assert path.read_bytes() == before and not (tmp_path/'out').exists()
 

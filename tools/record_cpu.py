@@ -35,7 +35,7 @@ TABLES = {
     'trained_schemes': _module('trained', 'record_adherence_by_scheme'),
     'trained_encoder_keep': _module('trained', 'record_encoder_keep'),
     'recommend': _module('recommend', 'record_recommendations', bar=40.0),
-    'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu']),
+    'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu', '--full', '--record']),
 }
 
 if __name__ == '__main__':
