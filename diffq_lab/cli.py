@@ -126,7 +126,10 @@ def _prompt_file(value: str) -> list[str]:
     return prompts
 
 # %% ../nbs/17_cli.ipynb #6452f039
-def check_model(model: str | None, flag: str = '--model'):
+def check_model(model: str | None, # the --model given, or None
+                flag: str = '--model', # the flag named in the error
+                loads: bool = True, # the command loads it (an offline hub must hold it); False: only its name is used
+               ):
     "A real pipeline named on the command line: a diffusers folder, or a hub id in the cache when the hub is offline."
     if model is None: return None
     m = Path(model)
@@ -136,7 +139,7 @@ def check_model(model: str | None, flag: str = '--model'):
     if model.count('/') != 1 or not all(model.split('/')):
         raise ValueError(f'{flag} {model!r} is neither a local folder nor a hub id (owner/name)')
     from huggingface_hub import constants, try_to_load_from_cache
-    if (constants.HF_HUB_OFFLINE or os.environ.get('HF_HUB_OFFLINE') == '1') and \
+    if loads and (constants.HF_HUB_OFFLINE or os.environ.get('HF_HUB_OFFLINE') == '1') and \
             not isinstance(try_to_load_from_cache(model, 'model_index.json'), str):
         raise ValueError(f'{flag} {model}: not in the local hub cache, and the hub is offline (HF_HUB_OFFLINE=1): '
                          'download it first or pass a local folder')
@@ -469,7 +472,7 @@ def export(
     from diffq_lab.pipelines import get_family
     from diffq_lab.plan import check_plan_out, write_plan
     fam = get_family(family).name  # a name is checked before the out path is touched
-    out = check_plan_out(_out_path(out)); check_model(model)
+    out = check_plan_out(_out_path(out)); check_model(model, loads=False)  # the snippet names it; nothing loads
     plan = plan_pipeline(fam, scheme, te_scheme, min_features=min_features)
     write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express; both or neither
     print(_wrote(plan, out))
