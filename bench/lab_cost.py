@@ -3,6 +3,7 @@
     .venv/bin/python bench/lab_cost.py notebooks [--top 5] [NAME ...]   # each notebook as nbdev_test runs it, per cell
     .venv/bin/python bench/lab_cost.py tests [--top 30] [PYTEST ARGS]   # pytest, its slowest tests
     .venv/bin/python bench/lab_cost.py study [STUDY ARGS]               # `diffq-lab study --no-record`, by stage
+    .venv/bin/python bench/lab_cost.py checks [GIT REF]                # how many tests and inline assertions
     .venv/bin/python bench/lab_cost.py all                             # the three, and a summary
 
 Every figure is wall seconds and CPU seconds (user + system of the process and its children), with the machine they
@@ -104,6 +105,31 @@ def study(args=()) -> dict:
     return dict(wall_s=round(r['wall_s'], 1), cpu_s=round(r['cpu_s'], 1), rc=r['rc'], stages=stages)
 
 
+_CHECK = re.compile(r'\b(test_eq|test_ne|test_close|test_fail|test_is|test_shuffled|test_warns|test_stdout|test_sig)\(|^\s*assert\b', re.M)
+
+def checks(ref=None) -> dict:
+    "Inline assertions in the notebooks' test cells (fastcore checks and asserts) and pytest's tests, here or at `ref`."
+    import tempfile
+    def count(root: Path) -> dict:
+        n = 0
+        for nb in sorted((root/'nbs').glob('*.ipynb')):
+            for c in json.loads(nb.read_text())['cells']:
+                src = ''.join(c['source'])
+                if c['cell_type'] == 'code' and not re.match(r'#\|\s*export', src): n += len(_CHECK.findall(src))
+        r = subprocess.run([PY, '-m', 'pytest', '--collect-only', '-q', '-p', 'no:cacheprovider', 'tests'], cwd=root,
+                           capture_output=True, text=True, env=ENV)
+        tests = sum(1 for l in r.stdout.splitlines() if '::' in l)
+        return dict(inline_assertions=n, tests=tests)
+    if ref is None: out = count(ROOT)
+    else:
+        with tempfile.TemporaryDirectory() as d:
+            subprocess.run(['git', 'worktree', 'add', '--detach', d, ref], cwd=ROOT, capture_output=True, check=True)
+            try: out = count(Path(d))
+            finally: subprocess.run(['git', 'worktree', 'remove', '--force', d], cwd=ROOT, capture_output=True)
+    print(f"{ref or 'this tree'}: {out['tests']} tests, {out['inline_assertions']} inline assertions")
+    return out
+
+
 def machine() -> dict:
     "Where the figures came from."
     cpu = next((l.split(':', 1)[1].strip() for l in Path('/proc/cpuinfo').read_text().splitlines()
@@ -115,7 +141,7 @@ def machine() -> dict:
 
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument('what', choices=('notebooks', 'tests', 'study', 'all'))
+    p.add_argument('what', choices=('notebooks', 'tests', 'study', 'checks', 'all'))
     p.add_argument('--top', type=int, default=None, help='slowest cells per notebook (5) or slowest tests (30)')
     a, rest = p.parse_known_args(argv)
     res = dict(machine=machine())
@@ -123,6 +149,7 @@ def main(argv=None):
     if a.what in ('notebooks', 'all'): res['notebooks'] = notebooks(rest if a.what == 'notebooks' else (), a.top or 5)
     if a.what in ('tests', 'all'): res['tests'] = tests(rest if a.what == 'tests' else (), a.top or 30)
     if a.what in ('study', 'all'): res['study'] = study(rest if a.what == 'study' else ())
+    if a.what in ('checks', 'all'): res['checks'] = checks(rest[0] if a.what == 'checks' and rest else None)
     if 'notebooks' in res:
         nbs = res['notebooks']
         print(f"notebooks: {sum(n['cpu_s'] for n in nbs):.0f} s CPU in all, {sum(n['wall_s'] for n in nbs):.0f} s wall "
