@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_cli.ipynb #f0d0de65
 from __future__ import annotations
-import argparse, contextlib, inspect, os, shutil, sys, tempfile
+import argparse, contextlib, inspect, json, math, numbers, os, shutil, sys, tempfile
 from pathlib import Path
 from types import SimpleNamespace
 from fastcore.docments import docments
@@ -13,7 +13,7 @@ from fastcore.script import Param
 # %% auto #0
 __all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'BAD_INPUTS', 'BAD_WITHOUT_GPU', 'check_model', 'command', 'flag_group', 'parser',
            'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'probe', 'study', 'bench',
-           'blocks', 'export', 'recommend', 'crossover', 'predict', 'main']
+           'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
 
 # %% ../nbs/17_cli.ipynb #741c5e79
 # sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
@@ -417,7 +417,8 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
     from diffq_lab.pipelines import load_pipeline
     from diffq_lab.plan import as_policy
     from diffq_lab.study import BENCH_COLS, record_transformer_bench, transformer_bench
-    check_model(target.model); _check_gguf(gguf)
+    from diffq_lab.pipelines import get_family
+    get_family(target.family); check_model(target.model); _check_gguf(gguf)  # names first: a typo costs no work
     if not rec.no_record: check_recordable(('transformer_bench',), allow_dirty=rec.allow_dirty)  # before any work
     pipe = load_pipeline(target.model, family=target.family, device='cpu') if target.model else target.family
     floor = as_policy(min_features=quantise.min_features).features(tiny=target.model is None and target.dims == 'tiny')
@@ -557,6 +558,16 @@ def _scheme_or_dense(value: str) -> list[str]:
 # %% ../nbs/17_cli.ipynb #d59b92a9
 _COMPILE_MODE = Param(choices=('none', 'inductor', 'cudagraphs'))  # the speed model's execution modes
 
+# %% ../nbs/17_cli.ipynb #e7c1a9b1
+def strict_json(x) -> str:
+    "`x` as strict JSON: NaN and the infinities, which JSON has no value for, as null (any parser reads it)."
+    def clean(v):
+        if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and not math.isfinite(v): return None
+        if isinstance(v, dict): return {k: clean(w) for k, w in v.items()}
+        if isinstance(v, (list, tuple)): return [clean(w) for w in v]
+        return v
+    return json.dumps(clean(x), indent=1, default=str, allow_nan=False)
+
 # %% ../nbs/17_cli.ipynb #51938913
 @command
 def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h100, l4, a10g, rtx6000ada, gb200, ...)
@@ -567,12 +578,11 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
             json: bool = False, # print a JSON list of records instead of the table
            ) -> int:
     "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, GiB."
-    import json as _json
     from diffq_lab.gpus import gpu_spec
     from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
     recs = _predict(gpu, fam, tuple(schemes), Workload(**vars(work), compile=compile))
-    print(_json.dumps(recs, indent=1, default=str) if json else format_predictions(recs))
+    print(strict_json(recs) if json else format_predictions(recs))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1faaabc1
@@ -654,7 +664,8 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['study', '--out', '/proc/diffq-lab-report'], 'cannot write'), (['export', '--out', '$T'], 'must name a file'),
     (['export', '--out', '/proc/x/plan.json'], 'cannot write'), (['study', '--schemes', 'fp7'], 'unknown scheme'),
     (['study', '--schemes', 'auto'], "schemes or 'all'"),
-    (['study', '--family', 'sdxl-turbo'], 'unknown model family'), (['nonsense'], 'invalid choice'),
+    (['study', '--family', 'sdxl-turbo'], 'unknown model family'),
+    (['bench', '--family', 'foo'], 'unknown model family'), (['nonsense'], 'invalid choice'),
     (['export', '--family', 'z-image', '--scheme', 'int8', '--te-scheme', 'fp8_layerwise', '--out', ''],
      'must name a file'),
     (['export', '--family', 'sdxl-turbo'], 'unknown model family'), (['export', '--scheme', 'int8,fp8'], 'one scheme'),
