@@ -4,7 +4,7 @@
 
 # %% ../nbs/03_capability.ipynb #bd001d5d
 from __future__ import annotations
-import json, logging, os, re, time, warnings
+import json, logging, os, re, textwrap, time, warnings
 from dataclasses import dataclass, asdict, fields
 from pathlib import Path
 import pandas as pd
@@ -418,7 +418,9 @@ def capability_report(device=None, refresh: bool = False) -> pd.DataFrame:
     return df
 
 # %% ../nbs/03_capability.ipynb #af0d0539
-def format_report(df: pd.DataFrame) -> str:
+def format_report(df: pd.DataFrame, # a capability report (`capability_report`)
+                  width: int | None = None, # fit a terminal this wide: each kernel and probe message as a note below
+                 ) -> str:
     "A capability report as markdown: a line naming the device and what `auto` picks, then the table."
     if df.empty: return '_no capability rows_'
     first = df.iloc[0]
@@ -426,9 +428,14 @@ def format_report(df: pd.DataFrame) -> str:
     where = 'CPU' if pd.isna(cap) or cap is None else f"{first['arch']}, sm_{str(cap).replace('.', '')}"
     pick = df.loc[df['auto_pick'].astype(bool), 'scheme'] if 'auto_pick' in df else []
     auto = pick.iloc[0] if len(pick) else 'dense (no scheme on the ladder runs here)'
+    head = f"**{first['device_name']}** ({where}): `auto` -> {auto}\n\n"
     shown = df.assign(probe=df['probe'].astype(str).map(lambda p: p if len(p) <= 100 else p[:97] + '...'))
     if 'auto_rank' in shown: shown['auto_rank'] = [('-' if pd.isna(v) else str(int(v))) for v in shown['auto_rank']]
-    return f"**{first['device_name']}** ({where}): `auto` -> {auto}\n\n" + markdown_table(shown, cols=list(REPORT_COLS))
+    if width is None: return head + markdown_table(shown, cols=list(REPORT_COLS))
+    notes = [textwrap.fill(f"{r['scheme']}: {r.get('kernel', '')}; probe: {r['probe']}", width, subsequent_indent='    ')
+             for r in df.to_dict('records')]
+    return head + markdown_table(shown, cols=[c for c in REPORT_COLS if c not in ('kernel', 'probe')]) + \
+        '\n\n' + '\n'.join(notes)
 
 # %% ../nbs/03_capability.ipynb #6c028fee
 def record_capability(root=None, device=None) -> pd.DataFrame:

@@ -320,7 +320,7 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     from diffq_lab.core import check_recordable
     if record: check_recordable(('capability',))  # before any probe
     rep = record_capability(device=device) if record else capability_report(device, refresh=refresh)
-    print(format_report(rep))
+    print(format_report(rep, width=120))  # a terminal's width: the probe messages as notes
     return 0
 
 # %% ../nbs/17_cli.ipynb #7a62c941
