@@ -2,7 +2,7 @@
 corrupted tables and caches, failures inside quantisation. Each asserts the outcome: a clear one-line error (exit 2, no
 traceback), nothing lost or half-written, the model restored. Tiny models, no network, well under two minutes on 2 cores."""
 import contextlib
-import copy, json, os, random, signal, subprocess, sys, textwrap, time, warnings
+import copy, json, os, random, signal, subprocess, sys, time, warnings
 from pathlib import Path
 import pytest
 import torch
@@ -10,6 +10,7 @@ from torch import nn
 from diffq_lab.cli import BAD_INPUTS, BAD_WITHOUT_GPU, main
 from diffq_lab.core import append_rows, load_table, record_tables, DamagedTable
 from diffq_lab.schemes import quantized_linears, make_filter_fn
+from forked import Forked, stop as stop_fork_server
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, 'HF_HUB_OFFLINE': '1', 'OMP_NUM_THREADS': '1', 'PYTHONWARNINGS': 'ignore'}
@@ -65,7 +66,8 @@ def test_python_dash_m_runs_the_command():
     "`python -m diffq_lab.cli` is the command itself (it used to exit 0 doing nothing)."
     ok = subprocess.run([sys.executable, '-m', 'diffq_lab.cli', '--help'], capture_output=True, text=True, timeout=120, env=ENV)
     assert ok.returncode == 0 and 'study' in ok.stdout
-    bad = subprocess.run([sys.executable, '-m', 'diffq_lab.cli', 'crossover', '--frames', '5'], capture_output=True, text=True,
+    # a bad value its parser refuses (crossover's --frames, refused after loading the model registry, is a BAD_INPUTS case)
+    bad = subprocess.run([sys.executable, '-m', 'diffq_lab.cli', 'study', '--steps', '0'], capture_output=True, text=True,
                          timeout=120, env=ENV)
     assert bad.returncode == 2 and one_line_error(bad.stderr), bad.stderr
 
@@ -106,21 +108,35 @@ def test_a_reused_out_keeps_no_stale_grid(tmp_path, monkeypatch, capsys):
     assert sorted(p.name for p in out.iterdir()) == ['notes.txt', 'report.md'] and (out/'report.md').read_text() == 'new'
 
 
-def _child(code: str, *args) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, '-c', textwrap.dedent(code), *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=ENV, cwd=ROOT)
+@pytest.fixture(scope='module', autouse=True)
+def fork_server():
+    "The processes below fork from one server that imported diffq_lab.core (tests/forked.py); stopped, and so counted, at the end."
+    yield
+    stop_fork_server()
+
+
+def _child(code: str, *args) -> Forked:
+    "A real process running `code` with `args`, forked with the store already imported (no 1.7 s torch import each)."
+    return Forked(code, *args, cwd=ROOT)
+
+
+def _sigint_as_python_starts():
+    "A process started while SIGINT is ignored (pytest as a background job) ignores it for good: give it python's default."
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def test_sigint_mid_study_exits_130_with_the_tables_untouched(tmp_path):
     "A real study process, Ctrl-C'd once it is at work: exit 130, one line, the results table byte for byte as it was."
     results = tmp_path/'results'
     env = {**ENV, 'DIFFQ_LAB_RESULTS': str(results), 'DIFFQ_LAB_CACHE': str(tmp_path/'cache'), 'PYTHONUNBUFFERED': '1'}
-    subprocess.run([sys.executable, '-c', "from diffq_lab.core import append_rows; append_rows('study', dict(scheme='int8', ssim=0.99), device='cpu')"],
-                   env=env, check=True, timeout=120)
+    append_rows('study', dict(scheme='int8', ssim=0.99), root=results, device='cpu')
     before = (results/'study.csv').read_bytes()
+    # the smallest study there is (random-weight tiny z-image, one scheme, one seed, one step at 16 px), recording (else no
+    # table is at stake): the signal lands as it starts its work, so what it would render costs nothing
     p = subprocess.Popen([sys.executable, '-m', 'diffq_lab.cli', 'study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0',
-                          '--random-weights', '--out', str(tmp_path/'out')], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env, cwd=ROOT)
+                          '--random-weights', '--steps', '1', '--size', '16', '--record', '--out', str(tmp_path/'out')],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT,
+                         preexec_fn=_sigint_as_python_starts)
     for line in p.stdout:  # at work: the capability report is out, the study runs
         if line.startswith('## Capability'): break
     p.send_signal(signal.SIGINT)
@@ -142,7 +158,7 @@ print('done', flush=True)
 
 def test_concurrent_writers_lose_nothing(tmp_path):
     procs = [_child(WRITER, f'w{k}', '8', str(tmp_path)) for k in range(3)]
-    for p in procs: assert p.wait(timeout=300) == 0, p.stderr.read()[-2000:]
+    for p in procs: assert p.wait(timeout=300) == 0, p.output()[1][-2000:]
     t = load_table('runs', tmp_path)
     assert len(t) == 24 and sorted(t.groupby('writer').i.count()) == [8, 8, 8] and t.run.nunique() == 24
 
@@ -151,8 +167,9 @@ def test_a_writer_killed_mid_write_leaves_a_whole_table(tmp_path):
     "SIGKILL at a random moment of a stream of appends: the table parses strictly and every row it holds is whole."
     p = _child(WRITER.replace("print('done', flush=True)", '') .replace('for i in range(n):', "print('go', flush=True)\nfor i in range(n):"),
                'k', '100000', str(tmp_path))
-    assert p.stdout.readline().strip() == 'go'
-    time.sleep(1.5)
+    p.wait_for('go')
+    while not (tmp_path/'runs.csv').exists(): time.sleep(0.01)  # the stream has begun: a first row is whole
+    time.sleep(random.Random(0).uniform(0.2, 0.5))  # then a (seeded) moment of a stream of 2000-character rows
     p.kill(); p.wait(timeout=60)
     t = load_table('runs', tmp_path)  # strict: a cut row would raise DamagedTable
     assert len(t) > 0 and (t.note.str.len() == 2000).all() and list(t.i) == list(range(len(t)))
@@ -173,7 +190,7 @@ def test_a_malformed_table_stops_a_recording_before_any_table_changes(tmp_path):
 def test_a_table_that_is_a_folder_stops_the_study(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
     (tmp_path/'results'/'study.csv').mkdir(parents=True)
-    code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')], capsys)
+    code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--record', '--out', str(tmp_path/'out')], capsys)
     assert code == 2 and one_line_error(err) and 'is a folder' in err and not (tmp_path/'out').exists()
 
 
@@ -393,7 +410,7 @@ import os, random, signal, sys, threading, time
 from pathlib import Path
 from diffq_lab.core import record_tables
 res, out, sig, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
-delay = random.Random(seed).uniform(0.5, 2.0)
+delay = random.Random(seed).uniform(0.2, 0.8)  # tens of recordings: the signal lands inside one of them
 for i in range(10**6):
     stage = out.parent/f'.out.staging-{i}'; stage.mkdir(); (stage/'report.md').write_text(str(i))
     record_tables({'a': dict(i=i), 'b': [dict(i=i)] * 2}, root=res, device='cpu', report=(stage, out), report_files=('report.md',))
@@ -440,7 +457,7 @@ def test_a_table_of_foreign_columns_is_refused_and_never_merged_into(tmp_path, f
 def test_a_foreign_capability_table_stops_the_study_in_one_line_before_any_work(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
     (tmp_path/'results').mkdir(); (tmp_path/'results'/'capability.csv').write_text('name,age\nann,3\n')
-    code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--out', str(tmp_path/'out')], capsys)
+    code, err = run_main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--record', '--out', str(tmp_path/'out')], capsys)
     assert code == 2 and one_line_error(err) and 'capability.csv, line 1' in err and not (tmp_path/'out').exists()
     assert (tmp_path/'results'/'capability.csv').read_text() == 'name,age\nann,3\n'
 
