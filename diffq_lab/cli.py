@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_cli.ipynb #f0d0de65
 from __future__ import annotations
-import argparse, contextlib, inspect, json, math, numbers, os, shutil, sys, tempfile
+import argparse, contextlib, inspect, json, math, numbers, os, shutil, sys, tempfile, threading, time
 from pathlib import Path
 from types import SimpleNamespace
 from fastcore.docments import docments
@@ -606,6 +606,45 @@ def _dedupe(args):
             _say(f"diffq-lab: note: --{name.replace('_', '-')} repeats {rep}: each runs once ({once})")
             setattr(args, name, uniq)
 
+# %% ../nbs/17_cli.ipynb #f2e6b0a2
+class _Watched:
+    "A text stream that notes when it was last written to (for `_heartbeat`)."
+    def __init__(self, stream, beat): self._stream, self._beat = stream, beat
+    def write(self, s):
+        if s: self._beat.last = time.monotonic()
+        return self._stream.write(s)
+    def __getattr__(self, name): return getattr(self._stream, name)
+
+class _Heartbeat:
+    "The state `_heartbeat` shares with its thread: when output last appeared, and the lock its lines are written under."
+    lock = threading.Lock()  # one for the process: held around a fork (`os.register_at_fork` below)
+    def __init__(self): self.last, self.lines = time.monotonic(), 0
+
+os.register_at_fork(before=_Heartbeat.lock.acquire, after_in_parent=_Heartbeat.lock.release,
+                    after_in_child=_Heartbeat.lock.release)
+
+@contextlib.contextmanager
+def _heartbeat(name: str, # what the line calls the command
+               first: float = 1.5, # seconds of silence before the first line, when nothing was written yet
+               every: float = 8.0, # seconds of silence before each later line
+              ):
+    "While the block runs, a line on stderr whenever nothing was written for a while: a long stage is not a hang."
+    beat, out, err, t0, done = _Heartbeat(), sys.stdout, sys.stderr, time.monotonic(), threading.Event()
+    sys.stdout, sys.stderr = _Watched(out, beat), _Watched(err, beat)
+    def run():
+        while not done.wait(0.25):
+            quiet = time.monotonic() - beat.last
+            if quiet >= (every if beat.lines or beat.last > t0 else first):
+                with _Heartbeat.lock:
+                    err.write(f'{name}: note: working, {time.monotonic() - t0:.0f} s so far\n'); err.flush()
+                beat.last, beat.lines = time.monotonic(), beat.lines + 1
+    thread = threading.Thread(target=run, daemon=True, name='diffq-lab heartbeat')
+    thread.start()
+    try: yield beat
+    finally:
+        done.set(); thread.join()
+        sys.stdout, sys.stderr = out, err
+
 # %% ../nbs/17_cli.ipynb #3931aa6c
 def main(argv=None) -> int:
     "Entry point of `diffq-lab`: 0 when done; bad input exits 2 with one line naming the choices or file, Ctrl-C 130."
@@ -613,7 +652,8 @@ def main(argv=None) -> int:
     try:
         args = p.parse_args(argv)
         _dedupe(args)
-        return COMMANDS[args.command](**_values(COMMANDS[args.command], vars(args)))
+        with _heartbeat(f'{p.prog} {args.command}'):  # never silent for long, on a terminal or in a log
+            return COMMANDS[args.command](**_values(COMMANDS[args.command], vars(args)))
     except KeyboardInterrupt:
         _say('diffq-lab: interrupted; tables and reports are written whole or not at all, so nothing is half-written')
         raise SystemExit(130) from None
