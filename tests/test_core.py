@@ -70,9 +70,11 @@ for i in range(40): append_rows('shared', dict(writer=sys.argv[2], i=i), root=sy
 
 def test_two_writers_keep_every_row(tmp_path):
     "Two processes appending 40 rows each to one table, one row a call: the lock keeps all 80 (without it: 53 of 80)."
-    procs = [subprocess.Popen([sys.executable, '-c', _WRITER, str(tmp_path), w], env={**os.environ, 'OMP_NUM_THREADS': '1'})
-             for w in 'ab']
-    assert all(p.wait(timeout=300) == 0 for p in procs)
+    from forked import Forked, stop  # two processes forked with the store imported: no torch import each (tests/forked.py)
+    try:
+        procs = [Forked(_WRITER, str(tmp_path), w) for w in 'ab']
+        assert all(p.wait(timeout=300) == 0 for p in procs), [p.output()[1][-2000:] for p in procs]
+    finally: stop()
     t = load_table('shared', tmp_path)
     assert len(t) == 80 and sorted(t.groupby('writer').i.apply(sorted).sum()) == sorted(list(range(40)) * 2)
 

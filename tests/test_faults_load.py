@@ -1,6 +1,6 @@
 """Issue 27 items 1-2, as fault injection: a saved folder never runs code and names every damaged, swapped or forged file in
 one line; a plan from a file is checked against a schema, and against the live model and this machine when applied."""
-import copy, json, os, shutil, subprocess, sys, textwrap
+import copy, json, os, shutil, sys
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 from pathlib import Path
 import pytest
@@ -32,22 +32,21 @@ def one_line(e) -> str:
     msg = str(e.value); assert '\n' not in msg, msg; return msg
 
 
-def test_a_folder_naming_its_own_payload_never_runs_it(saved, tmp_path):
-    "The case that ran foreign code: model_index names <folder>.transformer.payload, loaded from the folder's parent."
+def test_a_folder_naming_its_own_payload_never_runs_it(saved, tmp_path, monkeypatch):
+    """The case that ran foreign code: model_index names <folder>.transformer.payload, loaded from the folder's parent.
+    As a user's `python` there runs it (the working folder first on sys.path), in this process: no second import of the lab."""
     f = copy_of(saved, tmp_path, 'evil')
     (f/'__init__.py').write_text(''); (f/'transformer'/'__init__.py').write_text('')
     (f/'transformer'/'payload.py').write_text("open('PAYLOAD_RAN', 'w').write('ran')\nclass X: pass\n")
     idx = json.loads((f/'model_index.json').read_text()); idx['transformer'] = ['evil.transformer.payload', 'X']
     (f/'model_index.json').write_text(json.dumps(idx)); reforge(f)
-    code = textwrap.dedent(f"""
-        import sys; sys.path.insert(0, '.')
-        from diffq_lab.export import load_quantized
-        try: load_quantized('evil')
-        except ValueError as e: print('REFUSED', e)
-    """)
-    r = subprocess.run([sys.executable, '-c', code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                       env={**os.environ, 'PYTHONPATH': str(ROOT)})
-    assert 'REFUSED' in r.stdout and 'may name only diffusers, transformers' in r.stdout, (r.stdout, r.stderr[-2000:])
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(sys, 'path', ['.', *sys.path])
+    try:
+        with pytest.raises(ValueError) as e: load_quantized('evil')
+    finally:
+        for m in [m for m in sys.modules if m == 'evil' or m.startswith('evil.')]: del sys.modules[m]  # had it run
+    assert 'may name only diffusers, transformers' in str(e.value), str(e.value)
     assert not (tmp_path/'PAYLOAD_RAN').exists()
 
 
