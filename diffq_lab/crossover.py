@@ -26,9 +26,8 @@ __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_
            'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'BENCH_COLS',
            'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
            'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
-           'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'linear_calls', 'model_linear_shapes',
-           'layer_policy', 'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover',
-           'plot_crossover']
+           'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
+           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 ROOFLINE_SCHEMES = tuple(SPEC_COLS)   # the formats with a tensor-core peak in the spec table
@@ -480,7 +479,8 @@ def compare_bench(bench: pd.DataFrame, gpu=None, eff=None) -> pd.DataFrame:
 
 # %% ../nbs/12_crossover.ipynb #83af3be7
 # moved to 09_memory; importable here
-from .memory import MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, meta_transformer
+from .memory import (MODELS, PIXELS_PER_TOKEN, get_model, latent_grid, linear_calls, meta_transformer,
+                              _meta_transformer)
 
 # %% ../nbs/12_crossover.ipynb #703d8795
 _inputs = denoiser_kwargs  # the forward-kwargs recipe lives in 09_memory
@@ -498,22 +498,6 @@ def _as_grid(tokens) -> tuple[int, int, int]:
         return tuple(tokens) if len(tokens) == 3 else (1, *tokens)
     raise ValueError(f'tokens must be a positive int (a square grid) or (h, w) / (f, h, w) token counts, '
                      f'got {tokens!r}')
-
-# %% ../nbs/12_crossover.ipynb #62f88096
-@contextlib.contextmanager
-def linear_calls(module: nn.Module):
-    "Within the block, every nn.Linear call of `module` appends its fqn and (M, K, N) to the yielded list."
-    rows, hooks = [], []
-    def record(fqn):
-        def hook(mod, args):
-            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
-        return hook
-    try:
-        for fqn, mod in module.named_modules():
-            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
-        yield rows
-    finally:
-        for h in hooks: h.remove()
 
 # %% ../nbs/12_crossover.ipynb #3675bf4e
 def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -> pd.DataFrame:
@@ -540,7 +524,7 @@ def model_linear_shapes(transformer, tokens, text_tokens=None, batch: int = 1) -
 # %% ../nbs/12_crossover.ipynb #b5cb0a1b
 @functools.lru_cache(maxsize=32)
 def _cached_shapes(name, grid, text_tokens, batch):
-    return model_linear_shapes(meta_transformer(name), grid, text_tokens, batch)
+    return model_linear_shapes(_meta_transformer(name), grid, text_tokens, batch)
 
 # %% ../nbs/12_crossover.ipynb #9b124b61
 NVFP4_MARGIN, MIN_GAIN = 0.10, 0.05

@@ -4,7 +4,8 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import functools, math, os, weakref
+import contextlib, functools, math, os, weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import pandas as pd
@@ -22,9 +23,10 @@ from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LOAD_MODES', 'linear_bytes',
            'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline', 'get_model',
-           'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'pipeline_trace',
-           'flux_selective', 'linears_under_rules', 'quantised_linears', 'MemoryEstimate', 'Workload',
-           'pipeline_memory', 'free_memory', 'MemoryPlan', 'plan_memory']
+           'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'linear_calls',
+           'denoiser_trace', 'PipelineTraces', 'pipeline_trace', 'flux_selective', 'linears_under_rules',
+           'quantised_linears', 'MemoryEstimate', 'Workload', 'pipeline_memory', 'free_memory', 'MemoryPlan',
+           'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -102,7 +104,7 @@ def _build_parts(specs: dict, device, dtype) -> dict[str, nn.Module]:
             if isinstance(spec, str): continue  # a tokenizer flavour
             m = _build(*spec)
             out[attr] = cast_as_loaded(m.eval(), dtype)  # on meta too: fp8 and MX plans require bf16 weights
-    tr = out['transformer']
+    tr = out.get('transformer')  # absent when the parts asked for are the transformer's companions
     for name in ('x_pad_token', 'cap_pad_token'):  # Z-Image creates these with torch.empty: uninitialised memory
         if isinstance(getattr(tr, name, None), torch.Tensor) and getattr(tr, name).device.type != 'meta':
             with torch.no_grad(): getattr(tr, name).normal_(std=0.02)
@@ -312,11 +314,19 @@ def trace_ops(fn) -> OpTrace:
 # %% ../nbs/09_memory.ipynb #bda500c9
 CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
 
-@functools.lru_cache(maxsize=4)
+# one build per family: meta modules hold no memory, a build costs seconds (a pure function of the registry's config)
+@functools.lru_cache(maxsize=None)
+def _meta_transformer(family: str) -> nn.Module:
+    "`meta_transformer(family)`, built once a session (shared: callers read it, never change it)."
+    return meta_transformer(family)
+
+@functools.lru_cache(maxsize=None)
 def _meta_parts(family) -> dict:
     "The meta-device parts of `family` at real dims (the transformer alone when the registry has no other parts)."
     m = get_model(family)
-    return real_dims_components(m.name, 'meta') if m.real_dims else {'transformer': meta_transformer(m.name)}
+    if not m.real_dims: return {'transformer': _meta_transformer(m.name)}
+    rest = {a: s for a, s in _real_dims_specs(m.name).items() if a != 'transformer'}
+    return {'transformer': _meta_transformer(m.name), **_build_parts(rest, 'meta', torch.bfloat16)}
 
 # %% ../nbs/09_memory.ipynb #f3e5bbb7
 def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
@@ -338,27 +348,79 @@ def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
         torch.empty(batch, ch, h, h, device='meta', dtype=torch.bfloat16)
     return trace_ops(lambda: vae.decode(z))
 
-# %% ../nbs/09_memory.ipynb #734cd007
+# %% ../nbs/09_memory.ipynb #ed8bb04a
+@contextlib.contextmanager
+def linear_calls(module: nn.Module):
+    "Within the block, every nn.Linear call of `module` appends its fqn and (M, K, N) to the yielded list."
+    rows, hooks = [], []
+    def record(fqn):
+        def hook(mod, args):
+            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
+        return hook
+    try:
+        for fqn, mod in module.named_modules():
+            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
+        yield rows
+    finally:
+        for h in hooks: h.remove()
+
+# %% ../nbs/09_memory.ipynb #d0e747e2
 @functools.lru_cache(maxsize=64)
+def denoiser_trace(family: str, # a family with real denoiser dims (its registry name)
+                   grid: tuple, # the token grid (frames, height, width)
+                   text_tokens: int, # prompt tokens
+                   batch: int, # images per call
+                  ) -> tuple[pd.DataFrame, OpTrace]:
+    "(fqn, M, K, N) of every Linear call and the op trace of one forward of `family`'s real-dims denoiser on meta."
+    tr = _meta_transformer(get_model(family).name)
+    # one forward gives both: the Linear shapes (12_crossover, 12a_speed) and the kernels (this notebook)
+    with linear_calls(tr) as rows:
+        trace = trace_ops(lambda: tr(**denoiser_kwargs(tr, tuple(grid), text_tokens, batch)))
+    return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
+
+# %% ../nbs/09_memory.ipynb #2a77ba78
+@functools.lru_cache(maxsize=64)
+def _encoder_trace_of(family: str, attr: str, tokens: int, batch: int) -> OpTrace:
+    "The trace of `family`'s text encoder `attr` over `tokens` ids, once per (family, encoder, tokens, batch)."
+    return _encoder_trace(_meta_parts(family)[attr], tokens, batch)
+
+# %% ../nbs/09_memory.ipynb #7adfc5e6
+@functools.lru_cache(maxsize=64)
+def _vae_trace_of(family: str, size: int, frames: int, batch: int) -> OpTrace:
+    "The trace of `family`'s VAE decode at `size` px, `frames` latent frames and `batch`, once per those."
+    return _vae_trace(_meta_parts(family)['vae'], size, frames, batch)
+
+# %% ../nbs/09_memory.ipynb #b1461dfc
+class PipelineTraces(Mapping):
+    "A pipeline's traces by part (text encoders, transformer, VAE); each part is traced on first read, once a session."
+    def __init__(self, family: str, size: int, batch: int, grid: tuple, text_tokens: int):
+        self.family, self.size, self.batch, self.grid, self.text_tokens = family, size, batch, grid, text_tokens
+        parts = _meta_parts(family)
+        self._tokens = {a: CLIP_TOKENS if 'CLIP' in type(m).__name__ else text_tokens
+                        for a, m in parts.items() if a.startswith('text_encoder')}
+        self._keys = [*self._tokens, 'transformer', *(['vae'] if 'vae' in parts else [])]
+    def __getitem__(self, part: str) -> OpTrace:
+        if part in self._tokens: return _encoder_trace_of(self.family, part, self._tokens[part], self.batch)
+        if part == 'transformer': return denoiser_trace(self.family, self.grid, self.text_tokens, self.batch)[1]
+        if part == 'vae' and part in self._keys: return _vae_trace_of(self.family, self.size, self.grid[0], self.batch)
+        raise KeyError(part)
+    def __iter__(self): return iter(self._keys)
+    def __len__(self): return len(self._keys)
+    def __repr__(self): return f'PipelineTraces({self.family}, {self.size} px, batch {self.batch}: {", ".join(self._keys)})'
+
+
+# %% ../nbs/09_memory.ipynb #734cd007
 def pipeline_trace(family, # a family with real denoiser dims
                    size: int = 1024, # square image size in px
                    batch: int = 1, # images per call
                    frames=None, # video frames (None: the family's default)
                    text_tokens=None, # prompt tokens (None: the family's `text_tokens`)
-                  ) -> dict[str, OpTrace]:
+                  ) -> PipelineTraces:
     "Traces of the text encoders (one prompt), one denoiser forward and one VAE decode of `family` at `size` px."
     m = get_model(family)
     grid = latent_grid(m, size, frames)
-    T = m.text_tokens if text_tokens is None else text_tokens
-    parts = _meta_parts(m.name)
-    out = {}
-    for attr, mod in parts.items():
-        if attr.startswith('text_encoder'):
-            out[attr] = _encoder_trace(mod, CLIP_TOKENS if 'CLIP' in type(mod).__name__ else T, batch)
-    tr = parts['transformer']
-    out['transformer'] = trace_ops(lambda: tr(**denoiser_kwargs(tr, grid, T, batch)))
-    if 'vae' in parts: out['vae'] = _vae_trace(parts['vae'], size, grid[0], batch)
-    return out
+    # defaults resolved before any cache: `text_tokens=None` and the family's own count are one trace
+    return PipelineTraces(m.name, size, batch, grid, m.text_tokens if text_tokens is None else text_tokens)
 
 # %% ../nbs/09_memory.ipynb #ad9971a3
 # the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
@@ -591,7 +653,10 @@ def _components(target, dtype=torch.bfloat16) -> tuple[str | None, dict[str, nn.
                          f'got {type(target).__name__}')
     try: fam = get_family(target).name
     except ValueError: fam = None
-    if fam is not None: return fam, real_dims_components(fam, 'meta', dtype)
+    if fam is not None:
+        f = get_family(fam)  # the session's meta build when it is the one asked for (bf16, every part known)
+        same = as_dtype(dtype) == torch.bfloat16 and f.real_dims and f.denoiser_dims is not None
+        return fam, dict(_meta_parts(fam)) if same else real_dims_components(fam, 'meta', dtype)
     if not (Path(target).is_dir() or '/' in str(target)):
         get_family(target)  # raises the ValueError naming the known families
     return None, _meta_from_folder(str(target), dtype)

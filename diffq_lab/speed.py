@@ -15,9 +15,10 @@ from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
 from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory, pipeline_trace,
+                              denoiser_trace, linear_calls,
                               linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
-from .crossover import linear_calls, model_linear_shapes
+from .crossover import model_linear_shapes
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',
@@ -179,14 +180,6 @@ def _square(work: Workload) -> int:
     "The square side with the pixels of `work`'s picture (16 px steps): where a part is traced square only."
     return max(PIXELS_PER_TOKEN, round(math.sqrt(work.size * (work.height or work.size)) / 16) * 16)
 
-# %% ../nbs/12a_speed.ipynb #bb22df23
-@functools.lru_cache(maxsize=32)
-def _registry_trace(name: str, grid: tuple, T: int, B: int):
-    "The op trace of one forward of a registry family's real-dims denoiser at any token grid."
-    from diffq_lab.memory import denoiser_kwargs, meta_transformer
-    tr = meta_transformer(name)
-    return trace_ops(lambda: tr(**denoiser_kwargs(tr, grid, T, B)))
-
 # %% ../nbs/12a_speed.ipynb #06d4f616
 def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
     "(M, K, N) of every Linear call and the op trace of one denoiser forward of `model` for `work`."
@@ -195,10 +188,9 @@ def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
     if isinstance(m, VideoDiT):
         shapes, trace = _video_trace(m.name, grid, T, work.batch)
         return shapes.copy(), trace
-    shapes = model_linear_shapes(m.name, grid, T, work.batch)
-    if work.height in (None, work.size):
-        return shapes, pipeline_trace(m.name, work.size, work.batch, work.frames, T)['transformer']
-    return shapes, _registry_trace(m.name, grid, T, work.batch)
+    # square or not, one meta forward gives the shapes and the trace (09_memory's `denoiser_trace`)
+    shapes, trace = denoiser_trace(m.name, grid, T, work.batch)
+    return shapes.assign(gflop=2 * shapes.M * shapes.K * shapes.N / 1e9), trace
 
 # %% ../nbs/12a_speed.ipynb #a2b1b816
 @functools.lru_cache(maxsize=64)
