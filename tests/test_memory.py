@@ -7,6 +7,7 @@ from torch import nn
 
 from diffq_lab.gguf import write_gguf
 from diffq_lab.loader import load_pipeline_quantized
+import diffq_lab.memory as M
 from diffq_lab.memory import linear_bytes, module_bytes, plan_memory, real_dims_components
 from diffq_lab.pipelines import render, tiny_pipeline
 from diffq_lab.transformer import plan_transformer
@@ -17,7 +18,7 @@ warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 @pytest.mark.parametrize('family', ['z-image', 'flux.1-dev', 'qwen-image'])
 def test_real_dims_plan_matches_the_parameter_counts(family):
     p = plan_memory(family, 'int8', 'cpu', free_bytes=2**40)
-    tr = real_dims_components(family)['transformer']  # the parameter counts and dense bytes: 09_memory
+    tr = M.meta_transformer(family)  # the parameter counts and dense bytes: 09_memory (the transformer alone: one builder)
     assert p.transformer_params == sum(t.numel() for t in tr.parameters())
     # the int8 plan: every quantised Linear at one byte a weight plus 5 bytes of scale a row, the rest bf16
     lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
