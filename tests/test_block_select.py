@@ -75,14 +75,14 @@ def test_toy_stack_finds_planted_blocks(planted):
 
 def test_search_cost_is_linear_in_depth():
     passes = {}
-    for depth in (4, 8, 16, 32):
+    for depth in (4, 8, 16):  # 32 and 64: the notebook's toy cell and the recorded keep_schedules table
         ks = bs.find_keep_schedule(*toy(depth, (0, -1)), 'int8', bar=0.995)
         assert ks.keep == (1, 1), (depth, ks)
         passes[depth] = ks.forward_passes
         assert passes[depth] <= 1 + 3 * depth + 2 * math.ceil(math.log2(depth)) + 2, (depth, passes[depth])
         no_rank = bs.find_keep_schedule(*toy(depth, (0, -1)), 'int8', bar=0.995, per_block=False)
         assert no_rank.keep == (1, 1) and no_rank.forward_passes <= 2 * depth + math.ceil(math.log2(depth)) + 3
-    assert passes[32] / passes[8] < 5  # quadrupling the depth about quadruples the cost; all pairs would be ~13x
+    assert passes[16] / passes[4] < 5  # quadrupling the depth about quadruples the cost; all pairs would be ~10x
 
 
 def test_reference_is_reused_and_configurations_memoised():
