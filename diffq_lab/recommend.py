@@ -23,12 +23,12 @@ from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
 from .memory import latent_grid
 from .crossover import layer_pattern, model_linear_shapes
-from .speed import Workload, default_path, linear_time, pipeline_time
+from .speed import Workload, default_path, linear_time, pipeline_time, residual_bands
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'denoiser_calls', 'linear_sensitivity',
-           'pattern_times', 'linear_times', 'plan_chain', 'predicted', 'measure_plan', 'Recommendation',
-           'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+           'pattern_times', 'linear_times', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable',
+           'Recommendation', 'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -201,6 +201,15 @@ def measure_plan(pipe, plan: QuantPlan, renders: RenderWork, refs: dict) -> dict
     finite = [v for v in vals if math.isfinite(v)]  # identical pairs are inf dB: the mean of the others
     return dict(psnr=float(np.mean(finite)) if finite else math.inf, psnr_min=float(min(vals)), images=imgs)
 
+# %% ../nbs/16_recommend.ipynb #a1b2c3d2
+def distinguishable(fast_s: float, # the predicted seconds of the plan that looks faster
+                    slow_s: float, # the predicted seconds of the plan it is compared with
+                    mode: str = 'compiled', # the execution mode whose validation residuals bound the model's error
+                   ) -> bool:
+    "Whether the speed model can tell `fast_s` from `slow_s`: their ratio beyond its 5-95% speedup band's half-width."
+    lo, hi = residual_bands()[mode][2:]
+    return slow_s / fast_s > math.sqrt(hi / lo)
+
 # %% ../nbs/16_recommend.ipynb #r0000022
 @dataclass
 class Recommendation:
@@ -211,6 +220,7 @@ class Recommendation:
     choice: dict          # fqn -> format of the denoiser's Linears ('bf16': dense)
     table: pd.DataFrame   # every plan measured: source, predicted time, PSNR, clears; one row `recommended`
     sensitivity: pd.DataFrame = field(repr=False, default=None)  # per Linear and format, the output's error
+    note: str = ''        # why the plan was chosen over a faster-looking one, if it was
 
     @property
     def best(self) -> pd.Series: return self.table[self.table.recommended.astype(bool)].iloc[0]
@@ -228,7 +238,7 @@ class Recommendation:
         n = Counter(self.choice.values())
         return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s "
                 f"for the whole pipeline (prediction); measured PSNR {self.psnr:.2f} dB "
-                f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})")
+                f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})" + (f'; {self.note}' if self.note else ''))
 
 # %% ../nbs/16_recommend.ipynb #2f37d37c
 def _check_bar(bar):
@@ -263,6 +273,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                    target: RealTarget | None = None, # the real model the speed model times (default: `RealTarget()`)
                    te_scheme=None, # the text encoders' scheme (default: dense)
                    policy: QuantPolicy | None = None, # the width floor (default: every Linear) and the backend
+                   simplest: bool = True, # a uniform plan the speed model cannot tell from a faster-looking one wins
                    **settings, # QuantPolicy fields laid over `policy` (min_features=, backend=)
                   ) -> Recommendation:
     "The per-Linear denoiser plan for `gpu` fastest by whole-pipeline time whose measured PSNR vs dense is >= `bar` dB."
@@ -283,7 +294,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
           else QuantPlan())
     full = lambda choice: QuantPlan({**te.components, 'transformer': _plan_for(tr, choice, policy, device)})
     refs = {k: render(pipe, k[1], steps=w.steps, size=w.size, seed=k[0], **w.render_kw) for k in w.pairs}
-    rows, seen = [], {}
+    rows, seen, note = [], {}, ''
     def measure(choice, source):
         key = tuple(sorted(choice.items()))
         if key not in seen:
@@ -297,13 +308,24 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     chain = plan_chain(opts)
     lo = _bisect(measure, chain)
     best, best_src = chain[lo], f'chain {lo + 1}/{len(chain)}'
-    for s in formats:                               # the uniform plans: every Linear that can take s, takes it
-        uni = {f: (s if s in o else 'bf16') for f, o in opts.items()}
-        r = measure(uni, f'uniform {s}')
-        if r['clears'] and r['time_s'] < whole(best): best, best_src = uni, f'uniform {s}'
+    uniform = {s: {f: (s if s in o else 'bf16') for f, o in opts.items()} for s in formats}  # all that can take s
+    rows_u = {s: measure(u, f'uniform {s}') for s, u in uniform.items()}
+    clear = {s: r for s, r in rows_u.items() if r['clears']}
+    fastest = min([whole(best), *(r['time_s'] for r in clear.values())])
+    # the uniform plans the model cannot tell from the fastest plan: the simplest plans, the best-rendering first
+    close = sorted((s for s, r in clear.items() if not distinguishable(fastest, r['time_s'], t.work.mode)),
+                   key=lambda s: -clear[s]['psnr'])
+    if simplest and close and uniform[close[0]] != best:
+        if best_src.startswith('chain'):
+            note = (f"{best_src} (predicted {whole(best):.3f} s) is not faster than uniform {close[0]} "
+                    f"({clear[close[0]]['time_s']:.3f} s) beyond the speed model's error: the uniform plan is recommended")
+        best, best_src = uniform[close[0]], f'uniform {close[0]}'
+    elif clear and min(r['time_s'] for r in clear.values()) < whole(best):  # a uniform plan is faster: it wins
+        s = min(clear, key=lambda s: clear[s]['time_s'])
+        best, best_src = uniform[s], f'uniform {s}'
     final = measure(best, best_src)  # a plan measured before under another name is that row
     table = pd.DataFrame([{**r, 'recommended': r is final} for r in rows]).sort_values('time_s').reset_index(drop=True)
-    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens)
+    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note)
 
 # %% ../nbs/16_recommend.ipynb #r0000027
 def recommend_on_trained(gpus=('b200', 'h200'), # the GPUs to plan for
