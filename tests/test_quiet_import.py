@@ -1,5 +1,5 @@
 "Quiet imports: the known harmless torchao / torch / diffusers messages are filtered where the lab is imported, and only those."
-import os, re, subprocess, sys, tempfile
+import functools, os, re, subprocess, sys, tempfile
 from pathlib import Path
 import pytest
 
@@ -48,8 +48,16 @@ def test_control_shows_the_noise():
     if torch.cuda.is_available(): return  # the kernel libraries may load on a GPU (and are then not filtered)
     assert any('_C_mxfp8' in l for l in _noise(out)), out
 
+@functools.cache
+def _lab_run() -> str:
+    """One fresh python for the two checks that import the lab (a python importing it costs ~6 CPU-s): the README's
+    snippet first, verbatim, so the lab is imported before diffusers as the README does it; then SCRIPT, whose noise
+    comes from what it calls and imports after (torchao, diffusers' torchao quantizer, flux.1's processors) and whose
+    genuine messages are its own. Each test reads the whole output."""
+    return _run([sys.executable, '-c', SNIPPET + SCRIPT])
+
 def test_import_is_quiet_and_genuine_warnings_show():
-    out = _run([sys.executable, '-c', SCRIPT])
+    out = _lab_run()
     assert _noise(out) == [], '\n'.join(_noise(out))
     assert 'none of the 1 Linears qualifies' in out, out   # the lab's own UserWarning
     assert 'a genuine torchao warning' in out, out          # the same logger, another message
@@ -75,6 +83,6 @@ print(to_pipeline_config is not None)
 '''
 
 def test_readme_snippet_is_quiet():
-    out = _run([sys.executable, '-c', SNIPPET])
+    out = _lab_run()
     assert _noise(out) == [], '\n'.join(_noise(out))
     assert 'True' in out, out

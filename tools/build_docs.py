@@ -290,8 +290,8 @@ def _execute_here(src: Path, dst: Path):
     "Run `src` in this process like nbdev_test (from nbs/, flagged cells skipped) and write it, with outputs, to `dst`."
     from execnb.nbio import read_nb, write_nb
     from execnb.shell import CaptureShell
-    import torch
-    torch.set_num_threads(1)
+    # one torch thread: _run_one sets OMP_NUM_THREADS=1, which torch reads when the notebook imports it (importing torch
+    # here to say so would cost a notebook that never uses it a second of CPU)
     skip = _skip_re()
     from nbdev.process import NBProcessor
     from nbdev.processors import populate_language, add_show_docs
