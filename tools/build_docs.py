@@ -621,7 +621,32 @@ def _nb_toc_tokens(fpath, toc_depth):
 def render(docs: dict[str, dict], navs: list[tuple[str, str]], out: Path):
     "Write the processed notebooks and a generated mkdocs.yml to a temporary folder, and build the site into `out`."
     import tempfile
-    with tempfile.TemporaryDirectory(prefix='diffq_docs_') as stage: _render(docs, navs, out, Path(stage))
+    with tempfile.TemporaryDirectory(prefix='diffq_docs_') as stage, _templates_compiled_once():
+        _render(docs, navs, out, Path(stage))
+
+class _templates_compiled_once:
+    """mkdocs-jupyter makes a new nbconvert exporter, so a new jinja environment, for every page, and each compiles the
+    same dozen templates again (a quarter of the render's CPU): within the block, every such environment shares one
+    in-memory bytecode cache, which jinja keys by template name and checks against the template's source."""
+    def __enter__(self):
+        import jinja2
+        from nbconvert.exporters.templateexporter import TemplateExporter
+        codes = {}
+        class Memory(jinja2.BytecodeCache):
+            def load_bytecode(self, bucket):
+                if bucket.key in codes: bucket.bytecode_from_string(codes[bucket.key])
+            def dump_bytecode(self, bucket): codes[bucket.key] = bucket.bytecode_to_string()
+        cache, self.real = Memory(), TemplateExporter.__dict__.get('_create_environment')
+        if self.real is None: return self  # another nbconvert: pages compile their own templates, as before
+        real = self.real
+        def create(exporter):
+            env = real(exporter); env.bytecode_cache = cache; return env
+        TemplateExporter._create_environment = create
+        return self
+    def __exit__(self, *exc):
+        if self.real is not None:
+            from nbconvert.exporters.templateexporter import TemplateExporter
+            TemplateExporter._create_environment = self.real
 
 def _render(docs, navs, out: Path, stage: Path):
     import yaml
