@@ -384,6 +384,7 @@ def train_all(recipe: TrainRecipe | None = None, # the hyper-parameters (default
               log=print, # a function of one progress line, or None
               callback=None, # passed to `train_dit` (e.g. to checkpoint)
               vae=None, # an earlier trained-pipeline folder whose autoencoder is reused (stage 1 skipped)
+              data: dict | None = None, # images and captions to train on (`make_dataset`'s; default: its 'train' split)
               **overrides, # `TrainRecipe` fields laid over `recipe` (e.g. dit_steps=2)
              ) -> tuple:
     "Train the autoencoder (or reuse `vae`'s), then the DiT on SmolLM2's cached states; save. Returns (pipe, log)."
@@ -393,7 +394,7 @@ def train_all(recipe: TrainRecipe | None = None, # the hyper-parameters (default
     try:
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
-            pipe, d, t0 = build_components(seed), make_dataset('train'), time.time()
+            pipe, d, t0 = build_components(seed), make_dataset('train') if data is None else data, time.time()
             if vae is None: vlog = dict(vae_curve=train_vae(pipe.vae, d['images'], r, seed, log), vae_curve_stride=1)
             else: pipe.vae, vlog = _reused_vae(vae)
             vlog.setdefault('vae_seconds', round(time.time() - t0, 1)); t0 = time.time()
@@ -626,10 +627,11 @@ def spread_summary(spread: pd.DataFrame, # `seed_spread`'s rows (or a `trained_s
 def sampling_table(settings=((8, 1.0), (8, 3.0), (16, 1.0), (12, 3.0), (16, 3.0)), # (steps, guidance), one row each
                    seeds=range(4, 20), # noise seeds, none of them the tables' 0-3
                    prompts=None, # the prompts (default: the 36 held-out ones)
+                   pipe=None, # the trained pipeline (default: the committed one, dense)
                   ) -> pd.DataFrame:
     "Dense adherence under each sampling setting, seed by seed: mean with its CI over seeds, paired vs the first."
     from diffq_lab.stats import paired_bootstrap
-    pipe, rows, base = load_trained_pipeline(), [], None
+    pipe, rows, base = pipe or load_trained_pipeline(), [], None
     for steps, guidance in settings:
         per = seed_spread(pipe, seeds, prompts, steps=steps, guidance=guidance)
         a = per.adherence.tolist(); base = a if base is None else base
@@ -649,14 +651,17 @@ TARGETS = ('text_encoder', 'transformer', 'both')  # what a row of the scheme ta
 TABLE_SCHEMES = ('int8', 'int8wo', 'fp8', 'fp8wo', 'mxfp8', 'nvfp4', 'nvfp4wo')  # those that run here (emulated or not)
 
 # %% ../nbs/14_trained.ipynb #8c1fe2ad
-def render_set(pipe, pairs) -> dict:
+def render_set(pipe, # the trained pipeline (dense or quantised)
+               pairs, # (prompt, seed) pairs
+               steps: int = TRAINED_STEPS, # sampling steps (the tables': `TRAINED_STEPS`; fewer for a smoke check)
+              ) -> dict:
     "Renders of (prompt, seed) `pairs`, `{pair: image}`, encoding each prompt once: as `render_trained` renders them."
     cfg = TRAINED_GUIDANCE > 0  # z-image guides whenever the scale is above 0 (1: one step of guidance past the prompt)
     with torch.no_grad():
         neg = pipe.encode_prompt('', do_classifier_free_guidance=False)[0] if cfg else None
         st = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0]
               for p in dict.fromkeys(p for p, _ in pairs)}
-    return {(p, s): render(pipe, None, steps=TRAINED_STEPS, size=32, seed=s, guidance_scale=TRAINED_GUIDANCE,
+    return {(p, s): render(pipe, None, steps=steps, size=32, seed=s, guidance_scale=TRAINED_GUIDANCE,
                            prompt_embeds=st[p], negative_prompt_embeds=neg)[0] for p, s in pairs}
 
 # %% ../nbs/14_trained.ipynb #b753abcf
@@ -691,6 +696,7 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
                         policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
                         reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
                         renders: dict | None = None, # when given, filled with each scheme's renders: {scheme: {pair: image}}
+                        steps: int = TRAINED_STEPS, # sampling steps of every render, dense and quantised (`reference`'s too)
                         **settings, # QuantPolicy fields laid over `policy` (e.g. keep=(0, 0), min_features=0)
                        ) -> pd.DataFrame:
     "Per scheme on `target`: render `prompts` x `seeds` as dense does; adherence, its change, PSNR, ST-LPIPS vs dense."
@@ -702,13 +708,13 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
     prompts = heldout_prompts() if prompts is None else list(prompts)
     for p in prompts: parse_prompt(p)
     pairs = [(p, s) for p in prompts for s in seeds]
-    ref = render_set(load_trained_pipeline(), pairs) \
+    ref = render_set(load_trained_pipeline(), pairs, steps) \
         if reference is None else {k: reference[k] for k in pairs}
     ref_adh = [adherence(ref[k], k[0]) for k in pairs]
     def one(scheme):
         pipe, st = _quantised_trained(scheme, target, policy)
         plan = st['quant_plan']
-        imgs = render_set(pipe, pairs)
+        imgs = render_set(pipe, pairs, steps)
         if renders is not None: renders[scheme] = imgs
         enc = [c for a, c in plan.components.items() if a != 'transformer']
         tr = plan.components.get('transformer')
@@ -729,10 +735,11 @@ def record_adherence_by_scheme(root=None, targets=TARGETS, **kw) -> pd.DataFrame
     "`adherence_by_scheme` for each of `targets` (one dense reference), appended as one run to `trained_schemes`."
     from diffq_lab.harness import concat_frames, record_frame
     prompts, seeds = kw.pop('prompts', None) or heldout_prompts(), kw.pop('seeds', (0, 1, 2, 3))
-    ref = kw.pop('reference', None) or render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds])
-    df = concat_frames(adherence_by_scheme(target=t, prompts=prompts, seeds=seeds, reference=ref, **kw)
+    steps = kw.pop('steps', TRAINED_STEPS)
+    ref = kw.pop('reference', None) or render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds], steps)
+    df = concat_frames(adherence_by_scheme(target=t, prompts=prompts, seeds=seeds, reference=ref, steps=steps, **kw)
                        for t in targets)
-    return record_frame('trained_schemes', df.assign(model='trained-z-image', steps=TRAINED_STEPS,
+    return record_frame('trained_schemes', df.assign(model='trained-z-image', steps=steps,
                                                      guidance=TRAINED_GUIDANCE), root=root)
 
 # %% ../nbs/14_trained.ipynb #df72d022
@@ -756,19 +763,20 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
                        seeds=(0, 1, 2, 3), # the seeds each prompt is rendered with
                        policy: QuantPolicy | None = None, # the rest of the policy (its `keep` is each of `keeps`)
                        reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
+                       steps: int = TRAINED_STEPS, # sampling steps of every render (`reference`'s too)
                        **settings, # QuantPolicy fields laid over `policy`
                       ) -> pd.DataFrame:
     "`scheme` on the encoder under each keep-bf16 schedule, each paired against the first (`keeps[0]`: none kept)."
     from diffq_lab.harness import concat_frames
     policy = as_policy(policy, **settings)
     prompts = heldout_prompts() if prompts is None else list(prompts)
-    if reference is None: reference = render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds])
+    if reference is None: reference = render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds], steps)
     ref = {(p, s): reference[p, s] for p in prompts for s in seeds}
     frames, imgs = [], []
     for k in keeps:
         got = {}
         frames.append(adherence_by_scheme([scheme], prompts, seeds, 'text_encoder', replace(policy, keep=tuple(k)),
-                                          ref, renders=got))
+                                          ref, renders=got, steps=steps))
         imgs.append(got.get(scheme))  # None when the scheme failed under this schedule (its row says why)
     rows = [frames[0].iloc[:1]]
     for f, im in zip(frames, imgs):  # the gains say whether a schedule repairs what the first one loses
@@ -782,5 +790,6 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
 def record_encoder_keep(root=None, **kw) -> pd.DataFrame:
     "Run `encoder_keep_table` and append its rows to the `trained_encoder_keep` table."
     from diffq_lab.harness import record_frame
-    df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
+    df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
+                                         guidance=TRAINED_GUIDANCE)
     return record_frame('trained_encoder_keep', df, root=root)
