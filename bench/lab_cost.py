@@ -91,7 +91,9 @@ def tests(args=(), top: int = 30) -> dict:
     summary = (r['out'].strip().splitlines() or [''])[-1]
     print(f"pytest: {r['wall_s']:.1f} s wall, {r['cpu_s']:.1f} s CPU, rc {r['rc']}: {summary}")
     for d in slow: print(f"  {d['seconds']:7.2f} s {d['phase']:8s} {d['test']}")
-    return dict(wall_s=round(r['wall_s'], 1), cpu_s=round(r['cpu_s'], 1), rc=r['rc'], summary=summary, slowest=slow)
+    failed = [l for l in r['out'].splitlines() if l.startswith(('FAILED', 'ERROR'))]
+    for l in failed: print('  ' + l)
+    return dict(failed=failed, wall_s=round(r['wall_s'], 1), cpu_s=round(r['cpu_s'], 1), rc=r['rc'], summary=summary, slowest=slow)
 
 
 def study(args=()) -> dict:

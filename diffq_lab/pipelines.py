@@ -717,24 +717,23 @@ def _tensor_bytes(t: torch.Tensor) -> bytes:
     return flat.to('cpu').view(torch.uint8).numpy().tobytes()
 
 # %% ../nbs/05_pipelines.ipynb #c5d19e01
-_DIGESTS: dict = {}  # module -> (its tensors' identities and versions, their weak references, digest): this process's
+# module -> (its tensors' identities, versions and storage, the digest): this process's; weakly keyed, so a module
+# freed takes its entry with it (never a weak reference to a tensor: torch refuses to swap one that has any)
+_DIGESTS = weakref.WeakKeyDictionary()
 
 def _module_digest(m: nn.Module, name: str = '') -> str:
     "`m`'s digest (names prefixed `name.`), remembered while its tensors are the same objects at the same version."
     ts = [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
     try: key = (name, tuple((n, id(t), t._version, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in ts))
     except (RuntimeError, NotImplementedError): key = None  # a tensor subclass without storage: hashed every time
-    hit = _DIGESTS.get(id(m))
-    # the weak references prove the ids are still the same tensors (an id is reused once its object is freed)
-    if key is not None and hit and hit[0] == key and all(r() is t for r, (_, t) in zip(hit[1], ts)): return hit[2]
+    hit = _DIGESTS.get(m)
+    if key is not None and hit and hit[0] == key: return hit[1]
     h = hashlib.sha256()
     for n, t in sorted(m.state_dict().items()):
         if not isinstance(t, torch.Tensor): continue
         h.update(f'{name}.{n}:{t.dtype}:{tuple(t.shape)}'.encode()); h.update(_tensor_bytes(t))
     digest = h.hexdigest()
-    if key is not None:
-        if len(_DIGESTS) > 64: _DIGESTS.clear()
-        _DIGESTS[id(m)] = (key, [weakref.ref(t) for _, t in ts], digest)
+    if key is not None: _DIGESTS[m] = (key, digest)
     return digest
 
 # %% ../nbs/05_pipelines.ipynb #d0036403
