@@ -534,14 +534,16 @@ def crossover(
     frames: _int_in(1, LIMITS['frames']) = None, # video frames (video families only)
     text_tokens: _int_in(1, LIMITS['text_tokens']) = None, # prompt tokens (default: the family's)
     all_layers: bool = False, # one row per Linear instead of per layer kind
+    json: bool = False, # print the setting, every row with its full name and digits, and the totals as JSON
 ) -> int:
     "Roofline analysis: which of a model's Linears each format speeds up on a GPU (a prediction)."
-    from diffq_lab.crossover import cli_crossover
+    from diffq_lab.crossover import cli_crossover, crossover_data
     from diffq_lab.memory import get_model
     if frames is not None and not get_model(family).video:
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
                          '(drop --frames, or pick a video model such as wan)')
-    print(cli_crossover(gpu, family, size, frames=frames, text_tokens=text_tokens, group=not all_layers))
+    args = (gpu, family, size, frames, text_tokens, not all_layers)
+    print(strict_json(crossover_data(*args)) if json else cli_crossover(*args))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1698bf64

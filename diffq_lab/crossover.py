@@ -4,7 +4,7 @@
 
 # %% ../nbs/12_crossover.ipynb #29598be0
 from __future__ import annotations
-import contextlib, copy, functools, math, re, statistics, warnings
+import contextlib, copy, functools, math, re, statistics, textwrap, warnings
 from dataclasses import dataclass, replace
 from itertools import product
 import numpy as np
@@ -24,10 +24,11 @@ from .stats import interleaved_times, speed_vs, time_once, warm_up
 # %% auto #0
 __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS', 'CALIBRATION_MAX_ERR', 'CUBE_SIZES',
            'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'BENCH_COLS',
-           'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
-           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
+           'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'TERM_WIDTH', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time',
+           'roofline', 'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
            'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
-           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'cli_crossover', 'plot_crossover']
+           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'wrap_note', 'short_name',
+           'terminal_table', 'crossover_data', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 ROOFLINE_SCHEMES = tuple(SPEC_COLS)   # the formats with a tensor-core peak in the spec table
@@ -599,6 +600,42 @@ def layers_table(layers: pd.DataFrame, group: bool = True) -> pd.DataFrame:
     for s in schemes: out[f'{s}_us'] *= 1e6
     return out
 
+# %% ../nbs/12_crossover.ipynb #72f6bfce
+TERM_WIDTH = 120  # the columns every printed table and note of `crossover` and `predict` fits in
+
+# %% ../nbs/12_crossover.ipynb #e7596cfd
+def wrap_note(text: str, # one paragraph
+              indent: str = '  ', # the continuation lines' indent
+              width: int = TERM_WIDTH, # the columns to fit
+             ) -> str:
+    "`text` wrapped to `width` columns, continuation lines indented; a word longer than a line is broken, not kept."
+    return textwrap.fill(text, width, subsequent_indent=indent, break_on_hyphens=False)
+
+# %% ../nbs/12_crossover.ipynb #ed3b649c
+def short_name(name: str, # a dotted module name
+               n: int, # the most characters it may take
+              ) -> str:
+    "`name` in at most `n` characters: its longest dotted part cut first ('~' marks a cut), the Linear's own name last."
+    *head, last = name.split('.')
+    while head and len('.'.join([*head, last])) > n:
+        i = max(range(len(head)), key=lambda j: (len(head[j]), -j))    # the longest part, the first of equals
+        if len(head[i]) <= 3: break                                     # nothing left worth cutting
+        head[i] = head[i].rstrip('~')[:len(head[i]) - 2] + '~'
+    s = '.'.join([*head, last])
+    return s if len(s) <= n else s[:max(n - 1, 0)] + '~'[:n]           # the Linear's own name as the last resort
+
+# %% ../nbs/12_crossover.ipynb #dfd386d8
+def terminal_table(table: pd.DataFrame, # `layers_table` rows
+                   width: int = TERM_WIDTH, # the columns to fit
+                  ) -> str:
+    "`table` as text within `width` columns: times in us without the `_us`, 'fp4/fp8' for NVFP4's speedup, names cut."
+    t = table.rename(columns=lambda c: c[:-3] if c.endswith('_us') else {'nvfp4_vs_fp8': 'fp4/fp8'}.get(c, c))
+    num = lambda v: f'{v:.0f}' if abs(v) >= 100 else f'{v:.1f}'    # 4 significant digits tell schemes apart
+    fmt = {c[:-3]: num for c in table if c.endswith('_us')} | {'gflop': num, 'fp4/fp8': '{:.2f}x'.format}
+    rest = max(len(l) for l in t.drop(columns='layer').to_string(index=False, formatters=fmt).splitlines())
+    t['layer'] = t.layer.map(lambda s: short_name(s, max(width - rest - 1, 8)))
+    return t.to_string(index=False, formatters=fmt)
+
 # %% ../nbs/12_crossover.ipynb #68232760
 def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
     sp = ', '.join(f'{k} {v:.2f}x' for k, v in s['speedup'].items() if k != 'bf16')
@@ -607,13 +644,32 @@ def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
              "predicted Linear time, every Linear in one scheme: "
              + ', '.join(f'{k} {v*1e3:.2f} ms' for k, v in s['time_s'].items()),
              f"speedup over bf16: {sp}; best uniform scheme: {s['best_uniform']}",
-             f"suggested policy: {s['policy_s']*1e3:.2f} ms ({s['policy_speedup']:.2f}x bf16), "
-             f"layers per scheme {s['policy_counts']}"]
+             f"suggested policy: {s['policy_s']*1e3:.2f} ms ({s['policy_speedup']:.2f}x bf16), layers per scheme: "
+             + ', '.join(f'{k} {v}' for k, v in s['policy_counts'].items())]
     if not math.isnan(s['flop_share_above_nvfp4_crossover']):
         lines.append(f"NVFP4 vs fp8: {s['nvfp4_vs_fp8_total']:.2f}x in total; share of FLOPs above the NVFP4 crossover "
                      f"(NVFP4 faster than fp8): {s['flop_share_above_nvfp4_crossover']:.0%}")
     else: lines.append(f"NVFP4: {s['gpu']} has no fp4 tensor cores: no NVFP4 crossover to place layers against")
-    return '\n'.join(lines)
+    return '\n'.join(map(wrap_note, lines))
+
+# %% ../nbs/12_crossover.ipynb #da26998c
+def crossover_data(gpu='h200', # a GPU name or spec dict
+                   model='z-image', # a family with real dims
+                   size: int = 1024, # image side in pixels
+                   frames=None, # video frames (video families; None: the family's default)
+                   text_tokens=None, # prompt tokens (None: the family's default)
+                   group: bool = True, # group repeated blocks into one row
+                   eff=None, # efficiency parameters over `EFFICIENCY`
+                  ) -> dict:
+    "What `diffq-lab crossover` reports, JSON-ready: the setting, every `layers_table` row in full, the totals."
+    spec, m = gpu_spec(gpu), get_model(model)
+    grid = latent_grid(m, size, frames)
+    layers = analyse_layers(model_linear_shapes(m.name, grid, text_tokens), spec, eff)
+    s = summarise_layers(layers)
+    s['policy_counts'] = {k: int(v) for k, v in s['policy_counts'].items()}   # numpy ints are not JSON
+    return dict(model=m.name, gpu=spec['gpu'], gpu_name=spec['name'], size=size, token_grid=[int(g) for g in grid],
+                model_dims=m.dims_source, gpu_source=spec['source'], efficiency=as_eff(eff),
+                layers=layers_table(layers, group).to_dict('records'), summary=s)
 
 # %% ../nbs/12_crossover.ipynb #a36f3026
 def cli_crossover(gpu='h200', # a GPU name or spec dict
@@ -624,19 +680,19 @@ def cli_crossover(gpu='h200', # a GPU name or spec dict
                   group: bool = True, # group repeated blocks into one row
                   eff=None, # efficiency parameters over `EFFICIENCY`
                  ) -> str:
-    "The printable per-layer table and totals of `model`'s Linears at `size` px on `gpu` (`diffq-lab crossover`)."
-    spec, m = gpu_spec(gpu), get_model(model)
-    grid = latent_grid(m, size, frames)
-    layers = analyse_layers(model_linear_shapes(m.name, grid, text_tokens), spec, eff)
-    table = layers_table(layers, group)
-    head = (f"# {m.name} on {spec['name']} (roofline prediction, not a measurement)\n"
-            f"model dims: {m.dims_source}\nGPU spec: {spec['source']}\n"
-            f"efficiency: {', '.join(f'{k}={v:g}' for k, v in as_eff(eff).items())} "
-            "(fitted on published B200 ratios)\n")
-    fmt = {c: '{:.1f}'.format for c in table if c.endswith('_us')}
-    fmt |= {'gflop': '{:.1f}'.format, 'nvfp4_vs_fp8': '{:.2f}x'.format}
-    body = table.to_string(index=False, formatters=fmt)
-    return head + '\n' + body + '\n\n' + _fmt_summary(summarise_layers(layers), m.name, size, grid)
+    "The printable per-layer table and totals of `model`'s Linears at `size` px on `gpu`, within `TERM_WIDTH` columns."
+    d = crossover_data(gpu, model, size, frames, text_tokens, group, eff)
+    table = pd.DataFrame(d['layers'])
+    head = [f"# {d['model']} on {d['gpu_name']} (roofline prediction, not a measurement)",
+            f"model dims: {d['model_dims']}", f"GPU spec: {d['gpu_source']}",
+            f"efficiency: {', '.join(f'{k}={v:g}' for k, v in d['efficiency'].items())} (fitted on published B200 ratios)"]
+    body = terminal_table(table)
+    key = ("columns: M, K, N the Linear's shape; n its calls per forward; gflop and each scheme's time (us) summed over "
+           "the n calls; fastest: the quickest scheme; policy: the suggested one"
+           + ("; fp4/fp8: NVFP4's speedup over fp8" if 'nvfp4_vs_fp8' in table else '')
+           + ("; '~' marks a cut name (--json has them whole)" if '~' in body else ''))
+    return ('\n'.join(map(wrap_note, head)) + '\n\n' + body + '\n\n' + wrap_note(key) + '\n\n'
+            + _fmt_summary(d['summary'], d['model'], size, tuple(d['token_grid'])))
 
 # %% ../nbs/12_crossover.ipynb #17de0814
 def _dominant_m(layers) -> int:

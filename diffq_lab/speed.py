@@ -14,19 +14,19 @@ from .core import markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
-from .memory import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory, pipeline_trace,
-                              denoiser_trace, linear_calls,
+from .memory import (LOAD_MODES, PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory,
+                              pipeline_trace, denoiser_trace, linear_calls,
                               linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
-from .crossover import model_linear_shapes
+from .crossover import TERM_WIDTH, model_linear_shapes, wrap_note
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',
-           'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family', 'token_grid',
-           'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs', 'published_runs', 'default_path',
-           'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate', 'forward_time', 'pipeline_time', 'predict',
-           'format_predictions', 'validate', 'error_summary', 'record_validation', 'validation_table', 'residual_bands',
-           'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
+           'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family',
+           'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs', 'published_runs',
+           'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate', 'forward_time',
+           'pipeline_time', 'predict', 'format_predictions', 'validate', 'error_summary', 'record_validation',
+           'validation_table', 'residual_bands', 'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
@@ -510,20 +510,43 @@ def _memory(m, scheme: str, work: Workload, policy: QuantPolicy, load: str) -> t
     acts = denoiser_calls(m, work)[1].peak_bytes
     return resident / 2**30, max(resident + acts, load_peak) / 2**30
 
+# %% ../nbs/12a_speed.ipynb #26f6cd3a
+LOAD_WORDS = {'after-load': 'loaded dense, then quantised on the GPU', 'at-load': 'quantised while loading',
+              'none': 'loaded already quantised'}   # each `09_memory.LOAD_MODES` entry in a reader's words
+
+# %% ../nbs/12a_speed.ipynb #58ff3366
+def _fit(m, s: str, work: Workload, policy: QuantPolicy, load: str, peak: float, cap: float) -> dict:
+    "Whether `s`'s `peak` GiB fits `cap` GiB loaded as `load`; if not, the first lighter load that fits, else offload."
+    if peak <= cap: return dict(fits=True, fits_with=load, fit_peak_GiB=peak, fit=f'fits ({peak:.1f} of {cap:g} GiB)')
+    no = f'does not fit: peak {peak:.1f} GiB > {cap:g} GiB'
+    p = peak
+    for other in (LOAD_MODES[LOAD_MODES.index(load) + 1:] if s != 'bf16' else ()):   # dense loads the same every way
+        p = _memory(m, s, work, policy, other)[1]
+        if p <= cap:
+            return dict(fits=False, fits_with=other, fit_peak_GiB=p, fit=f'{no}; {LOAD_WORDS[other]}: {p:.1f} GiB, fits')
+    low = f'; {LOAD_WORDS[LOAD_MODES[-1]]}: {p:.1f} GiB' if p < peak else ''
+    return dict(fits=False, fits_with='cpu-offload', fit_peak_GiB=None, fit=f'{no}{low}; needs CPU offload (not modelled)')
+
 # %% ../nbs/12a_speed.ipynb #9f5af1c9
+_PREDICTION = 'prediction (roofline + kernel paths), not a measurement'
+
 def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, band) -> dict:
-    "One `predict` record: seconds and speedup with their bands, memory, the workload and what the numbers are."
+    "One `predict` record: seconds and speedup with their bands, memory and whether it fits, the workload."
     r = _one(spec, m, s, work, policy)
     resident, peak = _memory(m, s, work, policy, load)
     lo_s, hi_s, lo_x, hi_x = band
     one, video = s == 'bf16', isinstance(m, VideoDiT)
-    note = r.get('note', '') or 'prediction (roofline + kernel paths), not a measurement'
+    note = r.get('note', '') or _PREDICTION
     if video: note += '; transformer only (no text encoder / VAE configs): seconds, speedup and GiB are the denoiser\'s'
     elif not m.real_dims: note += '; transformer only: no encoder / VAE configs in 05_pipelines'
+    cap = float(spec['mem_gb'])
+    fit = (_fit(m, s, work, policy, load, peak, cap) if math.isfinite(r['seconds']) else
+           dict(fits=False, fits_with=None, fit_peak_GiB=None, fit=f"not applicable: {spec['gpu']} cannot run {s}"))
     return dict(scheme=s, seconds=r['seconds'], seconds_lo=r['seconds'] * lo_s, seconds_hi=r['seconds'] * hi_s,
                 speedup=r['speedup'], speedup_lo=1.0 if one else r['speedup'] * lo_x,
                 speedup_hi=1.0 if one else r['speedup'] * hi_x, seconds_per_image=r['seconds'] / work.batch,
-                resident_GiB=resident, peak_GiB=peak, gpu=spec['gpu'], model=m.name, size=work.size,
+                resident_GiB=resident, peak_GiB=peak, gpu_GiB=cap, load=load,
+                **fit, gpu=spec['gpu'], model=m.name, size=work.size,
                 height=work.height or work.size, frames=_frames(m, work),
                 batch=work.batch, steps=work.steps, forwards_per_step=work.forwards_per_step, compile=work.compile,
                 attention=work.attention, path=r.get('path', ''), note=note)
@@ -551,21 +574,49 @@ def predict(gpu, # a GPU name or spec dict
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
+# %% ../nbs/12a_speed.ipynb #c321bcb8
+_FITS_WORD = {'at-load': 'at load', 'none': 'saved', 'cpu-offload': 'no'}   # the terminal column's short answers
+
+# %% ../nbs/12a_speed.ipynb #d3f5d605
+def _memory_note(records) -> str:
+    "One line: what fits the GPU's memory as predicted, what fits only loaded another way, what needs CPU offload."
+    r0, records = records[0], [r for r in records if r['fits_with']]   # a scheme the GPU cannot run has no fit
+    parts = [f"memory: the predicted peak ({LOAD_WORDS[r0['load']]}) against {r0['gpu']}'s {r0['gpu_GiB']:g} GiB "
+             "(CUDA context not counted)", 'fits: ' + (', '.join(r['scheme'] for r in records if r['fits']) or 'none')]
+    for w in LOAD_MODES:
+        alt = [r for r in records if not r['fits'] and r['fits_with'] == w]
+        if alt: parts.append(f'fit only {LOAD_WORDS[w]}: '
+                             + ', '.join(f"{r['scheme']} ({r['fit_peak_GiB']:.1f} GiB)" for r in alt))
+    off = [r['scheme'] for r in records if r['fits_with'] == 'cpu-offload']
+    if off: parts.append('need CPU offload: ' + ', '.join(off))
+    if records and len(off) == len(records):
+        low = min(records, key=lambda r: r['peak_GiB'])
+        parts.append(f"nothing fits; the lowest peak is {low['scheme']}'s {low['peak_GiB']:.1f} GiB")
+    return '; '.join(parts)
+
 # %% ../nbs/12a_speed.ipynb #8aba4042
 def format_predictions(records) -> str:
-    "The readable table of `predict`'s records: seconds and speedup with their intervals, resident and peak GiB."
+    "`predict`'s records as a table within `TERM_WIDTH` columns, then wrapped notes: why not, coverage, memory fit."
     if not records: return '(no predictions)'
     r0 = records[0]
     pic = f"{r0['size']} px" if r0.get('height', r0['size']) == r0['size'] else f"{r0['size']}x{r0['height']} px"
     if r0.get('frames', 1) > 1: pic += f", {r0['frames']} frames"
     head = (f"# prediction, not a measurement: {r0['model']} at {pic}, batch {r0['batch']}, {r0['steps']} steps x "
             f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, attention={r0.get('attention', 'sdpa')}, "
-            f"on {r0['gpu']}\n")
-    rows = [dict(scheme=r['scheme'], seconds=f"{r['seconds']:.3f} [{r['seconds_lo']:.3f}, {r['seconds_hi']:.3f}]",
-                 speedup=f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]",
-                 resident_GiB=f"{r['resident_GiB']:.2f}", peak_GiB=f"{r['peak_GiB']:.2f}", path=r['path'] or r['note'])
-            for r in records]
-    return head + pd.DataFrame(rows).to_string(index=False)
+            f"on {r0['gpu']} ({r0['gpu_GiB']:g} GiB)")
+    g = lambda v: f'{v:.{max(0, 2 - math.floor(math.log10(abs(v))))}f}' if v else '0'   # three figures or more
+    runs = lambda r: math.isfinite(r['seconds'])
+    why = lambda r: 'cannot run: ' + r['note'].split(';')[0].replace(f"{r['gpu']} has ", '')
+    rows = [{'scheme': r['scheme'],
+             'seconds [5-95%]': f"{g(r['seconds'])} [{g(r['seconds_lo'])}, {g(r['seconds_hi'])}]" if runs(r) else '-',
+             'speedup [5-95%]': f"{r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]" if runs(r) else '-',
+             'resident GiB': f"{r['resident_GiB']:.1f}", 'peak GiB': f"{r['peak_GiB']:.1f}",
+             f"fits {r0['gpu_GiB']:g} GiB": 'yes' if r['fits'] else _FITS_WORD.get(r['fits_with'], '-'),
+             'path': r['path'] if runs(r) else why(r)} for r in records]
+    notes = [f"{r['scheme']}: {r['note']}" for r in records if not runs(r)]
+    notes += [n for n in dict.fromkeys(r['note'].removeprefix(_PREDICTION).lstrip('; ') for r in records if runs(r)) if n]
+    notes.append(_memory_note(records))
+    return '\n'.join([wrap_note(head), pd.DataFrame(rows).to_string(index=False), *map(wrap_note, notes)])
 
 # %% ../nbs/12a_speed.ipynb #24567fa2
 _GROUP = ['source', 'gpu', 'model', 'size', 'batch', 'steps', 'forwards_per_step', 'text_tokens', 'compile', 'rules']

@@ -315,9 +315,29 @@ def test_cli_crossover():
     assert 'layers.29.feed_forward.w2' in full
     h = cx.cli_crossover('h200', 'zimage', 1024)
     assert 'no fp4 tensor cores' in h and 'nvfp4_us' not in h
+    for text in (out, full, h):                                       # issue 35: a terminal is 120 columns, no nan
+        assert max(map(len, text.splitlines())) <= cx.TERM_WIDTH and 'nan' not in text.lower()
     for bad, match in [(dict(gpu='v100'), 'b200'), (dict(model='sdxl'), 'z-image'), (dict(size=1000), 'multiple of 16'),
                        (dict(size='1024'), 'multiple of 16')]:
         with pytest.raises(ValueError, match=match): cx.cli_crossover(**(dict(gpu='b200', model='z-image', size=1024) | bad))
+
+
+def test_crossover_fits_the_terminal_and_json_keeps_every_name():
+    "The widest table (five schemes, FLUX.2's long names, one row per Linear) fits; --json has the names whole."
+    import json
+    from diffq_lab.cli import strict_json
+    out = cx.cli_crossover('rtx5090', 'flux.2-dev', 1024, group=False)
+    assert max(map(len, out.splitlines())) <= cx.TERM_WIDTH and '~' in out and 'fp4/fp8' in out
+    d = json.loads(strict_json(cx.crossover_data('rtx5090', 'flux.2-dev', 1024, group=False)))
+    names = [r['layer'] for r in d['layers']]
+    assert 'single_transformer_blocks.47.attn.to_qkv_mlp_proj' in names and not any('~' in n for n in names)
+    assert d['summary']['best_uniform'] in out
+
+
+def test_short_name_cuts_the_longest_part_first():
+    assert cx.short_name('single_transformer_blocks.*.attn.to_q', 30) == 'single_transforme~.*.attn.to_q'
+    assert cx.short_name('a.b', 2) == 'a~' and cx.short_name('proj_out', 40) == 'proj_out'
+    assert all(len(cx.short_name('time_text_embed.timestep_embedder.linear_1', n)) <= n for n in range(40))
 
 
 def test_plot_has_the_layers():
@@ -445,6 +465,23 @@ def test_predict_records_and_intervals():
 def test_predict_on_a_gpu_without_the_format_says_so():
     r = {x['scheme']: x for x in sp.predict('a100', 'z-image', ('bf16', 'fp8', 'int8wo'), sp.Workload(steps=8))}
     assert math.isnan(r['fp8']['seconds']) and 'tensor cores' in r['fp8']['note'] and r['int8wo']['seconds'] > 0
+    t = sp.format_predictions(list(r.values()))                      # issue 35: a reason, never nan; 120 columns
+    assert 'cannot run: no fp8 tensor cores' in t and 'nan' not in t.lower()
+    assert max(map(len, t.splitlines())) <= cx.TERM_WIDTH and r['fp8']['fits_with'] is None
+
+
+def test_predict_says_whether_it_fits_and_what_does():
+    "FLUX.1-dev on a 24 GiB RTX 4090: the dense-load peak (31.5 GiB) fits nowhere; quantised at load, int4wo does."
+    r = {x['scheme']: x for x in sp.predict('rtx4090', 'flux.1-dev', 'bf16,int8,int4wo', intervals=False)}
+    assert r['int8']['gpu_GiB'] == 24 and not r['int8']['fits'] and r['int8']['peak_GiB'] > 24
+    assert r['int8']['fit'].startswith(f"does not fit: peak {r['int8']['peak_GiB']:.1f} GiB > 24 GiB")
+    assert r['int4wo']['fits_with'] == 'at-load' and r['int4wo']['fit_peak_GiB'] <= 24 < r['int4wo']['peak_GiB']
+    assert r['bf16']['fits_with'] == 'cpu-offload' and 'CPU offload' in r['bf16']['fit']
+    t = sp.format_predictions(list(r.values()))
+    assert 'fits 24 GiB' in t and 'need CPU offload: bf16, int8' in t and 'int4wo (16.7 GiB)' in t
+    assert max(map(len, t.splitlines())) <= cx.TERM_WIDTH
+    big = sp.predict('h200', 'flux.1-dev', 'bf16', intervals=False)[0]
+    assert big['fits'] and big['fit'] == f"fits ({big['peak_GiB']:.1f} of 141 GiB)"
 
 
 @pytest.mark.parametrize('gpu', ['l4', 'a10g', 'rtx6000ada', 'gb200', 'rtxpro6000'])
