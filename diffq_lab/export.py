@@ -4,7 +4,7 @@
 
 # %% ../nbs/10a_export.ipynb #ab5b2c3b
 from __future__ import annotations
-import errno, hashlib, importlib, json, re, shutil, tempfile
+import contextlib, errno, hashlib, importlib, json, os, re, shutil, tempfile
 from dataclasses import replace
 from types import SimpleNamespace
 from pathlib import Path
@@ -12,15 +12,16 @@ import torch
 from torch import nn
 from .core import as_dtype, check_writable, package_version, resolve_device
 from .schemes import FakeQuantLinear, get_scheme, make_filter_fn, quantized_linears, skip_reasons
-from .plan import ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy
+from .plan import ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy, component_config
 from .pipelines import get_family, family_of
 from .text_encoder import plan_text_encoders
 from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, transformer_filter
 from .memory import real_dims_components
 
 # %% auto #0
-__all__ = ['SAVED_FORMAT', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'counterpart', 'expand_plan',
-           'file_digests', 'digest_difference', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
+__all__ = ['SAVED_FORMAT', 'READ_FORMATS', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'counterpart',
+           'expand_plan', 'file_digests', 'digest_difference', 'folder_entries', 'unexpected_entries', 'state_digest',
+           'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
 def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims on the meta device)
@@ -100,7 +101,8 @@ def expand_plan(plan: QuantPlan, # a plan measured on a small pipeline of `famil
     return QuantPlan({c: _expand_component(p, comps[c], c, policy) for c, p in plan.components.items()})
 
 # %% ../nbs/10a_export.ipynb #095819df
-SAVED_FORMAT = 'diffq_lab.quantized/2'  # /2: every file's sha256 in diffq_saved.json, checked before anything loads
+SAVED_FORMAT = 'diffq_lab.quantized/3'  # /3: per quantised component, how it was saved (`saved`) and its state's sha256
+READ_FORMATS = ('diffq_lab.quantized/2', SAVED_FORMAT)  # /2: every quantised component a torch state dict; still read
 SAVED_WEIGHTS = 'diffq_quantized.pt'
 SAVED_META = 'diffq_saved.json'
 
@@ -146,14 +148,15 @@ def _check_savable(pipe, plan: QuantPlan):
 
 # %% ../nbs/10a_export.ipynb #335204e2
 def file_digests(folder: Path) -> dict[str, str]:
-    "sha256 of every file under `folder` but the lab's own record of them, by path relative to `folder`."
+    "sha256 of every file under `folder` but the lab's own record of them (`folder/diffq_saved.json`), by relative path."
     out = {}
     for p in sorted(Path(folder).rglob('*')):
-        if p.is_file() and p.name != SAVED_META:
+        name = p.relative_to(folder).as_posix()
+        if p.is_file() and name != SAVED_META:  # a diffq_saved.json in a subfolder is not the record: it is digested
             h = hashlib.sha256()
             with open(p, 'rb') as f:
                 for block in iter(lambda: f.read(1 << 20), b''): h.update(block)
-            out[p.relative_to(folder).as_posix()] = h.hexdigest()
+            out[name] = h.hexdigest()
     return out
 
 # %% ../nbs/10a_export.ipynb #29dbbefc
@@ -166,23 +169,131 @@ def digest_difference(folder: Path, want: dict) -> tuple[str, str] | None:
         if have[name] != want[name]: return 'changed', name
     return None
 
+# %% ../nbs/10a_export.ipynb #f3a1c001
+def _kind(p: Path) -> str:
+    "What `p` is, a link not followed: 'file', 'folder', or the link or special file it is."
+    if p.is_symlink(): return 'a symbolic link to a folder' if p.is_dir() else 'a symbolic link'
+    return 'file' if p.is_file() else 'folder' if p.is_dir() else 'a special file'
+
+# %% ../nbs/10a_export.ipynb #f3a1c002
+def folder_entries(folder: Path) -> dict[str, str]:
+    "Every entry under `folder` by relative path, with its `_kind`; a link to a folder is listed, never entered."
+    out = {}
+    for root, dirs, files in os.walk(folder):  # followlinks=False: a linked folder is in `dirs` but not walked
+        for n in dirs + files: out[(Path(root)/n).relative_to(folder).as_posix()] = _kind(Path(root)/n)
+    return out
+
+# %% ../nbs/10a_export.ipynb #f3a1c003
+def unexpected_entries(folder: Path, files) -> list[str]:
+    "What is under `folder` besides the `files` a manifest lists, their folders and the manifest: links, strays, folders."
+    want = {SAVED_META: 'file', **{d.as_posix(): 'folder' for f in files for d in Path(f).parents if d != Path('.')},
+            **{f: 'file' for f in files}}
+    return [n if k == 'file' else f'{n} ({k})' for n, k in sorted(folder_entries(folder).items()) if want.get(n) != k]
+
 # %% ../nbs/10a_export.ipynb #b6c53e19
-def _dtype(m) -> str: return str(next(m.parameters()).dtype).removeprefix('torch.')
+def _dtype_of(m) -> torch.dtype: return next(m.parameters()).dtype  # a torchao weight reports its unquantised dtype
+def _dtype(m) -> str: return str(_dtype_of(m)).removeprefix('torch.')
+
+# %% ../nbs/10a_export.ipynb #f3a1c005
+def _parts(t: torch.Tensor) -> tuple[list, list]:
+    "A state-dict tensor's plain tensors and other attributes: a torchao tensor by its parts, a plain one as itself."
+    names = [*getattr(t, 'tensor_data_names', ()), *getattr(t, 'optional_tensor_data_names', ())]
+    attrs = [*getattr(t, 'tensor_attribute_names', ()), *getattr(t, 'optional_tensor_attribute_names', ())]
+    return ([getattr(t, n) for n in names], [f'{n}={getattr(t, n)!r}' for n in attrs]) if names else ([t], [])
+
+# %% ../nbs/10a_export.ipynb #f3a1c006
+def state_digest(module: nn.Module) -> str:
+    "sha256 of `module`'s state dict: every name, class, dtype, shape and byte (a torchao tensor by its parts)."
+    h = hashlib.sha256()
+    for k, t in sorted(module.state_dict().items()):
+        tensors, attrs = _parts(t) if isinstance(t, torch.Tensor) else ([], [repr(t)])
+        h.update(f'{k}|{type(t).__name__}|{attrs}'.encode())
+        for x in tensors:
+            h.update(f'|{None if x is None else (str(x.dtype), tuple(x.shape))}'.encode())
+            if x is not None and x.device.type != 'meta': h.update(x.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
+
+# %% ../nbs/10a_export.ipynb #f3a1c009
+def _library_of(m) -> str:
+    "'transformers' or 'diffusers': the library whose `save_pretrained` and `from_pretrained` component `m` has."
+    import transformers
+    return 'transformers' if isinstance(m, transformers.PreTrainedModel) else 'diffusers'
+
+# %% ../nbs/10a_export.ipynb #f3a1c00a
+@contextlib.contextmanager
+def _quantizer_attached(m: nn.Module, cfg):
+    "`m`, quantised in place, as its library's `from_pretrained(quantization_config=cfg)` leaves it; undone after."
+    if _library_of(m) == 'transformers': from transformers.quantizers import AutoHfQuantizer as Auto
+    else: from diffusers.quantizers import DiffusersAutoQuantizer as Auto
+    q = Auto.from_config(cfg, pre_quantized=True)
+    q.validate_environment(device_map=None)  # what from_pretrained sets before saving can ask (diffusers: `offload`)
+    had_q, old_q = 'hf_quantizer' in vars(m), vars(m).get('hf_quantizer')
+    if _library_of(m) == 'transformers':
+        had_c, old_c = 'quantization_config' in vars(m.config), vars(m.config).get('quantization_config')
+        m.config.quantization_config = cfg
+    else: old_internal = m._internal_dict; m.register_to_config(quantization_config=cfg)
+    m.hf_quantizer = q
+    try: yield m
+    finally:
+        if had_q: m.hf_quantizer = old_q
+        else: del m.hf_quantizer
+        if _library_of(m) == 'diffusers': m._internal_dict = old_internal  # private: register_to_config has no undo
+        elif had_c: m.config.quantization_config = old_c
+        else: del m.config.quantization_config
+
+# %% ../nbs/10a_export.ipynb #f3a1c00b
+def _from_library(folder: Path, cls: type, dtype) -> nn.Module:
+    "A component its library saved with torchao's safetensors, reloaded by `from_pretrained`: safetensors only, offline."
+    q = _read_json(folder/'config.json').get('quantization_config')
+    if not (isinstance(q, dict) and q.get('quant_method') == 'torchao'):  # no other quantizer's loader from a folder
+        raise DamagedFolder(f"{folder/'config.json'} has no torchao quantization_config: the folder is damaged")
+    m, info = cls.from_pretrained(folder, dtype=dtype, use_safetensors=True, local_files_only=True, output_loading_info=True)
+    # a config that does not fit the weights loads with the rest left unset (diffusers) or random (transformers)
+    if bad := [str(k) for key in ('missing_keys', 'unexpected_keys', 'mismatched_keys') for k in info.get(key) or ()]:
+        raise DamagedFolder(f"{folder/'config.json'} does not fit its weights ({len(bad)} tensors missing, unexpected "
+                            f'or of another shape, first {bad[0]})')
+    return m.eval()
+
+# %% ../nbs/10a_export.ipynb #f3a1c00c
+def _save_state(m: nn.Module, folder: Path):
+    "The fallback: `m`'s config beside its state dict, torchao tensors included, written by `torch.save`."
+    folder.mkdir()
+    if hasattr(m.config, 'save_pretrained'): m.config.save_pretrained(folder)  # transformers
+    else: m.save_config(folder)                                                  # diffusers
+    torch.save(m.state_dict(), folder/SAVED_WEIGHTS)
+
+# %% ../nbs/10a_export.ipynb #f3a1c00d
+def _one_line(e: BaseException) -> str: return ' '.join(str(e).split())[:240]  # a library's message, on one line
+
+# %% ../nbs/10a_export.ipynb #f3a1c00e
+def _save_component(m: nn.Module, p: ComponentPlan, name: str, folder: Path) -> dict:
+    "Save the quantised `m` into `folder`: by its library as safetensors where that reloads bit-identical, else torch."
+    lib, state = _library_of(m), state_digest(m)
+    by = f'{lib} {package_version(lib)} save_pretrained'
+    try:
+        with _quantizer_attached(m, component_config(p, lib, name)): m.save_pretrained(folder, safe_serialization=True)
+        if state_digest(_from_library(folder, type(m), _dtype_of(m))) == state:
+            return dict(format='safetensors', by=f"{by} (torchao {package_version('torchao')}'s safetensors)",
+                        why='its library saves it and reloads it bit-identical', state_sha256=state)
+        why = f'{by} wrote it, but from_pretrained reloads other tensors'
+    except Exception as e:
+        if _out_of_space(e, folder.parent): raise
+        why = f'{by} cannot save it ({type(e).__name__}: {_one_line(e)})'
+    shutil.rmtree(folder, ignore_errors=True)
+    _save_state(m, folder)
+    return dict(format='torch.save', by=f"torch {package_version('torch')} torch.save", why=why, state_sha256=state)
 
 # %% ../nbs/10a_export.ipynb #c23d345f
 def _write_saved(pipe, plan: QuantPlan, folder: Path):
-    "Write the pipeline into the empty `folder`: library formats for dense components, state dicts for quantised ones."
+    "Write the pipeline into the empty `folder`: library formats for every component, torch.save only where they fail."
     pipe.save_config(folder)  # model_index.json: which library and class each component is
     quant = sorted(c for c, p in plan.components.items() if p.quantized)
-    comps = _saved_components(pipe)
+    comps, saved = _saved_components(pipe), {}
     for a, c in comps.items():
-        if a not in quant: c.save_pretrained(folder/a); continue
-        (folder/a).mkdir()
-        if hasattr(c.config, 'save_pretrained'): c.config.save_pretrained(folder/a)  # transformers
-        else: c.save_config(folder/a)                                                  # diffusers
-        torch.save(c.state_dict(), folder/a/SAVED_WEIGHTS)
+        if a in quant: saved[a] = _save_component(c, plan.components[a], a, folder/a)
+        else: c.save_pretrained(folder/a)
     plan.save(folder/'diffq_plan.json')
-    meta = dict(format=SAVED_FORMAT, quantized=quant, files=file_digests(folder),
+    meta = dict(format=SAVED_FORMAT, quantized=quant, saved=saved, files=file_digests(folder),
                 dtypes={a: _dtype(c) for a, c in comps.items()
                         if isinstance(c, nn.Module) and next(c.parameters(), None) is not None},
                 versions={n: package_version(n) for n in ('torch', 'torchao', 'diffusers', 'transformers')})
@@ -282,18 +393,33 @@ def _check_index(path: Path, index: dict, quantized) -> dict[str, tuple[str, str
 
 # %% ../nbs/10a_export.ipynb #9c7b9073
 def _check_files(path: Path, files) -> None:
-    "Every file of the folder as `save_quantized` wrote it (same names, same sha256), the first difference named."
-    if not isinstance(files, dict): raise DamagedFolder(f'{path/SAVED_META} has no file digests: the file is damaged')
+    "The folder's tree and files as `save_quantized` wrote them: anything unexpected named in one line, then digests."
+    if not (isinstance(files, dict) and all(isinstance(k, str) and isinstance(v, str) for k, v in files.items())):
+        raise DamagedFolder(f'{path/SAVED_META} has no file digests: the file is damaged')
+    if odd := unexpected_entries(path, files):
+        more = f' and {len(odd) - 5} more' if len(odd) > 5 else ''
+        raise DamagedFolder(f"{path/odd[0] if len(odd) == 1 else str(path) + ': ' + ', '.join(odd[:5]) + more} "
+                            f"{'was' if len(odd) == 1 else 'were'} not written by save_quantized: "
+                            f"remove {'it' if len(odd) == 1 else 'them'} or save again")
     why = {'missing': 'is missing: the folder is damaged',
-           'added': 'was not written by save_quantized: remove it or save again',
            'changed': 'differs from what save_quantized wrote: the file was changed, swapped or damaged'}
     if d := digest_difference(path, files): raise DamagedFolder(f'{path/d[1]} {why[d[0]]}')
 
+# %% ../nbs/10a_export.ipynb #f3a1c00f
+def _check_saved(path: Path, meta: dict) -> dict[str, dict]:
+    "How each quantised component was saved, from the manifest (a /2 folder: every one a torch state dict)."
+    if meta['format'] == READ_FORMATS[0]: return {a: dict(format='torch.save') for a in meta['quantized']}
+    saved = meta.get('saved')
+    if not (isinstance(saved, dict) and sorted(saved) == sorted(meta['quantized']) and all(
+            isinstance(s, dict) and s.get('format') in ('safetensors', 'torch.save') for s in saved.values())):
+        raise DamagedFolder(f'{path/SAVED_META}: "saved" must say, for each of {meta["quantized"]}, '
+                            "format 'safetensors' or 'torch.save'; the file is damaged")
+    return saved
+
 # %% ../nbs/10a_export.ipynb #1145b79a
-def _load_component(folder: Path, library: str, cls_name: str, saved: dict) -> nn.Module:
-    "A quantised component: built without weights from its config, then its saved tensors (torchao's too) assigned."
+def _from_state(folder: Path, cls: type, library: str, saved: dict) -> nn.Module:
+    "A component saved by `torch.save`: built without weights from its config, then its tensors (torchao's too) assigned."
     from accelerate import init_empty_weights
-    cls = allowed_class(library, cls_name, where=str(folder))
     # parameters on meta, nothing allocated; buffers (e.g. rotary tables) real
     with init_empty_weights(include_buffers=False):
         m = cls.from_config(cls.load_config(folder)) if library == 'diffusers' else \
@@ -305,9 +431,25 @@ def _load_component(folder: Path, library: str, cls_name: str, saved: dict) -> n
                             f'saved with {saved}, this is {now}') from None
     try: m.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as e:
-        raise DamagedFolder(f'{folder/SAVED_WEIGHTS} does not fit {folder/"config.json"} '
-                            f'({str(e).splitlines()[0][:200]})') from None
+        raise DamagedFolder(f'{folder/SAVED_WEIGHTS} does not fit {folder/"config.json"} ({_one_line(e)})') from None
     return m.eval()
+
+# %% ../nbs/10a_export.ipynb #f3a1c010
+def _load_component(folder: Path, library: str, cls_name: str, how: dict, dtype, versions: dict) -> nn.Module:
+    "A quantised component the way it was saved (`how`), its state checked against the sha256 saved with it."
+    cls = allowed_class(library, cls_name, where=str(folder))
+    if how['format'] == 'torch.save': m = _from_state(folder, cls, library, versions)
+    else:
+        try: m = _from_library(folder, cls, dtype)
+        except DamagedFolder: raise
+        except Exception as e:  # whatever the library's loader says about these files, in one line
+            raise DamagedFolder(f'{folder} does not load with {library} {package_version(library)} '
+                                f'({type(e).__name__}: {_one_line(e)}); saved with {versions}') from None
+    if how.get('state_sha256') not in (None, state_digest(m)):
+        raise DamagedFolder(f"{folder} reloads ({how['format']}) with other tensors than were saved: its files do not "
+                            f'fit each other, or this {library} {package_version(library)} reads them otherwise '
+                            f'(saved with {versions})')
+    return m
 
 # %% ../nbs/10a_export.ipynb #e9fa4aea
 def load_quantized(path, # a folder `save_quantized` wrote
@@ -319,17 +461,22 @@ def load_quantized(path, # a folder `save_quantized` wrote
     if not (path/SAVED_META).is_file():
         raise ValueError(f'{path} is not a folder written by save_quantized (no {SAVED_META})')
     meta = _read_json(path/SAVED_META)
-    if meta.get('format') != SAVED_FORMAT:
-        raise DamagedFolder(f"{path}: format {meta.get('format')!r}; this lab reads {SAVED_FORMAT!r}")
+    if meta.get('format') not in READ_FORMATS:
+        raise DamagedFolder(f"{path}: format {meta.get('format')!r}; this lab reads {', '.join(READ_FORMATS)}")
     _check_files(path, meta.get('files'))  # before any file is parsed as a model: a swapped file never loads
     comps = _check_index(path, _read_json(path/'model_index.json'), meta.get('quantized'))
+    how = _check_saved(path, meta)
     try: plan = QuantPlan.from_dict(_read_json(path/'diffq_plan.json'))
     except DamagedFolder: raise
     except (ValueError, TypeError, KeyError) as e:
         raise DamagedFolder(f"{path/'diffq_plan.json'} is not a valid plan ({e})") from None
-    mods = {a: _load_component(path/a, *comps[a], meta.get('versions', {})) for a in meta['quantized']}
-    dtypes = {a: as_dtype(d) for a, d in meta.get('dtypes', {}).items() if a not in mods}
-    pipe = DiffusionPipeline.from_pretrained(path, **mods, dtype={**dtypes, 'default': torch.float32})
+    try: dtypes = {a: as_dtype(d) for a, d in meta.get('dtypes', {}).items()}
+    except (ValueError, AttributeError) as e: raise DamagedFolder(f'{path/SAVED_META}: {e}') from None
+    mods = {a: _load_component(path/a, *comps[a], how[a], dtypes.get(a, torch.float32), meta.get('versions', {}))
+            for a in meta['quantized']}
+    rest = {a: d for a, d in dtypes.items() if a not in mods}
+    # safetensors only: a pickle slipped in beside a dense component is never read
+    pipe = DiffusionPipeline.from_pretrained(path, **mods, dtype={**rest, 'default': torch.float32}, use_safetensors=True)
     for c, p in plan.components.items():
         if sorted(quantized_linears(getattr(pipe, c))) != sorted(p.quantized):
             raise DamagedFolder(f'{path}: {c} reloaded with other quantised Linears than its plan names; '

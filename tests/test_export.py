@@ -83,14 +83,22 @@ def test_a_mixed_plan_round_trips_per_linear(pipes, family, tmp_path):
 
 
 # ---------------------------------------------------------------- save_quantized / load_quantized
-from diffq_lab.export import load_quantized, plan_pipeline, save_quantized
+import json, shutil
+from diffq_lab.export import SAVED_META, DamagedFolder, file_digests, load_quantized, plan_pipeline, save_quantized
 from diffq_lab.trained import load_trained_pipeline
+
+
+def saved_as(folder) -> dict:
+    "How each quantised component of a saved folder was written: {component: 'safetensors' | 'torch.save'}."
+    return {c: s['format'] for c, s in json.loads((folder/SAVED_META).read_text())['saved'].items()}
 
 
 @pytest.mark.parametrize('family,scheme', [('z-image', 'int8'), ('flux.2-klein', 'int8wo'), ('sd3', 'fp8wo'), ('qwen-image', 'int8')])
 def test_a_saved_quantised_pipeline_reloads_bit_identical(family, scheme, tmp_path):
     _, lab, applied = lab_quantised(family, scheme)
-    back = load_quantized(save_quantized(lab, tmp_path/'saved', applied))
+    folder = save_quantized(lab, tmp_path/'saved', applied)
+    assert saved_as(folder) == {c: 'safetensors' for c in applied.components}   # every library saves every CPU scheme
+    back = load_quantized(folder)
     same(back, lab, applied)
     assert all(type(getattr(back, c).get_submodule(f).weight) is type(getattr(lab, c).get_submodule(f).weight)
                for c, p in applied.components.items() for f in p.quantized)
@@ -131,12 +139,95 @@ def test_a_failed_save_leaves_nothing(pipes, tmp_path, monkeypatch):
     pipe = copy.deepcopy(pipes['z-image'])
     applied = apply_plan(pipe, plan_pipeline(pipe, 'int8', min_features=0))
     def full_disk(*a, **k): raise OSError(28, 'No space left on device')
+    import safetensors.torch
     monkeypatch.setattr(torch, 'save', full_disk)
+    monkeypatch.setattr(safetensors.torch, 'save_file', full_disk)   # diffusers' writer (module attribute)
     with pytest.raises(OSError, match='(?i)no space left'): save_quantized(pipe, tmp_path/'x', applied)
     assert list(tmp_path.iterdir()) == []
 
 
-def test_the_libraries_still_cannot_save_torchao_encoders(tmp_path):
-    "Why save_quantized writes state dicts: if transformers learns to save a torchao encoder, this fails and the format can be revisited."
-    _, lab, _ = lab_quantised('z-image', 'int8')
+def test_without_its_quantizer_a_torchao_encoder_cannot_be_saved(pipes, tmp_path):
+    "Why save_quantized attaches the plan's quantizer: a transformers encoder quantised in place still fails alone."
+    lab = copy.deepcopy(pipes['z-image'])
+    apply_plan(lab, plan_text_encoders(lab, 'int8', family='z-image', keep=(0, 0)))
     with pytest.raises(RuntimeError, match='invalid python storage'): lab.text_encoder.save_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize('component,scheme', [('transformer', 'int8'), ('text_encoder', 'int8wo')])
+def test_what_its_library_cannot_save_goes_through_torch_save(pipes, component, scheme, tmp_path, monkeypatch):
+    "The fallback path, forced: the component's library fails to save; the manifest says so and why; it reloads bit-identical."
+    lab = copy.deepcopy(pipes['z-image'])
+    applied = apply_plan(lab, plan_pipeline(lab, scheme, scheme, min_features=0, keep=(0, 0)))
+    def cannot(self, *a, **k): raise NotImplementedError('no torchao serialisation here')
+    monkeypatch.setattr(type(getattr(lab, component)), 'save_pretrained', cannot)
+    folder = save_quantized(lab, tmp_path/'s', applied)
+    monkeypatch.undo()
+    how = json.loads((folder/SAVED_META).read_text())['saved']
+    assert saved_as(folder) == {'text_encoder': 'safetensors', 'transformer': 'safetensors', component: 'torch.save'}
+    assert 'cannot save it (NotImplementedError: no torchao serialisation here)' in how[component]['why']
+    assert sorted(p.name for p in (folder/component).iterdir()) == ['config.json', 'diffq_quantized.pt']
+    back = load_quantized(folder)
+    assert torch.equal(render(back, steps=1), render(lab, steps=1))
+    # a /2 folder (every quantised component a torch state dict, no "saved") still loads
+    if component == 'transformer':
+        shutil.rmtree(folder/'text_encoder'); shutil.copytree(folder/'transformer', tmp_path/'keep')
+        lab.text_encoder.config.save_pretrained(folder/'text_encoder')
+        torch.save(lab.text_encoder.state_dict(), folder/'text_encoder'/'diffq_quantized.pt')
+        meta = json.loads((folder/SAVED_META).read_text())
+        meta.update(format='diffq_lab.quantized/2', files=file_digests(folder)); del meta['saved']
+        (folder/SAVED_META).write_text(json.dumps(meta))
+        assert torch.equal(render(load_quantized(folder), steps=1), render(lab, steps=1))
+
+
+def forge(folder, edit):
+    "A forger's edit: `edit(folder)`, then every file re-hashed so only the loader's other checks stand."
+    edit(folder)
+    meta = json.loads((folder/SAVED_META).read_text()); meta['files'] = file_digests(folder)
+    (folder/SAVED_META).write_text(json.dumps(meta))
+
+
+@pytest.fixture(scope='module')
+def two_saves(tmp_path_factory):
+    "The tiny z-image, int8 throughout, saved twice: from two seeds (same names, other weights)."
+    from diffq_lab.pipelines import tiny_pipeline
+    out = []
+    for seed in (0, 1):
+        pipe = tiny_pipeline('z-image', seed=seed)
+        applied = apply_plan(pipe, plan_pipeline(pipe, 'int8', 'int8', min_features=0, keep=(0, 0)))
+        out.append(save_quantized(pipe, tmp_path_factory.mktemp('saves')/f'z{seed}', applied))
+    return out
+
+
+def one_line_error(folder) -> str:
+    with pytest.raises(DamagedFolder) as e: load_quantized(folder)
+    assert '\n' not in str(e.value), str(e.value)
+    return str(e.value)
+
+
+WEIGHTS = 'transformer/diffusion_pytorch_model.safetensors'
+
+def set_json(path, **changes):
+    path.write_text(json.dumps({**json.loads(path.read_text()), **changes}))
+
+@pytest.mark.parametrize('edit,says', [
+    (lambda f, o: shutil.copy(o/WEIGHTS, f/WEIGHTS), 'reloads (safetensors) with other tensors than were saved'),
+    (lambda f, o: set_json(f/'transformer'/'config.json', quantization_config={'quant_method': 'bitsandbytes'}),
+     'has no torchao quantization_config'),
+    (lambda f, o: set_json(f/SAVED_META, saved={'transformer': {'format': 'pickle'}}), '"saved" must say'),
+])
+def test_a_forged_folder_that_re_hashes_its_files_is_still_refused(two_saves, tmp_path, edit, says):
+    f = tmp_path/'f'; shutil.copytree(two_saves[0], f)
+    forge(f, lambda f: edit(f, two_saves[1]))
+    assert says in one_line_error(f)
+
+
+def test_the_tree_is_checked_against_the_manifest_in_one_line(two_saves, tmp_path):
+    "Every entry it did not write named at once: a nested manifest, a link to a file, a link to a folder, an empty folder."
+    f = tmp_path/'f'; shutil.copytree(two_saves[0], f)
+    shutil.copy(f/SAVED_META, f/'transformer'/SAVED_META)
+    (f/'vae'/'config.json').rename(f/'vae'/'real.json'); (f/'vae'/'config.json').symlink_to(f/'vae'/'real.json')
+    (f/'elsewhere').symlink_to(two_saves[1], target_is_directory=True); (f/'tokenizer'/'cache').mkdir()
+    msg = one_line_error(f)
+    for part in ('elsewhere (a symbolic link to a folder)', 'tokenizer/cache (folder)', 'transformer/diffq_saved.json',
+                 'vae/config.json (a symbolic link)', 'vae/real.json', 'were not written by save_quantized'):
+        assert part in msg, msg
