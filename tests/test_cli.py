@@ -13,8 +13,12 @@ def test_probe_prints_report(capsys, tmp_path, monkeypatch):
     assert '| scheme' in out and 'int8' in out and 'nvfp4' in out and '`auto` ->' in out
 
 def test_study_writes_report_and_rows(capsys, tmp_path, monkeypatch):
+    "The default study (the trained pipeline), at its smallest: one scheme, one seed, two held-out prompts."
+    from diffq_lab.trained import heldout_prompts
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
-    assert main(['study', '--device', 'cpu', '--schemes', 'int8,fp8', '--seeds', '0', '--out', str(tmp_path/'out'), '--record']) == 0
+    (tmp_path/'prompts.txt').write_text('\n'.join(heldout_prompts()[:2]))
+    assert main(['study', '--device', 'cpu', '--schemes', 'int8', '--seeds', '0', '--prompts', str(tmp_path/'prompts.txt'),
+                 '--out', str(tmp_path/'out'), '--record']) == 0
     out = capsys.readouterr().out
     assert 'Scheme numerics' in out and 'encoder + transformer quantised per scheme' in out
     assert sorted(p.name for p in (tmp_path/'out').iterdir()) == ['grid.png', 'report.html', 'report.md']
