@@ -98,6 +98,9 @@ def test_a_saved_quantised_pipeline_reloads_bit_identical(family, scheme, tmp_pa
     _, lab, applied = lab_quantised(family, scheme)
     folder = save_quantized(lab, tmp_path/'saved', applied)
     assert saved_as(folder) == {c: 'safetensors' for c in applied.components}   # every library saves every CPU scheme
+    for c in applied.components:   # the quantizer attached for the save is gone again: lab is as apply_plan left it
+        m = getattr(lab, c)
+        assert not hasattr(m, 'hf_quantizer') and getattr(m.config, 'quantization_config', None) is None, c
     back = load_quantized(folder)
     same(back, lab, applied)
     assert all(type(getattr(back, c).get_submodule(f).weight) is type(getattr(lab, c).get_submodule(f).weight)
