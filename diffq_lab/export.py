@@ -191,7 +191,11 @@ def unexpected_entries(folder: Path, files) -> list[str]:
     return [n if k == 'file' else f'{n} ({k})' for n, k in sorted(folder_entries(folder).items()) if want.get(n) != k]
 
 # %% ../nbs/10a_export.ipynb #b6c53e19
-def _dtype_of(m) -> torch.dtype: return next(m.parameters()).dtype  # a torchao weight reports its unquantised dtype
+def _dtype_of(m) -> torch.dtype:
+    "The dtype `m` loads in: the libraries' `dtype` (which passes over modules kept in fp32), else its first parameter's."
+    # Wan's first parameter is its fp32 scale_shift_table: loaded as fp32, the whole bf16 transformer would be upcast
+    d = getattr(m, 'dtype', None)
+    return d if isinstance(d, torch.dtype) else next(m.parameters()).dtype
 def _dtype(m) -> str: return str(_dtype_of(m)).removeprefix('torch.')
 
 # %% ../nbs/10a_export.ipynb #f3a1c005
@@ -456,7 +460,6 @@ def load_quantized(path, # a folder `save_quantized` wrote
                    device=None, # where to move it (default: where it loads, the CPU)
                   ):
     "The pipeline that `save_quantized` wrote to `path`, quantised as it was saved; refuses a folder changed since."
-    from diffusers import DiffusionPipeline
     path = Path(path)
     if not (path/SAVED_META).is_file():
         raise ValueError(f'{path} is not a folder written by save_quantized (no {SAVED_META})')
@@ -464,7 +467,8 @@ def load_quantized(path, # a folder `save_quantized` wrote
     if meta.get('format') not in READ_FORMATS:
         raise DamagedFolder(f"{path}: format {meta.get('format')!r}; this lab reads {', '.join(READ_FORMATS)}")
     _check_files(path, meta.get('files'))  # before any file is parsed as a model: a swapped file never loads
-    comps = _check_index(path, _read_json(path/'model_index.json'), meta.get('quantized'))
+    index = _read_json(path/'model_index.json')
+    comps = _check_index(path, index, meta.get('quantized'))
     how = _check_saved(path, meta)
     try: plan = QuantPlan.from_dict(_read_json(path/'diffq_plan.json'))
     except DamagedFolder: raise
@@ -475,8 +479,10 @@ def load_quantized(path, # a folder `save_quantized` wrote
     mods = {a: _load_component(path/a, *comps[a], how[a], dtypes.get(a, torch.float32), meta.get('versions', {}))
             for a in meta['quantized']}
     rest = {a: d for a, d in dtypes.items() if a not in mods}
-    # safetensors only: a pickle slipped in beside a dense component is never read
-    pipe = DiffusionPipeline.from_pretrained(path, **mods, dtype={**rest, 'default': torch.float32}, use_safetensors=True)
+    # the pipeline's own class (checked by _check_index): DiffusionPipeline.from_pretrained reloads a passed component
+    # that the class calls optional (Wan's transformer) from disk; safetensors only: a pickle beside a component is never read
+    pipe_cls = getattr(importlib.import_module('diffusers'), index['_class_name'])
+    pipe = pipe_cls.from_pretrained(path, **mods, dtype={**rest, 'default': torch.float32}, use_safetensors=True)
     for c, p in plan.components.items():
         if sorted(quantized_linears(getattr(pipe, c))) != sorted(p.quantized):
             raise DamagedFolder(f'{path}: {c} reloaded with other quantised Linears than its plan names; '
