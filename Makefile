@@ -5,6 +5,7 @@ BIN   := $(VENV)/bin
 PY    := $(BIN)/python
 export HF_HUB_OFFLINE ?= 1
 export TOKENIZERS_PARALLELISM ?= false
+TEST_WORKERS ?= 2
 
 .PHONY: study test record lab docs readme export clean-nbs sync-check venv gpu-test gpu-wheels gpu-rehearsal gpu-import
 
@@ -60,13 +61,13 @@ sync-check: venv
 	echo "notebooks and package in sync"
 
 # One torch thread per notebook worker: two workers x two threads thrash a 2-core machine.
-# Each stage says its wall and CPU seconds (the budget: 600 CPU-s in all, bench/lab_cost.py says where they go), and
-# pytest its 15 slowest tests.
+# pytest runs its tests in TEST_WORKERS processes (pytest-xdist; 2: this machine's cores). Each stage says its wall and
+# CPU seconds (the budget: 600 CPU-s in all; bench/lab_cost.py says where they go), and pytest its 15 slowest tests.
 test: sync-check
 	@TIMEFORMAT='nbdev_test: %0R s wall, %0U s user + %0S s system CPU'; \
 	time OMP_NUM_THREADS=1 $(BIN)/nbdev_test --n_workers 2
 	@TIMEFORMAT='pytest: %0R s wall, %0U s user + %0S s system CPU'; \
-	time $(BIN)/pytest -q --durations=15 tests
+	time $(BIN)/pytest -q -n $(TEST_WORKERS) --durations=15 tests
 
 # Wheels for the lent GPU machine (its python3 3.12 beside its own CUDA torch), carried in .gpu_wheels/ with
 # tools/gpu_check.sh: the pins of data/gpu_image/wheels.txt, hash-checked, their Requires-Dist checked against the image's
