@@ -74,10 +74,10 @@ def swap_weights_from_another_save(f: Path, tmp_path):
     other = tiny_pipeline('z-image', seed=1)
     plan = apply_plan(other, plan_pipeline(other, 'int8', 'int8', min_features=0, keep=(0, 0)))
     o = save_quantized(other, tmp_path/'other', plan)
-    shutil.copy(o/'transformer'/'diffq_quantized.pt', f/'transformer'/'diffq_quantized.pt')
+    shutil.copy(o/'transformer'/'diffusion_pytorch_model.safetensors', f/'transformer'/'diffusion_pytorch_model.safetensors')
 
 @pytest.mark.parametrize('damage,names', [
-    (lambda f, t: swap_weights_from_another_save(f, t), 'transformer/diffq_quantized.pt differs'),
+    (lambda f, t: swap_weights_from_another_save(f, t), 'transformer/diffusion_pytorch_model.safetensors differs'),
     (lambda f, t: shutil.copy(f/'vae'/'config.json', f/'transformer'/'config.json'), 'transformer/config.json differs'),
     (lambda f, t: (f/'diffq_plan.json').write_text((f/'diffq_plan.json').read_text()[:50]), 'diffq_plan.json differs'),
     (lambda f, t: (f/'text_encoder'/'config.json').unlink(), 'text_encoder/config.json is missing'),
