@@ -35,10 +35,10 @@ from .compare import compare_grid_png, compare_html
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
-__all__ = ['STUDY_PROMPTS', 'QUICK', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block',
-           'probe_tokens', 'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table',
-           'write_report', 'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note',
-           'default_study', 'image_quality', 'transformer_bench', 'record_transformer_bench']
+__all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block', 'probe_tokens',
+           'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
+           'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note', 'default_study',
+           'image_quality', 'transformer_bench', 'record_transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -170,8 +170,6 @@ class Renders:
 
     @property
     def timed_pairs(self) -> list[tuple]: return self.pairs[:self.timed]
-
-QUICK = Renders(seeds=(0,))  # the first run's study: one seed with each prompt (`--full`: `Renders()`, two seeds)
 
 # %% ../nbs/15_study.ipynb #7d738cd4
 # a study's run options: `workers` > 1 runs its arms side by side in forked processes (`harness.forked_map`)
