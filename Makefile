@@ -107,6 +107,11 @@ readme: venv
 # nbdev_docs: that needs Quarto, would render the notebooks without their outputs, tries to install
 # Quarto and pip-installs the package when it is missing, and leaves nbs/_quarto.yml etc. behind.
 # DOCS_ARGS passes options, e.g. DOCS_ARGS="--execute none" or "--fresh"; SHOTS=1 also screenshots it.
+# A notebook that fails (raises, ends its process, or runs past --cell-timeout, default 600 s) does not stop the site:
+# its page opens with the whole error on one line and the rest builds; the failures are listed at the end and make exits
+# 0 (DOCS_ARGS=--strict: 1). Output over --max-cell-output (5 MB a cell) is cut with a note; a site over --max-site-mb
+# (300) is refused. _docs/ is replaced only if every file in it is listed, unchanged, in its
+# .diffq-docs-manifest.json: a _docs/ from an older builder must be removed once by hand.
 docs: venv
 	OMP_NUM_THREADS=1 $(PY) tools/build_docs.py html $(DOCS_ARGS)
 	@if [ -n "$(SHOTS)" ]; then $(PY) tools/screenshots.py; fi

@@ -4,7 +4,7 @@
 
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
-import contextlib, copy, html, math, os, statistics, subprocess, tempfile, textwrap, time
+import contextlib, copy, html, math, os, re, statistics, subprocess, tempfile, textwrap, time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import numpy as np
@@ -453,7 +453,8 @@ def _short_speed(r: dict) -> str:
     if r.get('status') == 'failed': return 'failed'
     v, lo, hi = (r.get(k) for k in ('vs_dense', 'vs_dense_lo', 'vs_dense_hi'))
     interval = f' [{lo:.2f}, {hi:.2f}]' if not (_blank(lo) or _blank(hi)) else ''
-    return (f'{_fmt(v, ".2f")}{interval} ' + str(r.get('speed') or '').split(':')[0][:12]).strip()
+    verdict = re.split(r'[:(]', str(r.get('speed') or ''))[0].strip()  # its first words, whole: 'no clear difference'
+    return (f'{_fmt(v, ".2f")}{interval} ' + {'no clear difference': 'no difference'}.get(verdict, verdict)).strip()
 
 # %% ../nbs/15_study.ipynb #920e9707
 def short_table(study: pd.DataFrame) -> str:
