@@ -524,6 +524,24 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
           f"{_wrote(plan, out)}")
     return 0
 
+# %% ../nbs/17_cli.ipynb #b9c8d7e1
+def _pipeline_answer(gpu: str, family: str, schemes, size: int, frames, text_tokens) -> tuple[list[str], list]:
+    "The whole pipeline's answer for `crossover`'s setting, from the speed model `predict` and `recommend` read."
+    from diffq_lab.crossover import wrap_note
+    from diffq_lab.recommend import distinguishable
+    from diffq_lab.speed import Workload, predict as _predict
+    try: recs = _predict(gpu, family, ('bf16', *schemes), Workload(size=size, frames=frames, text_tokens=text_tokens))
+    except ValueError as e: return [wrap_note(f'whole pipeline: the speed model cannot time {family}: {e}')], []
+    ran = [r for r in recs if r['scheme'] != 'bf16' and r['speedup'] is not None and math.isfinite(r['speedup'])]
+    if not ran: return [wrap_note(f'whole pipeline: no scheme runs on {gpu}')], recs
+    best = max(ran, key=lambda r: r['speedup'])
+    ties = [r['scheme'] for r in ran if r is not best and not distinguishable(best['seconds'], r['seconds'])]
+    sp = ', '.join(f"{r['scheme']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]" for r in ran)
+    return [wrap_note(f"whole pipeline (the speed model `predict` and `recommend` read; {best['compile']}, "
+                      f"{best['steps']} steps): {sp}; fastest {best['scheme']}"
+                      + (f" ({', '.join(ties)} within the model's error)" if ties else '')),
+            wrap_note('the roofline above times the Linears alone, the kernel view: for the pipeline, read this line')], recs
+
 # %% ../nbs/17_cli.ipynb #b024e39c
 @command
 def crossover(
@@ -543,7 +561,10 @@ def crossover(
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
                          '(drop --frames, or pick a video model such as wan)')
     args = (gpu, family, size, frames, text_tokens, not all_layers)
-    print(strict_json(crossover_data(*args)) if json else cli_crossover(*args))
+    data = crossover_data(*args)
+    lines, recs = _pipeline_answer(gpu, family, [k for k in data['summary']['speedup'] if k != 'bf16'], size, frames,
+                                   text_tokens)
+    print(strict_json({**data, 'pipeline': recs}) if json else cli_crossover(*args) + '\n\n' + '\n'.join(lines))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1698bf64

@@ -641,7 +641,7 @@ def _fmt_summary(s: dict, model: str, size: int, grid) -> str:
     sp = ', '.join(f'{k} {v:.2f}x' for k, v in s['speedup'].items() if k != 'bf16')
     lines = [f"{model} at {size}px (token grid {grid}) on {s['gpu']}: {s['linears']} Linear calls, "
              f"{s['gflop']:.0f} GFLOP per forward",
-             "predicted Linear time, every Linear in one scheme: "
+             "predicted Linear time (the Linears alone), every Linear in one scheme: "
              + ', '.join(f'{k} {v*1e3:.2f} ms' for k, v in s['time_s'].items()),
              f"speedup over bf16: {sp}; best uniform scheme: {s['best_uniform']}",
              f"suggested policy: {s['policy_s']*1e3:.2f} ms ({s['policy_speedup']:.2f}x bf16), layers per scheme: "
