@@ -526,7 +526,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
 
 # %% ../nbs/17_cli.ipynb #b9c8d7e1
 def _pipeline_answer(gpu: str, family: str, schemes, size: int, frames, text_tokens) -> tuple[list[str], list]:
-    "The whole pipeline's answer for `crossover`'s setting, from the speed model `predict` and `recommend` read."
+    "The whole pipeline's answer for `crossover`'s setting, from the whole-pipeline speed model `predict` reads."
     from diffq_lab.crossover import wrap_note
     from diffq_lab.recommend import distinguishable
     from diffq_lab.speed import Workload, predict as _predict
@@ -537,7 +537,7 @@ def _pipeline_answer(gpu: str, family: str, schemes, size: int, frames, text_tok
     best = max(ran, key=lambda r: r['speedup'])
     ties = [r['scheme'] for r in ran if r is not best and not distinguishable(best['seconds'], r['seconds'])]
     sp = ', '.join(f"{r['scheme']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]" for r in ran)
-    return [wrap_note(f"whole pipeline (the speed model `predict` and `recommend` read; {best['compile']}, "
+    return [wrap_note(f"whole pipeline (the speed model, as `diffq-lab predict`; {best['compile']}, "
                       f"{best['steps']} steps): {sp}; fastest {best['scheme']}"
                       + (f" ({', '.join(ties)} within the model's error)" if ties else '')),
             wrap_note('the roofline above times the Linears alone, the kernel view: for the pipeline, read this line')], recs
@@ -554,7 +554,7 @@ def crossover(
     all_layers: bool = False, # one row per Linear instead of per layer kind
     json: bool = False, # print the setting, every row with its full name and digits, and the totals as JSON
 ) -> int:
-    "Roofline analysis: which of a model's Linears each format speeds up on a GPU (a prediction)."
+    "Roofline analysis: which of a model's Linears each format speeds up on a GPU; then `predict`'s pipeline answer."
     from diffq_lab.crossover import cli_crossover, crossover_data
     from diffq_lab.memory import get_model
     if frames is not None and not get_model(family).video:
