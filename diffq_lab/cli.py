@@ -555,16 +555,15 @@ def crossover(
     json: bool = False, # print the setting, every row with its full name and digits, and the totals as JSON
 ) -> int:
     "Roofline analysis: which of a model's Linears each format speeds up on a GPU; then `predict`'s pipeline answer."
-    from diffq_lab.crossover import cli_crossover, crossover_data
+    from diffq_lab.crossover import crossover_data, crossover_text
     from diffq_lab.memory import get_model
     if frames is not None and not get_model(family).video:
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
                          '(drop --frames, or pick a video model such as wan)')
-    args = (gpu, family, size, frames, text_tokens, not all_layers)
-    data = crossover_data(*args)
+    data = crossover_data(gpu, family, size, frames, text_tokens, not all_layers)  # traced once, for both views
     lines, recs = _pipeline_answer(gpu, family, [k for k in data['summary']['speedup'] if k != 'bf16'], size, frames,
                                    text_tokens)
-    print(strict_json({**data, 'pipeline': recs}) if json else cli_crossover(*args) + '\n\n' + '\n'.join(lines))
+    print(strict_json({**data, 'pipeline': recs}) if json else crossover_text(data) + '\n\n' + '\n'.join(lines))
     return 0
 
 # %% ../nbs/17_cli.ipynb #1698bf64

@@ -28,7 +28,7 @@ __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_
            'roofline', 'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
            'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
            'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'wrap_note', 'short_name',
-           'terminal_table', 'crossover_data', 'cli_crossover', 'plot_crossover']
+           'terminal_table', 'crossover_data', 'crossover_text', 'cli_crossover', 'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 ROOFLINE_SCHEMES = tuple(SPEC_COLS)   # the formats with a tensor-core peak in the spec table
@@ -672,16 +672,9 @@ def crossover_data(gpu='h200', # a GPU name or spec dict
                 layers=layers_table(layers, group).to_dict('records'), summary=s)
 
 # %% ../nbs/12_crossover.ipynb #a36f3026
-def cli_crossover(gpu='h200', # a GPU name or spec dict
-                  model='z-image', # a family with real dims
-                  size: int = 1024, # image side in pixels
-                  frames=None, # video frames (video families; None: the family's default)
-                  text_tokens=None, # prompt tokens (None: the family's default)
-                  group: bool = True, # group repeated blocks into one row
-                  eff=None, # efficiency parameters over `EFFICIENCY`
-                 ) -> str:
-    "The printable per-layer table and totals of `model`'s Linears at `size` px on `gpu`, within `TERM_WIDTH` columns."
-    d = crossover_data(gpu, model, size, frames, text_tokens, group, eff)
+def crossover_text(d: dict, # what `crossover_data` returns
+                  ) -> str:
+    "`crossover_data`'s report as the per-layer table and its totals, within `TERM_WIDTH` columns."
     table = pd.DataFrame(d['layers'])
     head = [f"# {d['model']} on {d['gpu_name']} (roofline prediction, not a measurement)",
             f"model dims: {d['model_dims']}", f"GPU spec: {d['gpu_source']}",
@@ -692,7 +685,11 @@ def cli_crossover(gpu='h200', # a GPU name or spec dict
            + ("; fp4/fp8: NVFP4's speedup over fp8" if 'nvfp4_vs_fp8' in table else '')
            + ("; '~' marks a cut name (--json has them whole)" if '~' in body else ''))
     return ('\n'.join(map(wrap_note, head)) + '\n\n' + body + '\n\n' + wrap_note(key) + '\n\n'
-            + _fmt_summary(d['summary'], d['model'], size, tuple(d['token_grid'])))
+            + _fmt_summary(d['summary'], d['model'], d['size'], tuple(d['token_grid'])))
+
+def cli_crossover(*args, **kwargs) -> str:
+    "The printable report of `crossover_data(*args, **kwargs)`: the per-layer table and totals (`crossover_text`)."
+    return crossover_text(crossover_data(*args, **kwargs))
 
 # %% ../nbs/12_crossover.ipynb #17de0814
 def _dominant_m(layers) -> int:
