@@ -317,10 +317,10 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
          ) -> int:
     "Capability report: hardware gates and real-kernel smoke probes per scheme."
     from diffq_lab.capability import capability_report, format_report, record_capability
-    from diffq_lab.core import check_recordable
+    from diffq_lab.core import TERM_WIDTH, check_recordable
     if record: check_recordable(('capability',))  # before any probe
     rep = record_capability(device=device) if record else capability_report(device, refresh=refresh)
-    print(format_report(rep, width=120))  # a terminal's width: the probe messages as notes
+    print(format_report(rep, width=TERM_WIDTH))  # a terminal's width: the probe messages as notes
     return 0
 
 # %% ../nbs/17_cli.ipynb #7a62c941

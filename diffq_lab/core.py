@@ -12,11 +12,11 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'STAMP_COLUMNS', 'resolve_device', 'module_device', 'check_device',
-           'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity', 'repo_root',
-           'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable',
-           'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits', 'check_recordable', 'record_tables',
-           'append_rows', 'latest_run', 'markdown_table', 'provenance']
+__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'TERM_WIDTH', 'STAMP_COLUMNS', 'resolve_device', 'module_device',
+           'check_device', 'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity',
+           'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text',
+           'check_writable', 'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits', 'check_recordable',
+           'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
@@ -134,6 +134,7 @@ def fidelity(out, ref) -> dict:
 # %% ../nbs/00_core.ipynb #6af58d71
 FINGERPRINT_KEYS = ('device', 'device_name', 'capability', 'torch', 'torchao', 'diffusers', 'transformers',
                     'git_sha', 'utc')
+TERM_WIDTH = 120  # a terminal's columns: every table and note the lab prints fits in them (wider ones go to reports)
 
 def repo_root() -> Path:
     "The checkout (or install prefix) this package lives in: where `data/` is."

@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from .core import (append_rows, device_name, markdown_table, repo_root, resolve_device)
+from .core import TERM_WIDTH, append_rows, device_name, markdown_table, repo_root, resolve_device
 from .capability import gpu_capability, hardware_gate
 from .gpus import (COMPILER_SETTINGS, REQUIRED_GPUS, SPEC_COLS, gpu_schemes, gpu_spec, gpu_specs,
                             same_compiler_settings)   # they live in 11a_gpus; importable from here too
@@ -24,8 +24,8 @@ from .stats import interleaved_times, speed_vs, time_once, warm_up
 # %% auto #0
 __all__ = ['ROOFLINE_SCHEMES', 'EFFICIENCY', 'MEASURED_EFF', 'FIT_PARAMS', 'FIT_GRIDS', 'CALIBRATION_MAX_ERR', 'CUBE_SIZES',
            'SURFACE_M', 'SURFACE_KN', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'BENCH_COLS',
-           'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'TERM_WIDTH', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time',
-           'roofline', 'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
+           'NVFP4_MARGIN', 'MIN_GAIN', 'EIGHT_BIT', 'as_shape', 'gemm_passes', 'as_eff', 'predict_time', 'roofline',
+           'published_ratios', 'calibrate', 'fit_efficiency', 'Crossover', 'find_crossover', 'BenchTiming',
            'gemm_bench', 'record_gemm_bench', 'measured_spec', 'compare_bench', 'model_linear_shapes', 'layer_policy',
            'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'wrap_note', 'short_name',
            'terminal_table', 'crossover_data', 'crossover_text', 'cli_crossover', 'plot_crossover']
@@ -599,9 +599,6 @@ def layers_table(layers: pd.DataFrame, group: bool = True) -> pd.DataFrame:
     out = df.groupby(['layer', 'M', 'K', 'N'], sort=False).agg(**agg).reset_index()
     for s in schemes: out[f'{s}_us'] *= 1e6
     return out
-
-# %% ../nbs/12_crossover.ipynb #72f6bfce
-TERM_WIDTH = 120  # the columns every printed table and note of `crossover` and `predict` fits in
 
 # %% ../nbs/12_crossover.ipynb #e7596cfd
 def wrap_note(text: str, # one paragraph

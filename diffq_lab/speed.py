@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from .core import markdown_table, repo_root
+from .core import TERM_WIDTH, markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
@@ -18,7 +18,7 @@ from .memory import (LOAD_MODES, PIXELS_PER_TOKEN, QUANT_RULES, get_model, linea
                               pipeline_trace, denoiser_trace, linear_calls,
                               linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
-from .crossover import TERM_WIDTH, model_linear_shapes, wrap_note
+from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',

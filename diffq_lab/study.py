@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic_write_text, utc_now,
                             check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
-                            fingerprint, provenance)
+                            fingerprint, provenance, TERM_WIDTH)
 from .core import fidelity
 from .emulate import outlier_channels
 from .capability import capability_report, format_report, real_path
@@ -438,7 +438,7 @@ def numerics_summary(num: pd.DataFrame) -> pd.DataFrame:
     wide.columns = [f'{m}_{k}' for m, k in wide.columns]
     return wide.reset_index().sort_values(f'rel_err_{num.tokens.iloc[0]}').reset_index(drop=True)
 
-WIDTH = 120  # the terminal columns the study's printed tables and notes fit in
+WIDTH = TERM_WIDTH  # the terminal columns the study's printed tables and notes fit in
 
 # %% ../nbs/15_study.ipynb #d8bd87fe
 def _fill(s: str, indent: str = '') -> str: return textwrap.fill(s, WIDTH, subsequent_indent=indent or '  ')
