@@ -99,8 +99,8 @@ def _weights_MiB(pipe) -> dict:
     return dict(te_MiB=mib(text_encoders(pipe).values()), transformer_MiB=mib(denoisers(pipe).values()))
 
 # %% ../nbs/15_study.ipynb #0945b3a9
-def _paired_renders(dense, pipe, pairs, timed, rounds, steps, size, device, **render_kw) -> tuple[dict, list, list]:
-    "Every pair rendered quantised, each timed one beside a dense render of it, in ABBA order: images, paired seconds."
+def _paired_renders(dense, pipe, pairs, rounds, steps, size, device, **render_kw) -> tuple[dict, list, list]:
+    "Every pair rendered quantised beside a dense render of it, in alternating (ABBA) order: images, paired seconds."
     def go(p, pair) -> tuple[float, torch.Tensor]:
         out = []
         secs = time_once(lambda: out.append(render(p, pair[1], steps=steps, size=size, seed=pair[0], **render_kw)),
@@ -108,11 +108,9 @@ def _paired_renders(dense, pipe, pairs, timed, rounds, steps, size, device, **re
         return secs, out[0]
     # a one-step render warms the quantised pipeline up (its first call pays for dispatch set-up); dense is warm already
     render(pipe, pairs[0][1], steps=1, size=size, seed=pairs[0][0], **render_kw)
-    imgs = {}
-    t_dense, t_quant = [], []
-    for r in range(rounds):
-        for pair in pairs if r == 0 else timed:
-            if pair not in timed: imgs[pair] = go(pipe, pair)[1]; continue
+    imgs, t_dense, t_quant = {}, [], []
+    for _ in range(rounds):
+        for pair in pairs:
             order = ('dense', 'quantised') if len(t_dense) % 2 == 0 else ('quantised', 'dense')  # AB, BA: drift cancels
             ts = {k: go(dense if k == 'dense' else pipe, pair) for k in order}
             t_dense.append(ts['dense'][0]); t_quant.append(ts['quantised'][0])
@@ -153,23 +151,18 @@ class Renders:
     prompts: tuple | None = None  # None: held-out captions on the trained pipeline, else the first two STUDY_PROMPTS
     steps: int | None = None      # None: TRAINED_STEPS on the trained pipeline, else 2
     size: int = 32                # image side in pixels
-    rounds: int = 1               # ABBA timing rounds over the timed pairs
-    timed: int | None = None      # how many pairs (the first ones) are timed against dense; None: every pair
+    rounds: int = 1               # ABBA timing rounds over the pairs
 
     def resolved(self, trained: bool) -> Renders:
         "The defaults filled in for the trained (or a tiny) pipeline."
         prompts = self.prompts if self.prompts is not None else heldout_prompts()[:4] if trained else STUDY_PROMPTS[:2]
         steps = self.steps if self.steps is not None else TRAINED_STEPS if trained else 2
-        for name, v, least in (('rounds', self.rounds, 1), ('timed', self.timed, 1)):
-            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < least):
-                raise ValueError(f'{name} must be an int >= {least}, got {v!r}')
+        if isinstance(self.rounds, bool) or not isinstance(self.rounds, int) or self.rounds < 1:
+            raise ValueError(f'rounds must be an int >= 1, got {self.rounds!r}')
         return replace(self, seeds=tuple(self.seeds), prompts=tuple(prompts), steps=steps)
 
     @property
     def pairs(self) -> list[tuple]: return [(s, p) for s in self.seeds for p in self.prompts]
-
-    @property
-    def timed_pairs(self) -> list[tuple]: return self.pairs[:self.timed]
 
 # %% ../nbs/15_study.ipynb #7d738cd4
 # a study's run options: `workers` > 1 runs its arms side by side in forked processes (`harness.forked_map`)
@@ -257,8 +250,8 @@ def _study_base(job: _StudyJob, fam: str, n_pairs: int) -> dict:
                 compiler=COMPILER_SETTINGS if job.policy.compile else 'eager',
                 memory='CUDA allocated bytes above the resident weights' if cuda else
                        'process resident set (VmHWM) above its level before the renders',
-                paired=f'{len(r.timed_pairs)} of {n_pairs} (seed, prompt) pairs each rendered dense and scheme, in '
-                       f'alternating order (AB, BA, ...), {r.rounds} round(s); from the remembered encoder states')
+                paired=f'each of the {n_pairs} (seed, prompt) pairs rendered dense and scheme, in alternating order '
+                       f'(AB, BA, ...), {r.rounds} round(s); from the remembered encoder states')
 
 # %% ../nbs/15_study.ipynb #3b568e84
 def _quality_columns(q: list[dict]) -> dict:
@@ -287,8 +280,8 @@ def _arm(job: _StudyJob, dense, s, policy: QuantPolicy) -> tuple:
                                            transformer_quant=s if 'transformer' in parts else None, device=job.device,
                                            policy=policy)
         sizes = _weights_MiB(pipe)
-        imgs, t_dense, t_quant = _paired_renders(dense, pipe, r.pairs, r.timed_pairs, r.rounds, r.steps, r.size,
-                                                 job.device, **job.render_kw)
+        imgs, t_dense, t_quant = _paired_renders(dense, pipe, r.pairs, r.rounds, r.steps, r.size, job.device,
+                                                 **job.render_kw)
     return st, imgs, t_dense, t_quant, sizes, peak_extra_bytes(mark, job.device)
 
 # %% ../nbs/15_study.ipynb #0e165984
