@@ -4,7 +4,7 @@
 
 # %% ../nbs/00_core.ipynb #22cc86dc
 from __future__ import annotations
-import contextlib, csv, datetime, io, json, math, os, platform, re, shutil, subprocess, tempfile, uuid, warnings
+import contextlib, csv, datetime, hashlib, io, json, math, os, platform, re, shutil, subprocess, tempfile, uuid, warnings
 from filelock import FileLock
 from importlib.metadata import version as _pkg_version, PackageNotFoundError
 from pathlib import Path
@@ -14,9 +14,9 @@ import torch
 # %% auto #0
 __all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'TERM_WIDTH', 'STAMP_COLUMNS', 'resolve_device', 'module_device',
            'check_device', 'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity',
-           'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text',
-           'check_writable', 'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits', 'check_recordable',
-           'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
+           'file_sha256', 'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir',
+           'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits',
+           'check_recordable', 'record_tables', 'append_rows', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
@@ -135,6 +135,13 @@ def fidelity(out, ref) -> dict:
 FINGERPRINT_KEYS = ('device', 'device_name', 'capability', 'torch', 'torchao', 'diffusers', 'transformers',
                     'git_sha', 'utc')
 TERM_WIDTH = 120  # a terminal's columns: every table and note the lab prints fits in them (wider ones go to reports)
+
+def file_sha256(path) -> str:
+    "The sha256 of the file at `path`, read in 1 MiB chunks (a 270 MB safetensors never sits in memory whole)."
+    h = hashlib.sha256()
+    with open(path, 'rb') as f:
+        for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
+    return h.hexdigest()
 
 def repo_root() -> Path:
     "The checkout (or install prefix) this package lives in: where `data/` is."

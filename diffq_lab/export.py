@@ -10,7 +10,7 @@ from types import SimpleNamespace
 from pathlib import Path
 import torch
 from torch import nn
-from .core import as_dtype, check_writable, package_version, resolve_device
+from .core import as_dtype, check_writable, file_sha256, package_version, resolve_device
 from .schemes import FakeQuantLinear, get_scheme, make_filter_fn, quantized_linears, skip_reasons
 from .plan import ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy, component_config
 from .pipelines import get_family, family_of
@@ -153,10 +153,7 @@ def file_digests(folder: Path) -> dict[str, str]:
     for p in sorted(Path(folder).rglob('*')):
         name = p.relative_to(folder).as_posix()
         if p.is_file() and name != SAVED_META:  # a diffq_saved.json in a subfolder is not the record: it is digested
-            h = hashlib.sha256()
-            with open(p, 'rb') as f:
-                for block in iter(lambda: f.read(1 << 20), b''): h.update(block)
-            out[name] = h.hexdigest()
+            out[name] = file_sha256(p)
     return out
 
 # %% ../nbs/10a_export.ipynb #29dbbefc

@@ -4,14 +4,14 @@
 
 # %% ../nbs/06_text_encoders.ipynb #90151833
 from __future__ import annotations
-import contextlib, copy, hashlib, inspect, json, logging, os, re, sys, warnings
+import contextlib, copy, inspect, json, logging, os, re, sys, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import as_dtype, device_name, module_device, package_version, resolve_device, utc_now
+from .core import as_dtype, device_name, file_sha256, module_device, package_version, resolve_device, utc_now
 from .schemes import SCHEMES, get_scheme, normalize_scheme, make_filter_fn, quantized_linears
 from .schemes import is_quantized_linear
 from . import capability
@@ -589,15 +589,8 @@ def _dequantised(e: RealEncoder, work: Path):
     plain.load_state_dict(m.state_dict())
     return plain.to(torch.bfloat16).eval(), tok
 
-# %% ../nbs/06_text_encoders.ipynb #7c76a281
-def _hash_file(path) -> str:
-    "The sha256 of the file at `path`, read in 1 MiB chunks."
-    h = hashlib.sha256()
-    with open(path, 'rb') as f:
-        for chunk in iter(lambda: f.read(1 << 20), b''): h.update(chunk)
-    return h.hexdigest()
-
 # %% ../nbs/06_text_encoders.ipynb #1b94c608
+_hash_file = file_sha256  # core's; a name of this module's, so a test can count the hashing
 _DIGESTS: dict = {}  # a file's stat -> its sha256: a second load in one process does not rehash 270 MB
 
 def _sha256(path) -> str:
