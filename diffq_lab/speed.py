@@ -413,12 +413,28 @@ def _dense_part(trace, spec) -> float:
     t = np.maximum(mm.flops.to_numpy(float) / (_peak(spec, 'bf16') * ge), mm.bytes.to_numpy(float) / bw) + 2e-6
     return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, False)
 
+# %% ../nbs/12a_speed.ipynb #a7f3e2d0
+def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPolicy) -> np.ndarray:
+    "The scheme of each Linear call of `shapes`: the rules' picks of one scheme, or a per-Linear plan's (bf16: dense)."
+    feats, fqns = policy.features(tiny=False), shapes.fqn
+    if isinstance(scheme, str): plan = dict.fromkeys(fqns, scheme)
+    else:
+        plan = dict(scheme)
+        if unknown := sorted(set(plan) - set(fqns)):
+            raise ValueError(f'{m.name} has no Linear {unknown[0]!r}; its Linears: {", ".join(fqns.iloc[:3])}, ...')
+    if bad := sorted({s for s in plan.values() if s not in ('bf16', *SCHEMES)}):
+        raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
+    # a Linear the rules leave dense for its scheme stays dense, whatever the plan says: as `quantize_` would leave it
+    picked = {s: _picked(m.name, s, work.rules, feats) for s in set(plan.values()) - {'bf16'}}
+    return np.array([s if s != 'bf16' and f in picked[s] else 'bf16' for f in fqns
+                     for s in [plan.get(f, 'bf16')]], dtype=object)
+
 # %% ../nbs/12a_speed.ipynb #dd1658c7
 def forward_time(gpu, # a GPU name or spec dict
                  model, # a registry family with real dims, or one of `SPEED_FAMILIES`
-                 scheme: str = 'bf16', # the scheme of the Linears `work.rules` pick (bf16: all dense)
+                 scheme: str | dict = 'bf16', # the scheme of the Linears `work.rules` pick, or a plan: fqn -> scheme
                  work: Workload | None = None, # picture, batch, execution mode, rules, attention
-                 *, path: str | None = None, # the kernel path (None: the newest of the mode, `default_path`)
+                 *, path: str | None = None, # one scheme's kernel path (None: the newest of the mode, `default_path`)
                  cal: dict | None = None, # the path calibration (None: `calibrate()` on the kernel points)
                  policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
                  **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=768, min_features=0)
@@ -426,29 +442,31 @@ def forward_time(gpu, # a GPU name or spec dict
     "Predicted seconds of one denoiser forward of `model` with its Linears in `scheme`, by part, GPU and CPU."
     work, rest = as_workload(work, **settings)
     policy = as_policy(policy, **rest)
-    if scheme not in ('bf16', *SCHEMES):
-        raise ValueError(f'unknown scheme {scheme!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
+    if path and not isinstance(scheme, str): raise ValueError("path is one scheme's kernel path; a plan takes each default")
     spec, m = gpu_spec(gpu), speed_family(model)
     cal = _calibration() if cal is None else cal
     launch = launch_costs().loc['eager' if work.compile == 'none' else work.compile]
-    path = path or (default_path(scheme, work.compile) if scheme != 'bf16' else 'bf16')
     shapes, tr = denoiser_calls(m, work)
-    picked = _picked(m.name, scheme, work.rules, policy.features(tiny=False)) if scheme != 'bf16' else frozenset()
-    q = shapes.fqn.isin(picked).to_numpy()
+    assigned = _assignment(m, scheme, shapes, work, policy)
     M, K, N = (shapes[c].to_numpy(float) for c in 'MKN')
-    lin = float(linear_time(spec, M[~q], K[~q], N[~q], 'bf16', cal, work.compiled).sum())
-    if q.any(): lin += float(linear_time(spec, M[q], K[q], N[q], path, cal, work.compiled).sum())
+    lin, extra, cpu_lin, paths = 0.0, 0, 0.0, []
+    for s in sorted(set(assigned)):
+        q = assigned == s
+        p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile))
+        lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled).sum())
+        if s != 'bf16':
+            paths.append(p)
+            extra += int(q.sum()) * (linear_kernels(p) - 1)
+            cpu_lin += int(q.sum()) * _path_rows().loc[p].cpu_us_per_linear * 1e-6
     att, other = _attention_time(tr, spec, work.attention), _other_time(tr, spec, work.compiled)
-    extra = int(q.sum()) * (linear_kernels(path) - 1)
     kernels = (tr.fused_kernels if work.compiled else tr.eager_kernels) + extra
-    cpu = kernels * launch.cpu_us_per_kernel * 1e-6
-    if not work.compiled: cpu += int(q.sum()) * _path_rows().loc[path].cpu_us_per_linear * 1e-6
+    cpu = kernels * launch.cpu_us_per_kernel * 1e-6 + (0.0 if work.compiled else cpu_lin)
     gpu_s = lin + att + other
     return dict(seconds=max(gpu_s, cpu), gpu_s=gpu_s, cpu_s=cpu, linear_s=lin, attention_s=att, other_s=other,
-                kernels=kernels, quantised_linears=int(q.sum()), path=path)
+                kernels=kernels, quantised_linears=int((assigned != 'bf16').sum()), path=', '.join(paths) or 'bf16')
 
 # %% ../nbs/12a_speed.ipynb #25e6b23d
-def _pipeline(spec, m, scheme: str, work: Workload, path=None, cal=None, policy=None) -> dict:
+def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, policy=None) -> dict:
     "Seconds of one pipeline call: text encoders per prompt (x forwards per step), every forward, one VAE decode."
     fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy)
     te = vae = 0.0
@@ -468,7 +486,7 @@ def pipeline_time(gpu, # a GPU name or spec dict
                   batch: int = 1, # images per call
                   steps: int = 28, # denoising steps
                   forwards_per_step: int = 1, # denoiser forwards per step (2: classifier-free guidance)
-                  scheme: str = 'bf16', # the scheme of the Linears the rules pick
+                  scheme: str | dict = 'bf16', # the scheme of the Linears the rules pick, or a plan: fqn -> scheme
                   compile: str = 'inductor', # 'none', 'inductor' or 'cudagraphs'
                   **kw, # other Workload fields (height, frames, text_tokens, rules, attention), path, cal, policy
                  ) -> dict:
