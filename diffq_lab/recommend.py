@@ -5,7 +5,7 @@
 # %% ../nbs/16_recommend.ipynb #r0000006
 from __future__ import annotations
 import copy, math
-from collections import Counter
+from collections import Counter, defaultdict
 from dataclasses import dataclass, field, fields
 from typing import Callable
 import numpy as np
@@ -21,13 +21,14 @@ from .block_select import capture_calls
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
-from .memory import latent_grid
-from .crossover import layer_pattern, model_linear_shapes
-from .speed import Workload, default_path, linear_time, pipeline_time, residual_bands
+from .memory import quantised_linears
+from .crossover import layer_pattern
+from .speed import (Workload, calibrate, default_path, linear_time, pipeline_time, residual_bands,
+                             denoiser_calls as real_linear_calls)
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'denoiser_calls', 'linear_sensitivity',
-           'pattern_times', 'linear_times', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable',
+           'pattern_times', 'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable',
            'Recommendation', 'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
@@ -130,14 +131,16 @@ def linear_sensitivity(tr: nn.Module, # the denoiser
     return pd.DataFrame(rows, columns=['fqn', 'scheme', 'backend', 'rel_err'])
 
 # %% ../nbs/16_recommend.ipynb #r0000015
-def pattern_times(family, gpu, work: Workload | None = None) -> pd.DataFrame:
-    "Per layer pattern of `family`'s real denoiser under `work` (square): its real Linears, summed seconds per format."
-    w, spec = work or Workload(), gpu_spec(gpu)
-    if w.height not in (None, w.size): raise ValueError(f'pattern_times models square images, got {w.size}x{w.height}')
-    shapes = model_linear_shapes(family, latent_grid(family, w.size, w.frames), batch=w.batch)
+def pattern_times(family, gpu, work: Workload | None = None, policy: QuantPolicy | None = None) -> pd.DataFrame:
+    "Per layer pattern of `family`'s real denoiser under `work`: its real Linears, summed seconds per format."
+    w, spec, policy = work or Workload(), gpu_spec(gpu), as_policy(policy)
+    shapes, cal = real_linear_calls(family, w)[0], calibrate()
     m, k, n = (shapes[c].to_numpy(float) for c in 'MKN')
-    path = lambda s: 'bf16' if s == 'bf16' else default_path(s, w.compile)
-    cols = {s: linear_time(spec, m, k, n, path(s), compiled=w.compiled) for s in ('bf16', *gpu_formats(spec))}
+    bf16 = linear_time(spec, m, k, n, 'bf16', cal, w.compiled)
+    cols = {'bf16': bf16}
+    for s in gpu_formats(spec):   # a Linear the rules leave dense for s keeps its bf16 time: as `predict` times it
+        q = shapes.fqn.isin(quantised_linears(family, s, w.rules, policy)).to_numpy()
+        cols[s] = np.where(q, linear_time(spec, m, k, n, default_path(s, w.compile), cal, w.compiled), bf16)
     layers = shapes.assign(pattern=shapes.fqn.map(layer_pattern), n=1, **cols)
     return layers.groupby('pattern')[['n', *cols]].sum()
 
@@ -151,6 +154,18 @@ def linear_times(tr: nn.Module, patterns: pd.DataFrame) -> dict[str, dict[str, f
         pat = layer_pattern(f)
         if pat in patterns.index: out[f] = {s: float(t) / count[pat] for s, t in patterns.loc[pat].drop('n').items()}
     return out
+
+# %% ../nbs/16_recommend.ipynb #b7d1e0a1
+def real_plan(choice: dict, # fqn -> format of the measured denoiser's Linears ('bf16': dense)
+              real_fqns, # the real model's Linear names
+             ) -> dict[str, str]:
+    "The real model's Linears in `choice`'s formats: each pattern's real Linears shared out as its measured ones are."
+    measured = defaultdict(list)
+    for f, s in choice.items(): measured[layer_pattern(f)].append(s)
+    real = defaultdict(list)
+    for f in dict.fromkeys(real_fqns): real[layer_pattern(f)].append(f)
+    return {f: ss[i * len(ss) // len(fs)] for pat, fs in real.items()
+            for ss in [sorted(measured.get(pat, ['bf16']))] for i, f in enumerate(fs)}
 
 # %% ../nbs/16_recommend.ipynb #r0000018
 def _options(sens: pd.DataFrame, times: dict) -> dict[str, dict[str, tuple[float, float]]]:
@@ -247,12 +262,16 @@ def _check_bar(bar):
         raise ValueError(f'bar is the minimum mean PSNR against dense in dB (a positive number), got {bar!r}')
 
 # %% ../nbs/16_recommend.ipynb #a59b3c19
-def _whole_time(spec, family: str, target: RealTarget, opts: dict) -> Callable:
-    "choice -> the real pipeline's predicted seconds: its dense time, the chosen Linears' gain taken off each forward."
-    w = target.work
-    dense = pipeline_time(spec, family, **{f.name: getattr(w, f.name) for f in fields(w)})['seconds']  # bf16
-    dense_lin = predicted({f: 'bf16' for f in opts}, opts)['time_s']
-    return lambda choice: dense + w.steps * w.forwards_per_step * (predicted(choice, opts)['time_s'] - dense_lin)
+def _whole_time(spec, family: str, target: RealTarget, policy: QuantPolicy) -> Callable:
+    "choice -> the real pipeline's predicted seconds: `predict`'s model of the real pipeline under the plan."
+    w, memo = target.work, {}
+    fqns = real_linear_calls(family, w)[0].fqn
+    def whole(choice):
+        key = tuple(sorted(choice.items()))
+        if key not in memo: memo[key] = pipeline_time(spec, family, scheme=real_plan(choice, fqns), policy=policy,
+                                                  **{f.name: getattr(w, f.name) for f in fields(w)})['seconds']
+        return memo[key]
+    return whole
 
 # %% ../nbs/16_recommend.ipynb #591b6da8
 def _bisect(measure, chain: list) -> int:
@@ -288,8 +307,8 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
         raise ValueError(f'recommend_plan plans one denoiser (transformer); {fam} has {list(denoisers(pipe))}')
     tr = pipe.transformer
     sens = linear_sensitivity(tr, denoiser_calls(pipe, w), formats, policy, device)
-    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work)))
-    whole = _whole_time(spec, fam, t, opts)
+    opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work, policy)))
+    whole = _whole_time(spec, fam, t, policy)
     te = (plan_text_encoders(pipe, te_scheme, family=fam, backend=policy.backend, device=device) if te_scheme
           else QuantPlan())
     full = lambda choice: QuantPlan({**te.components, 'transformer': _plan_for(tr, choice, policy, device)})
