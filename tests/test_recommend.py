@@ -29,7 +29,8 @@ def planted_rec():
     hot = plant(pipe, 'noise_refiner.0') + plant(pipe, 'layers.0')
     spec = {**gpu_spec('b200'), 'gpu': 'fp4-heavy what-if', 'fp4_tflops': 8 * 9000.0}
     target = RealTarget(work=Workload(size=2048))
-    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), target)
+    # the search's own plan (simplest=False): with the fitted FP4 path its gain over uniform fp8 is inside the model's error
+    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), target, simplest=False)
 
 
 def test_planted_sensitivity_stays_dense_or_8_bit(planted_rec):
