@@ -12,15 +12,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import append_rows, fidelity, resolve_device
-from .schemes import REGISTRY, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_scheme, make_config
+from .schemes import (REGISTRY, SMOOTH_ALPHA, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_scheme,
+                               lowrank_bytes, make_config, register_scheme)
 
 # %% auto #0
 __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE',
-           'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise',
-           'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'Emulation',
-           'register_emulation', 'get_emulation', 'recipes_table', 'EmulatedLinear', 'emulate_linears', 'real_or',
-           'reference_for', 'reference_kind', 'NVFP4ScaleWarning', 'nvfp4_scale_hazard', 'int4_groupwise',
+           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'INT4_W4A4_GROUP', 'AGREEMENT_SHAPES',
+           'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to',
+           'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4',
+           'Emulation', 'register_emulation', 'get_emulation', 'recipes_table', 'EmulatedLinear', 'emulate_linears',
+           'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning', 'nvfp4_scale_hazard', 'int4_groupwise',
+           'int4_symmetric', 'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear', 'lowrank_variant',
            'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement', 'outlier_channels',
            'make_activations', 'numerics_table', 'record_numerics']
 
@@ -198,6 +200,9 @@ class Emulation:
     # the forward takes (tokens, K) only (torch.mm); False: any leading shape (F.linear)
     needs_2d: bool = True
     cast_bias: Callable | None = None   # what storage does to the bias (layerwise casting stores it in fp8)
+    # (scheme, w) -> {name: tensor}: more buffers the forward reads and fills (the low-rank branch); None: none
+    buffers: Callable | None = None
+    dequantize: Callable | None = None  # module -> the weight it computes with, where `qweight` alone is not it
 
 EMULATIONS: dict[str, Emulation] = {}
 
@@ -256,6 +261,9 @@ class EmulatedLinear(FakeQuantLinear):
                 if emu.cast_bias: bias = emu.cast_bias(bias)
         self.register_buffer('qweight', qweight)
         self.register_buffer('weight_scale', scale)
+        for name, t in (emu.buffers(self.scheme, weight.detach()) if emu.buffers else {}).items():
+            self.register_buffer(name, t)
+        self._dequantize = emu.dequantize
         self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
 
     @classmethod
@@ -267,6 +275,7 @@ class EmulatedLinear(FakeQuantLinear):
     @property
     def weight(self) -> torch.Tensor:
         "The dequantised weight, in the stored dtype."
+        if self._dequantize is not None: return self._dequantize(self)
         if self.weight_scale is None: return self.qweight
         return (self.qweight.float() * self.weight_scale[:, None]).to(self.qweight.dtype)
 
@@ -557,6 +566,163 @@ register_emulation('int4wo', activation='bf16', weight='uint4 per group of 128 a
                    mirrors='Int4WeightOnlyConfig: Int4TilePackedTo4dTensor.from_hp + torch._weight_int4pack_mm',
                    quantize_weight=lambda w, rowwise: (int4_groupwise(w), None),
                    reference=real_or(_int4_tinygemm_primitives), needs_2d=False)(_fwd_linear)
+
+# %% ../nbs/02_emulate.ipynb #lr000002
+INT4_W4A4_GROUP = 64  # SVDQuant's INT4 group along K, for activations and weights
+
+def _int4_codes(x: torch.Tensor, group: int = INT4_W4A4_GROUP):
+    "int4 symmetric codes (as fp32) per group of `group` along K and fp32 scales: torchao's symmetric affine math."
+    xb = _blocks(x, group)  # zero-padded along K
+    # choose_qparams_affine(SYMMETRIC, -8, 7): amax / ((7 - -8) / 2) in the input dtype, clamped at eps, then fp32
+    scale = (xb.abs().amax(-1, keepdim=True) / 7.5).clamp(min=INT8_EPS).float()
+    return _fp32(xb).mul_(1.0 / scale).round_().clamp_(-8, 7), scale  # quantize_affine: half to even, clamp
+
+# %% ../nbs/02_emulate.ipynb #lr000003
+def int4_symmetric(x: torch.Tensor, group: int = INT4_W4A4_GROUP) -> torch.Tensor:
+    "Fake-quant `x` to int4 with one symmetric scale (amax/7.5, codes -8..7) per group of `group` along K."
+    q, scale = _int4_codes(x, group)
+    return _unblock(q.mul_(scale), x.shape[-1]).to(x.dtype)  # dequantize_affine: codes * scale in fp32
+
+# %% ../nbs/02_emulate.ipynb #lr000004
+def smooth_scales(x_amax: torch.Tensor, # (K,) max |x_j| per input channel, over the calibration tokens
+                  w: torch.Tensor, # the (N, K) weight
+                  alpha: float = SMOOTH_ALPHA, # migration strength: 0 leaves x alone, 1 moves all its range to W
+                 ) -> torch.Tensor:
+    "Per-input-channel smoothing factors `s_j = max|x_j|^alpha / max|W_:,j|^(1-alpha)` (fp32; 1 where undefined)."
+    xa, wa = x_amax.detach().float(), w.detach().abs().amax(0).float()
+    s = xa.pow(alpha) / wa.pow(1 - alpha)
+    # a dead channel (no activation or no weight) or an inf/NaN activation: leave that channel unscaled
+    return torch.where((xa > 0) & (wa > 0) & torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
+
+# %% ../nbs/02_emulate.ipynb #lr000005
+def lowrank_split(w: torch.Tensor, # the (N, K) weight (smoothed)
+                  rank: int, # how many singular directions the branch keeps (0: none)
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    "`(up (N, r), down (r, K))` in fp32 with `up @ down` the best rank-r approximation of `w` (SVD in float64)."
+    n, k = w.shape
+    r = min(rank, n, k)
+    if r == 0: return w.new_zeros(n, 0, dtype=torch.float32), w.new_zeros(0, k, dtype=torch.float32)
+    u, sv, vh = torch.linalg.svd(w.detach().double(), full_matrices=False)
+    up, down = (u[:, :r] * sv[:r]).float(), vh[:r].float()
+    # an all-zero output row (input column) stays exactly zero in the branch: the SVD leaves rounding noise there
+    up[(w == 0).all(1)] = 0
+    down[:, (w == 0).all(0)] = 0
+    return up, down
+
+# %% ../nbs/02_emulate.ipynb #lr000006
+def svdquant_weight(w: torch.Tensor, # the (N, K) weight; the results come in its dtype
+                    x_amax: torch.Tensor | None, # (K,) activation absmax per input channel (None: no smoothing)
+                    rank: int, # the branch's rank (0: none)
+                    quantize: Callable, # the 4-bit fake-quant of the residual (`nvfp4`, `int4_symmetric`)
+                    alpha: float | None = SMOOTH_ALPHA, # smoothing strength (None: no smoothing)
+                   ) -> tuple[torch.Tensor, ...]:
+    "`(s, up, down, Q(R))`: smoothing factors, the rank-r branch of `W*s` and its quantised residual `R = W*s - up@down`."
+    smooth = x_amax is not None and alpha is not None
+    s = (smooth_scales(x_amax, w, alpha) if smooth else torch.ones(w.shape[1], device=w.device)).to(w.dtype)
+    ws = w.float() * s.float()  # s as stored: x/s at run time divides by the same number
+    up, down = (t.to(w.dtype) for t in lowrank_split(ws, rank))
+    # the residual against the stored (rounded) branch, so that Q(R) + up@down is W*s to 4 bits
+    return s, up, down, quantize((ws - up.float() @ down.float()).to(w.dtype))
+
+# %% ../nbs/02_emulate.ipynb #lr000007
+def svdquant_linear(x: torch.Tensor, # activations (..., K)
+                    s: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qr: torch.Tensor, # `svdquant_weight`'s
+                    quantize: Callable, # the activations' 4-bit fake-quant (as the residual's)
+                    bias: torch.Tensor | None = None,
+                   ) -> torch.Tensor:
+    "`Q(x/s) Q(R)^T + ((x/s) down^T) up^T + bias`: the 4-bit GEMM on the residual beside the 16-bit branch."
+    xs = x / s
+    y = F.linear(quantize(xs), qr, bias)
+    return y + F.linear(F.linear(xs, down), up) if up.shape[1] else y
+
+# %% ../nbs/02_emulate.ipynb #lr000010
+def _lowrank_buffers(scheme: Scheme, w: torch.Tensor) -> dict:
+    "The branch's buffers, empty until the first call fills them (their shapes fixed, so a state dict loads)."
+    n, k = w.shape
+    r = min(scheme.rank, n, k)
+    return dict(smooth=w.new_ones(k), lr_up=w.new_zeros(n, r), lr_down=w.new_zeros(r, k),
+                calibrated=torch.zeros((), dtype=torch.bool, device=w.device))
+
+def _lowrank_dequantize(m) -> torch.Tensor:
+    "The weight the emulated Linear computes with: (Q(R) + up @ down) / s (before calibration, the dense weight)."
+    return ((m.qweight.float() + m.lr_up.float() @ m.lr_down.float()) / m.smooth.float()).to(m.qweight.dtype)
+
+# %% ../nbs/02_emulate.ipynb #lr000011
+@torch.no_grad()
+def _lowrank_calibrate(m, x: torch.Tensor, quantize: Callable):
+    "Fill `m`'s branch from its first call: `x`'s absmax per channel, smoothing, SVD, the quantised residual."
+    amax = x.detach().reshape(-1, x.shape[-1]).abs().amax(0)
+    parts = svdquant_weight(m.qweight, amax, m.lr_up.shape[1], quantize, m.scheme.smooth_alpha)
+    for name, t in zip(('smooth', 'lr_up', 'lr_down', 'qweight'), parts): getattr(m, name).copy_(t)
+    m.calibrated.fill_(True)
+
+def _lowrank_forward(quantize: Callable, guard: bool = False) -> Callable:
+    "The forward of a low-rank scheme whose 4-bit format is `quantize` (`guard`: NVFP4's per-tensor scale warning)."
+    def forward(m, x):
+        if not m.calibrated: _lowrank_calibrate(m, x, quantize)
+        s, up, down = (t if t.dtype == x.dtype else t.to(x.dtype) for t in (m.smooth, m.lr_up, m.lr_down))
+        if guard: _nvfp4_guard(x / s)
+        return svdquant_linear(x, s, up, down, _w(m, x), quantize, _b(m, x))
+    return forward
+
+# %% ../nbs/02_emulate.ipynb #lr000012
+def _lowrank_reference(quantize: Callable, kind: str) -> Callable:
+    "A reference: the same smoothing and SVD around the real quantiser `quantize` (torchao's), calibrated on the first call."
+    def reference(scheme: Scheme, device: torch.device):
+        def build(linear):
+            w, b, parts = linear.weight.detach(), linear.bias, []
+            def run(x):
+                if not parts:
+                    amax = x.reshape(-1, x.shape[-1]).abs().amax(0)
+                    parts.extend(svdquant_weight(w, amax, scheme.rank, quantize, scheme.smooth_alpha))
+                return svdquant_linear(x, *parts, quantize, b)
+            return run
+        return kind, build
+    return reference
+
+def _int4_torchao(x: torch.Tensor) -> torch.Tensor:
+    "torchao's symmetric int4 affine quantise + dequantise, groups of 64 along K."
+    from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
+                                                       quantize_affine)
+    bs = (1,) * (x.ndim - 1) + (INT4_W4A4_GROUP,)
+    s, z = choose_qparams_affine(x, MappingType.SYMMETRIC, bs, torch.int8, -8, 7, eps=INT8_EPS, scale_dtype=torch.float32)
+    return dequantize_affine(quantize_affine(x, bs, s, z, torch.int8, -8, 7), bs, s, z, torch.int8, -8, 7,
+                             output_dtype=x.dtype)
+
+# %% ../nbs/02_emulate.ipynb #lr000013
+_LR = dict(quantize_weight=lambda w, rowwise: (w.clone(), None),  # dense until the first call calibrates it
+           needs_2d=False, buffers=_lowrank_buffers, dequantize=_lowrank_dequantize)
+register_emulation('nvfp4_lr', activation='NVFP4 of x/s (smoothing from the first call); x/s bf16 into the branch',
+                   weight='NVFP4 residual of W*s after an SVD rank-r bf16 branch',
+                   mirrors='SVDQuant (nunchaku): smoothing, SVD branch, NVFP4 W4A4 on the residual',
+                   reference=_lowrank_reference(_nvfp4_torchao_dequant, 'torchao NVFP4Tensor around the same SVD'),
+                   **_LR)(_lowrank_forward(nvfp4, guard=True))
+register_emulation('int4_lr', activation='int4 symmetric per token and group of 64 of x/s; x/s bf16 into the branch',
+                   weight='int4 symmetric per group of 64 of the residual of W*s after an SVD rank-r bf16 branch',
+                   mirrors='SVDQuant (nunchaku) INT4 W4A4: smoothing, SVD branch, per-group int4 on the residual',
+                   reference=_lowrank_reference(_int4_torchao, 'torchao int4 affine primitives around the same SVD'),
+                   **_LR)(_lowrank_forward(int4_symmetric))
+
+# %% ../nbs/02_emulate.ipynb #lr000014
+def lowrank_variant(base, # a registered low-rank scheme: 'nvfp4_lr' or 'int4_lr'
+                    rank: int, # the branch's rank (0: no branch)
+                    alpha: float | None = SMOOTH_ALPHA, # smoothing strength (None: no smoothing)
+                   ) -> Scheme:
+    "`base` at another rank and smoothing, registered with its recipe on first use: 'int4_lr16', 'nvfp4_lr0_nosmooth'."
+    b = get_scheme(base)
+    if b is None or b.rank is None:
+        raise ValueError(f"{base!r} has no low-rank branch; choose one of {[s for s, r in REGISTRY.items() if r.rank is not None]}")
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 0:
+        raise ValueError(f'rank must be an int >= 0, got {rank!r}')
+    if (rank, alpha) == (b.rank, b.smooth_alpha): return b
+    name = f'{b.name}{rank}' + ('' if alpha == SMOOTH_ALPHA else '_nosmooth' if alpha is None else f'_a{alpha:g}')
+    if name in REGISTRY: return REGISTRY[name]
+    extra = lambda k, n, r=rank: lowrank_bytes(k, n, r) - lowrank_bytes(k, n, b.rank)
+    s = register_scheme(dataclasses.replace(
+        b, name=name, aliases=(), rank=rank, smooth_alpha=alpha, weight_bytes=lambda k, n: b.weight_bytes(k, n) + extra(k, n),
+        doc=f'{b.name} at rank {rank}' + ('' if alpha == SMOOTH_ALPHA else f', smoothing alpha {alpha}')))
+    EMULATIONS[name] = dataclasses.replace(EMULATIONS[b.name], scheme=name)
+    return s
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

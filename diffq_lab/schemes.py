@@ -15,11 +15,12 @@ from torch import nn
 from .core import package_version
 
 # %% auto #0
-__all__ = ['REGISTRY', 'OFF', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme', 'register_scheme', 'unregister_scheme',
-           'scheme_choices', 'normalize_scheme', 'get_scheme', 'make_config', 'RegisteredNames', 'schemes_table',
-           'vocabulary_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear', 'quantized_linears',
-           'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons',
-           'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
+__all__ = ['REGISTRY', 'OFF', 'LOWRANK_RANK', 'SMOOTH_ALPHA', 'NO_LAB_KERNEL', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme',
+           'register_scheme', 'unregister_scheme', 'scheme_choices', 'normalize_scheme', 'get_scheme', 'make_config',
+           'lowrank_bytes', 'RegisteredNames', 'schemes_table', 'vocabulary_table', 'FakeQuantLinear',
+           'layerwise_registry', 'is_quantized_linear', 'quantized_linears', 'skip_reason', 'make_filter_fn',
+           'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons', 'apply_kernel',
+           'fp8_gate_bypassed', 'gate_bypassed']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -44,7 +45,8 @@ class Scheme:
     # (in_features, out_features) -> bytes of the stored weight, scales included
     weight_bytes: Callable[[int, int], float]
     config: Callable[[], object] | None = None  # the torchao config factory; None: not a torchao config
-    library: str = 'torchao'                  # whose code runs the real path: 'torchao' or 'diffusers'
+    # whose code runs the real path: 'torchao', 'diffusers', or 'nunchaku' (which the lab does not call: emulated)
+    library: str = 'torchao'
     aliases: tuple[str, ...] = ()
     multiple_of: tuple[int, int] = (1, 1)     # (in_features, out_features) multiples the kernel needs
     dtypes: tuple[torch.dtype, ...] | None = None  # weight dtypes the kernel takes; None: any
@@ -60,6 +62,8 @@ class Scheme:
     encoder_auto: bool = False                # `auto` may pick it for a text encoder
     # the tensor-core format the roofline times its GEMM as; None: not modelled
     roofline: str | None = None
+    rank: int | None = None                   # the rank of a 16-bit low-rank branch (SVDQuant-style); None: none
+    smooth_alpha: float | None = None         # that branch's smoothing strength (`SMOOTH_ALPHA`); None: no smoothing
 
     def __eq__(self, other): return self.name == (other.name if isinstance(other, Scheme) else other)
     def __hash__(self): return hash(self.name)
@@ -291,6 +295,48 @@ register_scheme(Scheme(
               'tinygemm int4 kernel (torch._weight_int4pack_mm) on sm_80+; torchao 0.18 has no CPU int4 layout'),
     weight_bytes=lambda k, n: n * k // 2 + n * (k // 128) * 4))  # packed nibbles, bf16 scale + zero per group
 
+# %% ../nbs/01_schemes.ipynb #lr000002
+LOWRANK_RANK = 32    # SVDQuant's rank: 16-32 is where its FLUX.1 ablation flattens
+SMOOTH_ALPHA = 0.5   # SmoothQuant's migration strength: s_j = max|x_j|^a / max|W_:,j|^(1-a)
+NO_LAB_KERNEL = (99, 0)  # a gate no GPU meets: the scheme's kernel is not one the lab can call, it runs emulated
+
+# %% ../nbs/01_schemes.ipynb #lr000003
+def lowrank_bytes(k: int, # in_features
+                  n: int, # out_features
+                  rank: int, # the branch's rank (0: no branch)
+                 ) -> int:
+    "Extra bytes of a rank-`rank` 16-bit low-rank branch beside a (k -> n) Linear: its two factors, r (k + n) 2."
+    return 2 * rank * (k + n)
+
+# %% ../nbs/01_schemes.ipynb #lr000004
+def _int4_w4a4_bytes(k: int, n: int) -> int: return n * k // 2 + n * _pad(k, 64) // 64 * 2  # nibbles, bf16 scale / 64
+
+def _lowrank_weight_bytes(residual: Callable[[int, int], float], rank: int) -> Callable[[int, int], float]:
+    "(k, n) -> bytes: the 4-bit `residual`, the rank-`rank` bf16 branch and a bf16 smoothing factor per input channel."
+    return lambda k, n: residual(k, n) + lowrank_bytes(k, n, rank) + 2 * k
+
+# %% ../nbs/01_schemes.ipynb #lr000005
+_LR_WHY = ("nunchaku's fused W4A4 + low-rank kernel ({}), not a torchao path: "
+           'the lab has no kernel for it and emulates it on every device')
+
+register_scheme(Scheme(
+    'nvfp4_lr', 'NVFP4 W4A4 of smoothed activations and the residual of a rank-32 bf16 low-rank branch (SVDQuant)',
+    weights='NVFP4 residual of W*s after its top-rank singular directions; the branch bf16',
+    activations='NVFP4 of x/s (s: per-input-channel smoothing from the first call); x/s in bf16 into the branch',
+    config=None, library='nunchaku', multiple_of=(16, 16), aliases=('nvfp4_svdquant', 'svdquant_nvfp4', 'w4a4_lr'),
+    gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format('fp4 tensor cores, sm_100+ / sm_120')),
+    weight_bytes=_lowrank_weight_bytes(_NVFP4_BYTES, LOWRANK_RANK), gemm='', rank=LOWRANK_RANK,
+    smooth_alpha=SMOOTH_ALPHA))
+
+register_scheme(Scheme(
+    'int4_lr', 'int4 W4A4 (symmetric, groups of 64) of smoothed activations and the residual of a rank-32 bf16 branch',
+    weights='int4 symmetric per group of 64 along K (amax/7.5) of the residual of W*s; the branch bf16',
+    activations='int4 symmetric per token and group of 64 of x/s; x/s in bf16 into the branch',
+    config=None, library='nunchaku', multiple_of=(64, 1), aliases=('int4_svdquant', 'svdquant', 'svdquant_int4'),
+    gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format('int4 tensor cores, sm_75 to sm_89')),
+    weight_bytes=_lowrank_weight_bytes(_int4_w4a4_bytes, LOWRANK_RANK), gemm='', rank=LOWRANK_RANK,
+    smooth_alpha=SMOOTH_ALPHA))
+
 # %% ../nbs/01_schemes.ipynb #a1e0c00a
 class RegisteredNames(Sequence):
     "The registered scheme names in registry order, read live: a scheme registered later is in it too."
@@ -487,6 +533,9 @@ def skip_reasons(module: nn.Module, scheme, filter_fn=None) -> dict[str, str | N
 def apply_kernel(module: nn.Module, scheme, fqns) -> None:
     "Convert the Linears `fqns` of `module` in place with `scheme`'s real torchao (or diffusers) path."
     s, fqns = get_scheme(scheme), set(fqns)
+    if s.library not in ('torchao', 'diffusers'):  # nunchaku's low-rank kernels: the probe reports this, plans emulate
+        raise NotImplementedError(f"{s.name}: its kernel is {s.library}'s, which the lab does not call; "
+                                  "use backend='emulate'")
     if s.library == 'diffusers':
         from diffusers.hooks import apply_layerwise_casting_hook
         for fqn, m in module.named_modules():
