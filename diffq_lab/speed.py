@@ -21,12 +21,13 @@ from .gpus import gpu_spec, gpu_schemes
 from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'SMALL_M', 'CAL_GRID',
-           'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family',
-           'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs', 'published_runs',
-           'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate', 'forward_time',
-           'pipeline_time', 'predict', 'format_predictions', 'validate', 'error_summary', 'record_validation',
-           'validation_table', 'residual_bands', 'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M',
+           'CAL_GRID', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT',
+           'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs',
+           'published_runs', 'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate',
+           'forward_time', 'pipeline_time', 'predict', 'format_predictions', 'validate', 'error_summary',
+           'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
+           'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
@@ -287,12 +288,13 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
         sdpa, cudnn = fa2, cudnn_h
         src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
         if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
-    return dict(bf16=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
+    return dict(bf16=bf16, int4wo=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
                 attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5), elementwise=bw, source=src)
 
 # %% ../nbs/12a_speed.ipynb #e7318d21
 GEMM_COL = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
-            'nvfp4': 'fp4_tflops'}
+            'nvfp4': 'fp4_tflops', 'int4wo': 'bf16_tflops'}   # tinygemm runs bf16 mma on weights it dequantises
+TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill the SMs in waves (a partial wave costs a whole one)
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
 # %% ../nbs/12a_speed.ipynb #cf53adf5
@@ -303,8 +305,8 @@ def _peak(spec, dtype) -> float:
     return float(v) * 1e12
 
 # %% ../nbs/12a_speed.ipynb #0bab137d
-def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float]:
-    "The kernel-path row, its GEMM efficiency, cast bandwidth share and fixed seconds per Linear (fitted where 'fit')."
+def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float]:
+    "The kernel-path row, its GEMM efficiency, cast bandwidth share, fixed seconds per Linear and per wave (fitted)."
     p = _path_rows().loc[path]
     eff = arch_efficiency(spec)
     fit = (cal or {}).get(path, {})
@@ -312,9 +314,18 @@ def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float]:
     if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
     cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
         eff['elementwise'] if p.cast_bw in ('elementwise', '') or pd.isna(p.cast_bw) else float(p.cast_bw)
-    return p, ge, cb, fit.get('overhead_s', 0.0)
+    return p, ge, cb, fit.get('overhead_s', 0.0), fit.get('wave_s', 0.0)
 
 # %% ../nbs/12a_speed.ipynb #35cb2df2
+def _gemm_math(spec, M, K, N, peak, ge, wave_s, waves: bool):
+    "Seconds of a GEMM's math: output tiles in waves over the SMs (a partial wave costs a whole one), or a flat rate."
+    sms = spec.get('sms')
+    if not waves or sms is None or pd.isna(sms): return 2 * M * K * N / (peak * ge) + wave_s
+    bm = np.minimum(TILE, np.ceil(M / 16) * 16)              # small-M kernels take shorter tiles
+    w = np.ceil(np.ceil(M / bm) * np.ceil(N / TILE) / float(sms))
+    return w * (2 * bm * TILE * K / (peak * ge / float(sms)) + wave_s)
+
+# %% ../nbs/12a_speed.ipynb #35cb2df3
 def linear_time(spec, # a GPU name or spec dict
                 M, # tokens (rows of x); int or numpy array
                 K, # in features; int or numpy array
@@ -324,15 +335,16 @@ def linear_time(spec, # a GPU name or spec dict
                 compiled: bool = True, # under torch.compile (a weight-only GEMV fuses its dequantise at small M)
                 floor: float = 2e-6, # the shortest a kernel takes, in seconds
                ):
-    "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM, cast, amax, epilogue, dequantise."
+    "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise."
     spec = gpu_spec(spec)
-    p, ge, cb, ovh = _path_params(path, spec, cal)
+    p, ge, cb, ovh, ws = _path_params(path, spec, cal)
     bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
     M, K, N = (np.asarray(v, dtype=float) for v in (M, K, N))
     gemv = bool(p.dequant) & compiled & (M <= SMALL_M)
     wb = np.where(gemv, p.w_bytes, 2.0) if p.dequant else p.w_bytes
-    gemm = np.maximum(2 * M * K * N / (_peak(spec, p.gemm) * ge),
-                      (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor
+    # tinygemm dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
+    math_s = _gemm_math(spec, M, K, N, _peak(spec, p.gemm), ge, ws, p.gemm != 'int4wo')
+    gemm = np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor
     t = gemm + ovh + (p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels else 0.0)
     # amax and rescale passes run like the cast kernels
     mem = bw * min(ew, cb)
@@ -347,8 +359,9 @@ def linear_kernels(path: str) -> int:
     return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + p.dequant)
 
 # %% ../nbs/12a_speed.ipynb #6b6aeeb4
-CAL_GRID = dict(gemm_eff=np.round(np.arange(0.20, 0.951, 0.01), 2),
-                overhead_s=np.round(np.arange(0, 30.01e-6, 0.25e-6), 9))
+CAL_GRID = dict(gemm_eff=np.round(np.arange(0.30, 0.991, 0.01), 2), overhead_s=np.round(np.arange(0, 30.01e-6, 0.5e-6), 9),
+                wave_s=np.round(np.arange(0, 1.01e-6, 0.25e-6), 9),   # a wave's prologue and epilogue: ~1 us at most
+                flat_eff=np.round(np.arange(0.01, 0.601, 0.001), 3))   # a flat-rate kernel's share (tinygemm)
 
 # %% ../nbs/12a_speed.ipynb #43c83ce6
 def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
@@ -359,25 +372,34 @@ def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
     return (relu + linear_time(spec, n, n, n, 'bf16', cal)) / linear_time(spec, n, n, n, path, cal)
 
 # %% ../nbs/12a_speed.ipynb #3a61fe23
+def _fit_flat(g) -> dict:
+    "A flat-rate path's GEMM share of the bf16 peak, fitted on its published kernel times (`gemm_ms` points)."
+    spec, ge = gpu_spec(g.gpu.iloc[0]), CAL_GRID['flat_eff']
+    path = g.path.iloc[0]
+    err = np.stack([np.log(linear_time(spec, r.M, r.K, r.N, path, {path: dict(gemm_eff=ge)}) / (r.value * 1e-3))
+                    for r in g.itertuples()])
+    return dict(gemm_eff=float(ge[np.argmin((err ** 2).mean(0))]))
+
+# %% ../nbs/12a_speed.ipynb #3a61fe24
 def calibrate(points=None, drop_sources=()) -> dict:
-    "Fit each 'fit' path's GEMM efficiency and fixed cost on kernel-level points only (never on end-to-end runs)."
+    "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
     pts = kernel_points() if points is None else points
     pts = pts[~pts.source.isin(drop_sources)]
     casts = pts[pts.kind.eq('cast_bw_fraction')].value
     # the published block-scaled cast kernels' share of peak bandwidth
     cb = float(casts.mean()) if len(casts) else None
-    pts = pts[pts.kind.eq('relu_linear_speedup')]
-    out = {}
-    for path, g in pts.groupby('path'):
+    out = {path: dict(_fit_flat(g), points=len(g), source=', '.join(sorted(set(g.source))))
+           for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path')}
+    for q in kernel_paths().query('gemm == "int4wo"').path:   # one kernel, eager or compiled: one fitted rate
+        if q not in out and 'int4wo_tinygemm' in out: out[q] = out['int4wo_tinygemm']
+    ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
+    for path, g in pts[pts.kind.eq('relu_linear_speedup')].groupby('path'):
         spec = gpu_spec(g.gpu.iloc[0])
-        n = g.M.to_numpy(float)
-        ge, ov = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], indexing='ij')
-        fit = {path: dict(gemm_eff=ge, overhead_s=ov, **({'cast_bw': cb} if cb else {}))}
-        err = np.stack([np.log(_relu_linear_speedup(spec, v, path, fit) / s) for v, s in zip(n, g.value)])
+        fit = {path: dict(gemm_eff=ge, overhead_s=ov, wave_s=ws, **({'cast_bw': cb} if cb else {}))}
+        err = np.stack([np.log(_relu_linear_speedup(spec, v, path, fit) / s) for v, s in zip(g.M.to_numpy(float), g.value)])
         i = np.unravel_index(np.argmin((err ** 2).mean(0)), ge.shape)
-        out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), **({'cast_bw': cb} if cb else {}),
-                         points=len(g),
-                         source=', '.join(sorted(set(g.source))))
+        out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
+                         **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
     return out
 
 # %% ../nbs/12a_speed.ipynb #04ff51b3
@@ -503,7 +525,7 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy) -> dict:
         t = _pipeline(spec, m, scheme, work, policy=policy)
         b = _pipeline(spec, m, 'bf16', work, policy=policy)
     except ValueError as e:
-        if 'tensor cores' not in str(e): raise
+        if 'tensor cores' not in str(e) and 'no kernel path' not in str(e): raise
         return dict(scheme=scheme, seconds=np.nan, speedup=np.nan, note=str(e))
     return dict(scheme=scheme, seconds=t['seconds'], speedup=b['seconds'] / t['seconds'], path=t['forward']['path'],
                 text_encoder_s=t['text_encoder_s'], denoise_s=t['denoise_s'], vae_s=t['vae_s'], note='')
