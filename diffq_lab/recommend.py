@@ -23,13 +23,13 @@ from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
 from .memory import quantised_linears
 from .crossover import layer_pattern
-from .speed import (Workload, calibrate, default_path, linear_time, pipeline_time, residual_bands,
-                             denoiser_calls as real_linear_calls)
+from .speed import (Workload, calibrate, default_path, denoiser_calls, linear_time, pipeline_time,
+                             residual_bands)
 
 # %% auto #0
-__all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'denoiser_calls', 'linear_sensitivity',
-           'pattern_times', 'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable',
-           'Recommendation', 'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+__all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'sampled_calls', 'linear_sensitivity', 'pattern_times',
+           'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable', 'Recommendation',
+           'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -74,7 +74,7 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 # %% ../nbs/16_recommend.ipynb #17995174
-def denoiser_calls(pipe, renders: RenderWork) -> list[tuple]:
+def sampled_calls(pipe, renders: RenderWork) -> list[tuple]:
     "The denoiser's (args, kwargs) at each step of `renders` (`block_select.capture_calls`), `max_calls` evenly spaced."
     w, m = renders, renders.max_calls
     calls = capture_calls(pipe.transformer, lambda: [render(pipe, p, steps=w.steps, size=w.size, seed=s, **w.render_kw)
@@ -103,7 +103,7 @@ def _quantised_copy(lin: nn.Linear, scheme: str, policy: QuantPolicy, device) ->
 
 # %% ../nbs/16_recommend.ipynb #5c6fb172
 def linear_sensitivity(tr: nn.Module, # the denoiser
-                       inputs, # its captured calls, (args, kwargs) each (`denoiser_calls`)
+                       inputs, # its captured calls, (args, kwargs) each (`sampled_calls`)
                        schemes, # the formats to try on each Linear its rules allow
                        policy: QuantPolicy | None = None, # the width floor (default: every Linear) and the backend
                        device=None, # where the quantised copies run
@@ -134,7 +134,7 @@ def linear_sensitivity(tr: nn.Module, # the denoiser
 def pattern_times(family, gpu, work: Workload | None = None, policy: QuantPolicy | None = None) -> pd.DataFrame:
     "Per layer pattern of `family`'s real denoiser under `work`: its real Linears, summed seconds per format."
     w, spec, policy = work or Workload(), gpu_spec(gpu), as_policy(policy)
-    shapes, cal = real_linear_calls(family, w)[0], calibrate()
+    shapes, cal = denoiser_calls(family, w)[0], calibrate()
     m, k, n = (shapes[c].to_numpy(float) for c in 'MKN')
     bf16 = linear_time(spec, m, k, n, 'bf16', cal, w.compiled)
     cols = {'bf16': bf16}
@@ -265,7 +265,7 @@ def _check_bar(bar):
 def _whole_time(spec, family: str, target: RealTarget, policy: QuantPolicy) -> Callable:
     "choice -> the real pipeline's predicted seconds: `predict`'s model of the real pipeline under the plan."
     w, memo = target.work, {}
-    fqns = real_linear_calls(family, w)[0].fqn
+    fqns = denoiser_calls(family, w)[0].fqn
     def whole(choice):
         key = tuple(sorted(choice.items()))
         if key not in memo: memo[key] = pipeline_time(spec, family, scheme=real_plan(choice, fqns), policy=policy,
@@ -306,7 +306,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     if list(denoisers(pipe)) != ['transformer']:
         raise ValueError(f'recommend_plan plans one denoiser (transformer); {fam} has {list(denoisers(pipe))}')
     tr = pipe.transformer
-    sens = linear_sensitivity(tr, denoiser_calls(pipe, w), formats, policy, device)
+    sens = linear_sensitivity(tr, sampled_calls(pipe, w), formats, policy, device)
     opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work, policy)))
     whole = _whole_time(spec, fam, t, policy)
     te = (plan_text_encoders(pipe, te_scheme, family=fam, backend=policy.backend, device=device) if te_scheme
