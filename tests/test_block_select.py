@@ -243,7 +243,13 @@ def test_token_fidelity_is_embedding_cosine_over_real_tokens(mini):
     tf, ec = bs.token_fidelity(ref, out, inp), embedding_cosine([ref[live].double()], [out[live].double()])
     assert (tf['cosine'], tf['cosine_min']) == (ec['cosine'], ec['cosine_min'])
     assert tf['cosine'] != embedding_cosine([ref.double()], [out.double()])['cosine']  # the padded tokens left out
-    assert 'embedding_cosine' in bs.token_fidelity.__code__.co_names
+    from diffq_lab import text_encoder as TE
+    assert 'token_cosines' in bs.token_fidelity.__code__.co_names  # one per-token cosine, shared with embedding_cosine
+    assert 'token_cosines' in TE.embedding_cosine.__code__.co_names
+    c = TE.token_cosines([ref[live].double()], [out[live].double()])
+    assert tf['cosine_p01'] == torch.quantile(c, 0.01).item() and tf['cosine_min'] <= tf['cosine_p01'] <= tf['cosine']
+    b, t = tf['worst_prompt'], tf['worst_pos']  # the worst token, found again from its prompt and its position
+    assert torch.cosine_similarity(ref[b, t].double(), out[b, t].double(), dim=0).item() == pytest.approx(tf['cosine_min'])
 
 
 def test_cli_blocks(tmp_path):
