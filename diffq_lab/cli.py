@@ -12,8 +12,8 @@ from fastcore.script import Param
 
 # %% auto #0
 __all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'BAD_INPUTS', 'BAD_WITHOUT_GPU', 'check_model', 'command', 'flag_group', 'parser',
-           'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'probe', 'study', 'bench',
-           'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
+           'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'speed_setting', 'probe',
+           'study', 'bench', 'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
 
 # %% ../nbs/17_cli.ipynb #741c5e79
 # sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
@@ -300,14 +300,27 @@ def timing(
 # %% ../nbs/17_cli.ipynb #33f52ba9
 @flag_group
 def workload(
-    size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # image side in pixels, a multiple of 16
+    size: _int_in(16, LIMITS['crossover_size'], 16) = 1024, # width in pixels, a multiple of 16
+    height: _int_in(16, LIMITS['crossover_size'], 16) = None, # height in pixels (default: --size, square)
+    frames: _int_in(1, LIMITS['frames']) = None, # video frames (video families; default: the family's clip)
     batch: _int_in(1, LIMITS['batch']) = 1, # images per pipeline call
     steps: _int_in(1, LIMITS['steps']) = 28, # denoising steps
     # denoiser forwards per step (2 with classifier-free guidance)
     forwards_per_step: _int_in(1, LIMITS['forwards']) = 1,
 ) -> SimpleNamespace:
     "One modelled pipeline call: a batch of images of a size, its steps times the forwards per step."
-    return SimpleNamespace(size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step)
+    return SimpleNamespace(size=size, height=height, frames=frames, batch=batch, steps=steps,
+                           forwards_per_step=forwards_per_step)
+
+# %% ../nbs/17_cli.ipynb #33f52ba8
+@flag_group
+def speed_setting(
+    rules: Param(choices=('lab', 'all', 'flux-recipe')) = 'lab', # Linears quantised: the lab's, every one, torchao's FLUX recipe
+    load: Param(choices=('after-load', 'at-load', 'saved')) = 'after-load', # quantised after a bf16 load, while loading, saved
+    attention: Param(choices=('sdpa', 'cudnn', 'fp8')) = 'sdpa', # torch SDPA's default kernel, its cuDNN backend, FA3 fp8
+) -> SimpleNamespace:
+    "How the modelled pipeline is quantised, loaded and attends (the speed and memory model's settings)."
+    return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4
 @command
@@ -597,13 +610,15 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
             work: workload = workload(), # one modelled pipeline call
             schemes: _scheme_or_dense = 'int8,fp8', # comma list of schemes to predict beside dense bf16, or 'all'
             compile: _COMPILE_MODE = 'inductor', # eager, torch.compile, or compile + CUDA graphs
+            how: speed_setting = speed_setting(), # which Linears, how the weights load, which attention kernel
             json: bool = False, # print a JSON list of records instead of the table
            ) -> int:
     "The speed and memory model's prediction for a whole pipeline: seconds, speedup vs bf16 with intervals, GiB."
     from diffq_lab.gpus import gpu_spec
     from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
-    recs = _predict(gpu, fam, tuple(schemes), Workload(**vars(work), compile=compile))
+    w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention)
+    recs = _predict(gpu, fam, tuple(schemes), w, load=how.load)
     print(strict_json(recs) if json else format_predictions(recs))
     return 0
 
@@ -739,6 +754,10 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['recommend', '--out', '/proc/x/plan.json', '--random-weights'], 'cannot write'),
     (['predict', '--compile', 'jit'], 'invalid choice'), (['predict', '--gpu', 'tpu'], 'unknown gpu'),
     (['predict', '--schemes', 'fp7'], 'unknown scheme'), (['predict', '--batch', '0'], 'in [1, 64]'),
+    (['predict', '--rules', 'most'], "choose from 'lab', 'all', 'flux-recipe'"),
+    (['predict', '--load', 'lazy'], "choose from 'after-load', 'at-load', 'saved'"),
+    (['predict', '--attention', 'flash'], 'invalid choice'), (['predict', '--height', '1000'], 'a multiple of 16'),
+    (['predict', '--frames', '5'], 'not a video model'), (['predict', '--family', 'wan', '--frames', '6'], '4k+1'),
 )
 
 # %% ../nbs/17_cli.ipynb #2c0be73f

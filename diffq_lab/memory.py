@@ -462,8 +462,8 @@ def quantised_linears(family, # a family with real denoiser dims
     return _picked(family, scheme, rules, as_policy(policy, **settings).features(tiny=False))
 
 # %% ../nbs/09_memory.ipynb #001de9c6
-# quantise_ the loaded dense pipeline; quantise while loading; a saved quantised model
-LOAD_MODES = ('after-load', 'at-load', 'none')
+# quantise_ the loaded dense pipeline; quantise while loading (diffusers' quantization_config); a saved quantised folder
+LOAD_MODES = ('after-load', 'at-load', 'saved')
 
 @dataclass
 class MemoryEstimate:
@@ -526,6 +526,7 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
     "Predicted resident and peak memory of `family`'s pipeline, transformer in `scheme`, rendering `workload`."
     w = _workload(workload, settings) or Workload()
     policy = as_policy(policy, **settings)
+    load = 'saved' if load == 'none' else load   # the first round's name for a saved folder
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
     m = get_model(family)
     s = None if scheme in (None, 'bf16', 'dense') else scheme
@@ -544,7 +545,7 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
                    if isinstance(mod, nn.Linear)), default=0)
     resident = sum(weights.values())
     load_peak = {'after-load': dense_total + (biggest if s else 0), 'at-load': resident + (biggest if s else 0),
-                 'none': resident}[load]
+                 'saved': resident}[load]
     return MemoryEstimate(m.name, s, w.size, w.batch, weights, acts, int(load_peak), load)
 
 # %% ../nbs/09_memory.ipynb #5ab975b4

@@ -533,6 +533,7 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy) -> dict:
 # %% ../nbs/12a_speed.ipynb #c691f58b
 def _memory(m, scheme: str, work: Workload, policy: QuantPolicy, load: str) -> tuple[float, float]:
     "(resident, peak) GiB: the whole pipeline for a registry family; the transformer alone for `SPEED_FAMILIES`."
+    load = 'saved' if load == 'none' else load
     s, feats = (None if scheme == 'bf16' else scheme), policy.features(tiny=False)
     if not isinstance(m, VideoDiT):
         w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
@@ -546,13 +547,13 @@ def _memory(m, scheme: str, work: Workload, policy: QuantPolicy, load: str) -> t
                           for f, x in lin.items())
     dense = sum(p.numel() * 2 for p in tr.parameters())
     biggest = max(linear_bytes(x.in_features, x.out_features, None) for x in lin.values()) if s else 0
-    load_peak = {'after-load': dense + biggest, 'at-load': resident + biggest, 'none': resident}[load]
+    load_peak = {'after-load': dense + biggest, 'at-load': resident + biggest, 'saved': resident}[load]
     acts = denoiser_calls(m, work)[1].peak_bytes
     return resident / 2**30, max(resident + acts, load_peak) / 2**30
 
 # %% ../nbs/12a_speed.ipynb #26f6cd3a
 LOAD_WORDS = {'after-load': 'loaded dense, then quantised on the GPU', 'at-load': 'quantised while loading',
-              'none': 'loaded already quantised'}   # each `09_memory.LOAD_MODES` entry in a reader's words
+              'saved': 'loaded already quantised (a saved folder)'}   # each `09_memory.LOAD_MODES` entry in a reader's words
 
 # %% ../nbs/12a_speed.ipynb #58ff3366
 def _fit(m, s: str, work: Workload, policy: QuantPolicy, load: str, peak: float, cap: float) -> dict:
@@ -597,7 +598,7 @@ def predict(gpu, # a GPU name or spec dict
             schemes=('bf16',), # schemes to predict (a tuple or a comma string; bf16 is the reference)
             work: Workload | None = None, # picture, batch, steps, execution mode, rules, attention
             *, policy: QuantPolicy | None = None, # the lab rules' width floor
-            load: str = 'after-load', # when quantisation happens: 'after-load', 'at-load', 'none' (saved quantised)
+            load: str = 'after-load', # when quantisation happens: 'after-load', 'at-load', 'saved' (`LOAD_MODES`)
             intervals: bool = True, # bands from the validation residuals (False: the point prediction only)
             **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=1024, compile='none', ...)
            ) -> list[dict]:
@@ -606,6 +607,7 @@ def predict(gpu, # a GPU name or spec dict
     bad = [s for s in schemes if s not in ('bf16', *SCHEMES)]
     if bad or not schemes:
         raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(("bf16", *SCHEMES))}')
+    if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
     work, rest = as_workload(work, **settings)
     policy = as_policy(policy, **rest)
     spec, m = gpu_spec(gpu), speed_family(model)
@@ -615,7 +617,7 @@ def predict(gpu, # a GPU name or spec dict
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
 # %% ../nbs/12a_speed.ipynb #c321bcb8
-_FITS_WORD = {'at-load': 'at load', 'none': 'saved', 'cpu-offload': 'no'}   # the terminal column's short answers
+_FITS_WORD = {'at-load': 'at load', 'saved': 'saved', 'cpu-offload': 'no'}   # the terminal column's short answers
 
 # %% ../nbs/12a_speed.ipynb #d3f5d605
 def _memory_note(records) -> str:

@@ -1,6 +1,6 @@
 """The `diffq-lab` command end to end: sub-commands print their tables and write their files. Bad input (one line, exit 2,
 nothing written) is one table, `cli.BAD_INPUTS`, run by tests/test_faults.py."""
-import subprocess, sys
+import json, subprocess, sys
 from pathlib import Path
 import pytest
 import torch
@@ -142,3 +142,13 @@ def test_recommend_on_a_model_folder_measures_that_model(tmp_path, capsys):
     mine = {f for f, m in denoisers(pipe)['transformer'].named_modules() if isinstance(m, torch.nn.Linear)}
     assert set(plan.components['transformer'].linears) == mine
     assert str(tmp_path/'mine') in out.with_suffix('.py').read_text() and str(tmp_path/'mine') in capsys.readouterr().out
+
+
+def test_predict_takes_every_setting_a_published_run_names(capsys):
+    "predict --height/--frames/--rules/--load/--attention reach the speed model: a video clip, torchao's FLUX recipe, a saved folder."
+    from diffq_lab.cli import main
+    assert main(['predict', '--gpu', 'h100', '--family', 'cogvideox-5b', '--size', '720', '--height', '480', '--frames', '49',
+                 '--schemes', 'int4wo', '--steps', '2', '--rules', 'flux-recipe', '--load', 'saved', '--json']) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [(r['size'], r['height'], r['frames'], r['load']) for r in recs] == [(720, 480, 49, 'saved')] * 2
+    assert recs[1]['path'] == 'int4wo_tinygemm' and recs[1]['speedup'] < 0.5       # tinygemm at DiT M
