@@ -573,13 +573,13 @@ INT4_W4A4_GROUP = 64  # SVDQuant's INT4 group along K, for activations and weigh
 def _int4_codes(x: torch.Tensor, group: int = INT4_W4A4_GROUP):
     "int4 symmetric codes (as fp32) per group of `group` along K and fp32 scales: torchao's symmetric affine math."
     xb = _blocks(x, group)  # zero-padded along K
-    # choose_qparams_affine(SYMMETRIC, -8, 7): amax / ((7 - -8) / 2) in the input dtype, clamped at eps, then fp32
-    scale = (xb.abs().amax(-1, keepdim=True) / 7.5).clamp(min=INT8_EPS).float()
-    return _fp32(xb).mul_(1.0 / scale).round_().clamp_(-8, 7), scale  # quantize_affine: half to even, clamp
+    # choose_qparams_affine(SYMMETRIC, -7, 7): amax / ((7 - -7) / 2) in the input dtype, clamped at eps, then fp32
+    scale = (xb.abs().amax(-1, keepdim=True) / 7.0).clamp(min=INT8_EPS).float()
+    return _fp32(xb).mul_(1.0 / scale).round_().clamp_(-7, 7), scale  # quantize_affine: half to even, clamp
 
 # %% ../nbs/02_emulate.ipynb #lr000003
 def int4_symmetric(x: torch.Tensor, group: int = INT4_W4A4_GROUP) -> torch.Tensor:
-    "Fake-quant `x` to int4 with one symmetric scale (amax/7.5, codes -8..7) per group of `group` along K."
+    "Fake-quant `x` to int4 with one symmetric scale (amax/7, codes -7..7) per group of `group` along K."
     q, scale = _int4_codes(x, group)
     return _unblock(q.mul_(scale), x.shape[-1]).to(x.dtype)  # dequantize_affine: codes * scale in fp32
 
@@ -681,12 +681,12 @@ def _lowrank_reference(quantize: Callable, kind: str) -> Callable:
     return reference
 
 def _int4_torchao(x: torch.Tensor) -> torch.Tensor:
-    "torchao's symmetric int4 affine quantise + dequantise, groups of 64 along K."
+    "torchao's symmetric int4 affine quantise + dequantise (codes -7..7), groups of 64 along K."
     from torchao.quantization.quant_primitives import (MappingType, choose_qparams_affine, dequantize_affine,
                                                        quantize_affine)
     bs = (1,) * (x.ndim - 1) + (INT4_W4A4_GROUP,)
-    s, z = choose_qparams_affine(x, MappingType.SYMMETRIC, bs, torch.int8, -8, 7, eps=INT8_EPS, scale_dtype=torch.float32)
-    return dequantize_affine(quantize_affine(x, bs, s, z, torch.int8, -8, 7), bs, s, z, torch.int8, -8, 7,
+    s, z = choose_qparams_affine(x, MappingType.SYMMETRIC, bs, torch.int8, -7, 7, eps=INT8_EPS, scale_dtype=torch.float32)
+    return dequantize_affine(quantize_affine(x, bs, s, z, torch.int8, -7, 7), bs, s, z, torch.int8, -7, 7,
                              output_dtype=x.dtype)
 
 # %% ../nbs/02_emulate.ipynb #lr000013

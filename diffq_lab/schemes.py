@@ -330,7 +330,7 @@ register_scheme(Scheme(
 
 register_scheme(Scheme(
     'int4_lr', 'int4 W4A4 (symmetric, groups of 64) of smoothed activations and the residual of a rank-32 bf16 branch',
-    weights='int4 symmetric per group of 64 along K (amax/7.5) of the residual of W*s; the branch bf16',
+    weights='int4 symmetric per group of 64 along K (amax/7, codes -7..7) of the residual of W*s; the branch bf16',
     activations='int4 symmetric per token and group of 64 of x/s; x/s in bf16 into the branch',
     config=None, library='nunchaku', multiple_of=(64, 1), aliases=('int4_svdquant', 'svdquant', 'svdquant_int4'),
     gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format('int4 tensor cores, sm_75 to sm_89')),
