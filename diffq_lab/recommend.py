@@ -28,8 +28,8 @@ from .speed import (Workload, calibrate, default_path, denoiser_calls, linear_ti
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'sampled_calls', 'linear_sensitivity', 'pattern_times',
-           'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'distinguishable', 'Recommendation',
-           'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+           'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'resolution', 'distinguishable',
+           'Recommendation', 'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -216,14 +216,20 @@ def measure_plan(pipe, plan: QuantPlan, renders: RenderWork, refs: dict) -> dict
     finite = [v for v in vals if math.isfinite(v)]  # identical pairs are inf dB: the mean of the others
     return dict(psnr=float(np.mean(finite)) if finite else math.inf, psnr_min=float(min(vals)), images=imgs)
 
+# %% ../nbs/16_recommend.ipynb #a1b2c3e0
+def resolution(mode: str = 'compiled', # the execution mode whose validation residuals bound the model's error
+              ) -> float:
+    "The least ratio of predicted times the speed model resolves: half its 5-95% speedup band (log scale)."
+    lo, hi = residual_bands()[mode][2:]
+    return math.sqrt(hi / lo)
+
 # %% ../nbs/16_recommend.ipynb #a1b2c3d2
 def distinguishable(fast_s: float, # the predicted seconds of the plan that looks faster
                     slow_s: float, # the predicted seconds of the plan it is compared with
                     mode: str = 'compiled', # the execution mode whose validation residuals bound the model's error
                    ) -> bool:
-    "Whether the speed model can tell `fast_s` from `slow_s`: their ratio beyond its 5-95% speedup band's half-width."
-    lo, hi = residual_bands()[mode][2:]
-    return slow_s / fast_s > math.sqrt(hi / lo)
+    "Whether the speed model can tell `fast_s` from `slow_s`: their ratio beyond its `resolution`."
+    return slow_s / fast_s > resolution(mode)
 
 # %% ../nbs/16_recommend.ipynb #r0000022
 @dataclass
@@ -336,8 +342,10 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                    key=lambda s: -clear[s]['psnr'])
     if simplest and close and uniform[close[0]] != best:
         if best_src.startswith('chain'):
-            note = (f"{best_src} (predicted {whole(best):.3f} s) is not faster than uniform {close[0]} "
-                    f"({clear[close[0]]['time_s']:.3f} s) beyond the speed model's error: the uniform plan is recommended")
+            gap, res = clear[close[0]]['time_s'] / whole(best) - 1, resolution(t.work.mode) - 1
+            note = (f"{best_src} (predicted {whole(best):.3f} s) is {gap:.1%} ahead of uniform {close[0]} "
+                    f"({clear[close[0]]['time_s']:.3f} s), inside the {res:.1%} the speed model resolves: "
+                    "the uniform plan is recommended")
         best, best_src = uniform[close[0]], f'uniform {close[0]}'
     elif clear and min(r['time_s'] for r in clear.values()) < whole(best):  # a uniform plan is faster: it wins
         s = min(clear, key=lambda s: clear[s]['time_s'])
