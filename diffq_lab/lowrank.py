@@ -18,8 +18,7 @@ from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmet
 
 # %% auto #0
 __all__ = ['E2M1_GRID', 'ABLATION', 'CALIBRATION_PROMPTS', 'FINDINGS_RANKS', 'np_int4', 'np_nvfp4', 'numpy_svdquant',
-           'outlier_linear', 'ablation_table', 'findings_schemes', 'token_cosines', 'encoder_lowrank_table',
-           'record_lowrank']
+           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'record_lowrank']
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0006
 def _np_blocks(a: np.ndarray, block: int) -> np.ndarray:
@@ -152,8 +151,9 @@ def _read(model, inputs: dict, read_layer: int) -> torch.Tensor:
     with torch.inference_mode(): return model(**inputs, output_hidden_states=True).hidden_states[read_layer].double()
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0028
-def token_cosines(ref: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
+def _token_cosines(ref: torch.Tensor, out: torch.Tensor, mask: torch.Tensor) -> list[torch.Tensor]:
     "Per prompt, the cosine of each real token (`mask`) of `out` against `ref` (B, T, D)."
+    # text_encoder.token_cosines is the lab's flattened one: its notebook comes later, and this needs it per prompt
     cos = torch.nn.functional.cosine_similarity(out.double(), ref.double(), dim=-1)
     return [c[m.bool()] for c, m in zip(cos, mask)]
 
@@ -171,7 +171,7 @@ def encoder_lowrank_table(model: nn.Module, # a transformers encoder (dense)
         s, q = get_scheme(name), copy.deepcopy(model)
         shapes = _cast_all(q, s)
         _read(q, calib, read_layer)  # calibrates the low-rank Linears (a no-op for the others)
-        per = token_cosines(ref, _read(q, inputs, read_layer), inputs['attention_mask'])
+        per = _token_cosines(ref, _read(q, inputs, read_layer), inputs['attention_mask'])
         means, worst, every = summarise([c.mean() for c in per]), summarise([c.min() for c in per]), torch.cat(per)
         rows.append(dict(scheme=s.name, format=(s.activations or '').split(' ')[0].split(':')[0].lower(), rank=s.rank,
                          smoothing=s.smooth_alpha is not None if s.rank is not None else None,
