@@ -312,15 +312,25 @@ def workload(
     return SimpleNamespace(size=size, height=height, frames=frames, batch=batch, steps=steps,
                            forwards_per_step=forwards_per_step)
 
+# %% ../nbs/17_cli.ipynb #c5d3e001
+def _te_scheme(value: str) -> str | None:
+    "An argparse type: the text encoders' scheme, one name ('bf16', 'dense' or 'none': not quantised)."
+    if value.strip().lower() in ('bf16', 'dense', 'none'): return None
+    return _one_scheme()(value)
+
 # %% ../nbs/17_cli.ipynb #33f52ba8
 @flag_group
 def speed_setting(
     rules: Param(choices=('lab', 'all', 'flux-recipe')) = 'lab', # Linears quantised: the lab's, every one, torchao's FLUX recipe
     load: Param(choices=('after-load', 'at-load', 'saved')) = 'after-load', # quantised after a bf16 load, while loading, saved
     attention: Param(choices=('sdpa', 'cudnn', 'fp8')) = 'sdpa', # torch SDPA's default kernel, its cuDNN backend, FA3 fp8
+    te_scheme: _te_scheme = None, # the text encoders' scheme too (default: bf16), run eagerly
+    fuse_qkv: bool = False, # each attention's q, k, v Linears fused into one (diffusers' fuse_qkv_projections)
+    compile_vae: bool = False, # the VAE decode compiled too (default: eager, as the published runs leave it)
 ) -> SimpleNamespace:
-    "How the modelled pipeline is quantised, loaded and attends (the speed and memory model's settings)."
-    return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention)
+    "How the modelled pipeline is quantised, loaded, attends and compiles (the speed and memory model's settings)."
+    return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention,
+                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4
 @command
@@ -545,15 +555,33 @@ def _pipeline_answer(gpu: str, family: str, schemes, size: int, frames, text_tok
     from diffq_lab.speed import Workload, predict as _predict
     try: recs = _predict(gpu, family, ('bf16', *schemes), Workload(size=size, frames=frames, text_tokens=text_tokens))
     except ValueError as e: return [wrap_note(f'whole pipeline: the speed model cannot time {family}: {e}')], []
+    fit = [wrap_note(w)] if (w := _fit_words(recs)) else []
     ran = [r for r in recs if r['scheme'] != 'bf16' and r['speedup'] is not None and math.isfinite(r['speedup'])]
-    if not ran: return [wrap_note(f'whole pipeline: no scheme runs on {gpu}')], recs
+    if not ran: return [wrap_note(f'whole pipeline: no scheme runs on {gpu}'), *fit], recs
     best = max(ran, key=lambda r: r['speedup'])
     ties = [r['scheme'] for r in ran if r is not best and not distinguishable(best['seconds'], r['seconds'])]
     sp = ', '.join(f"{r['scheme']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]" for r in ran)
     return [wrap_note(f"whole pipeline (the speed model, as `diffq-lab predict`; {best['compile']}, "
                       f"{best['steps']} steps): {sp}; fastest {best['scheme']}"
-                      + (f" ({', '.join(ties)} within the model's error)" if ties else '')),
-            wrap_note('the roofline above times the Linears alone, the kernel view: for the pipeline, read this line')], recs
+                      + (f" ({', '.join(ties)} within the model's error)" if ties else '')), *fit,
+            wrap_note('the roofline above times the Linears alone, the kernel view: for the pipeline, read these lines')], recs
+
+# %% ../nbs/17_cli.ipynb #c5d3e002
+def _fit_words(recs) -> str:
+    "Whether each scheme's predicted peak fits the GPU, as predict's table says it: yes, only loaded another way, or not at all."
+    from diffq_lab.speed import LOAD_WORDS
+    ok = [r for r in recs if r['fits_with']]   # a scheme the GPU cannot run has no fit to speak of
+    if not ok: return ''
+    r0, say = ok[0], []
+    yes = [r['scheme'] for r in ok if r['fits']]
+    say.append('fits: ' + (', '.join(yes) or 'none'))
+    for w in ('at-load', 'saved'):
+        alt = [f"{r['scheme']} ({r['fit_peak_GiB']:.1f} GiB)" for r in ok if not r['fits'] and r['fits_with'] == w]
+        if alt: say.append(f'fit only {LOAD_WORDS[w]}: ' + ', '.join(alt))
+    off = [f"{r['scheme']} ({r['peak_GiB']:.1f} GiB)" for r in ok if r['fits_with'] == 'cpu-offload']
+    if off: say.append('need CPU offload: ' + ', '.join(off))
+    return (f"memory (the predicted peak, {LOAD_WORDS[r0['load']]}) against {r0['gpu']}'s {r0['gpu_GiB']:g} GiB: "
+            + '; '.join(say))
 
 # %% ../nbs/17_cli.ipynb #b024e39c
 @command
@@ -617,7 +645,8 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
     from diffq_lab.gpus import gpu_spec
     from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
-    w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention)
+    w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention, te_scheme=how.te_scheme,
+                 fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae)
     recs = _predict(gpu, fam, tuple(schemes), w, load=how.load)
     print(strict_json(recs) if json else format_predictions(recs))
     return 0
@@ -757,6 +786,7 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['predict', '--rules', 'most'], "choose from 'lab', 'all', 'flux-recipe'"),
     (['predict', '--load', 'lazy'], "choose from 'after-load', 'at-load', 'saved'"),
     (['predict', '--attention', 'flash'], 'invalid choice'), (['predict', '--height', '1000'], 'a multiple of 16'),
+    (['predict', '--te-scheme', 'fp7'], 'unknown scheme'), (['predict', '--fuse-qkv', 'yes'], 'unrecognized arguments'),
     (['predict', '--frames', '5'], 'not a video model'), (['predict', '--family', 'wan', '--frames', '6'], '4k+1'),
 )
 

@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import contextlib, functools, math, os, weakref
+import contextlib, functools, math, os, re, weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -15,17 +15,18 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from .core import as_dtype, resolve_device
-from .schemes import get_scheme, normalize_scheme
+from .schemes import SCHEMES, get_scheme, normalize_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import get_family, family_of, load_tokenizer, cast_as_loaded, FAMILIES, Family
 from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LOAD_MODES', 'linear_bytes',
-           'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline', 'get_model',
-           'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'linear_calls',
-           'denoiser_trace', 'PipelineTraces', 'pipeline_trace', 'flux_selective', 'linears_under_rules',
-           'quantised_linears', 'MemoryEstimate', 'Workload', 'pipeline_memory', 'free_memory', 'MemoryPlan',
+__all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LAYERWISE_SKIP', 'LOAD_MODES',
+           'ALLOCATOR', 'linear_bytes', 'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline',
+           'get_model', 'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'linear_calls',
+           'denoiser_trace', 'PipelineTraces', 'pipeline_trace', 'flux_selective', 'layerwise_skipped',
+           'linears_under_rules', 'quantised_linears', 'MemoryEstimate', 'Workload', 'linear_plan', 'encoder_plan',
+           'tensor_sizes', 'reserved_bytes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'MemoryPlan',
            'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
@@ -293,6 +294,7 @@ class OpTrace:
     fused_bytes: float
     fused_kernels: int         # kernels of that fused form (fused groups + matmuls + convs + attention)
     peak_bytes: int            # the most activation bytes alive at once (eager order; weights not counted)
+    linears: pd.DataFrame | None = None   # (fqn, M, K, N) of its Linear calls, where the tracer recorded them
     def total(self, kind, col='bytes') -> float:
         "Sum of `col` over the kernels of `kind`."
         return float(self.ops.loc[self.ops.kind == kind, col].sum())
@@ -334,8 +336,11 @@ def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
     ids = torch.zeros(batch, tokens, dtype=torch.long, device='meta')
     for mod in (m, getattr(getattr(m, 'model', None), 'language_model', None), getattr(m, 'language_model', None)):
         if mod is None: continue
-        try: return trace_ops(lambda: mod(input_ids=ids))
+        try:
+            with linear_calls(mod) as rows: t = trace_ops(lambda: mod(input_ids=ids))
         except Exception: continue  # noqa: BLE001 -- a multimodal wrapper that needs image inputs: try its text model
+        t.linears = pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N'])   # a quantised encoder's Linears (12a_speed)
+        return t
     raise ValueError(f'cannot trace the text encoder {type(m).__name__} on token ids')
 
 # %% ../nbs/09_memory.ipynb #e2131e9c
@@ -433,6 +438,18 @@ def flux_selective(fqn: str, # the Linear's name in the transformer
     "torchao's FLUX recipe: skip embedders, norm_out, proj_out, single-block norm.linear and Linears under 1024."
     return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
 
+# %% ../nbs/09_memory.ipynb #a7c1e001
+# diffusers' DEFAULT_SKIP_MODULES_PATTERN (hooks/layerwise_casting.py): `enable_layerwise_casting` leaves these in bf16
+LAYERWISE_SKIP = ('pos_embed', 'patch_embed', 'norm', '^proj_in$', '^proj_out$')
+
+def layerwise_skipped(transformer: nn.Module, # the denoiser (its class adds its own patterns)
+                      fqn: str, # a Linear's name in it
+                     ) -> bool:
+    "Whether diffusers' `enable_layerwise_casting` keeps `fqn` in the compute dtype: its default, the class's and fp32 patterns."
+    pats = (*LAYERWISE_SKIP, *(getattr(transformer, '_skip_layerwise_casting_patterns', None) or ()),
+            *(getattr(transformer, '_keep_in_fp32_modules', None) or ()))
+    return any(re.search(p, fqn) for p in pats)
+
 # %% ../nbs/09_memory.ipynb #bbca76f5
 def linears_under_rules(transformer: nn.Module, # a denoiser (meta tensors do)
                         scheme, # the scheme (None, 'bf16' or 'dense': none)
@@ -444,6 +461,9 @@ def linears_under_rules(transformer: nn.Module, # a denoiser (meta tensors do)
     if scheme in (None, 'bf16', 'dense'): return frozenset()
     if rules == 'lab': return frozenset(plan_transformer(transformer, scheme, min_features=floor, device='cpu').quantized)
     lin = {f: m for f, m in transformer.named_modules() if isinstance(m, nn.Linear)}
+    if rules == 'all' and getattr(get_scheme(scheme), 'library', None) == 'diffusers':
+        # 'every Linear' of a diffusers storage cast is what `enable_layerwise_casting` casts: its skip patterns stay bf16
+        return frozenset(f for f in lin if not layerwise_skipped(transformer, f))
     return frozenset(f for f, m in lin.items() if rules == 'all' or flux_selective(f, m.in_features, m.out_features))
 
 @functools.lru_cache(maxsize=64)
@@ -467,15 +487,17 @@ LOAD_MODES = ('after-load', 'at-load', 'saved')
 
 @dataclass
 class MemoryEstimate:
-    "Predicted resident and peak bytes of a whole pipeline: weights, activations, the quantise-at-load spike."
+    "Predicted resident and peak bytes of a whole pipeline: weights, activations, the quantise-at-load spike; allocated and reserved."
     family: str
-    scheme: str | None
+    scheme: str | None         # the transformer's one scheme, 'mixed' for a per-Linear plan of several, None: dense
     size: int
     batch: int
     weights: dict              # part -> resident bytes (transformer with the scheme, encoders, vae)
     activations: dict          # phase -> peak activation bytes above the weights
     load_peak: int             # the most bytes held while loading and quantising
     load: str
+    reserved_resident: int = 0 # what the caching allocator holds after loading (`reserved_bytes`' rule; no empty_cache)
+    reserved_peak: int = 0     # the most it holds: the load's cached blocks or resident + the activations
     @property
     def resident_bytes(self) -> int: return sum(self.weights.values())
     @property
@@ -486,12 +508,17 @@ class MemoryEstimate:
     def resident_GiB(self) -> float: return self.resident_bytes / 2**30
     @property
     def peak_GiB(self) -> float: return self.peak_bytes / 2**30
+    @property
+    def reserved_GiB(self) -> float: return self.reserved_resident / 2**30
+    @property
+    def reserved_peak_GiB(self) -> float: return self.reserved_peak / 2**30
     def to_frame(self) -> pd.DataFrame:
         "One row per part and phase with its GiB (a prediction from configs, not a measurement)."
         rows = [(f'weights: {k}', v) for k, v in self.weights.items()]
         rows += [(f'activations: {k}', v) for k, v in self.activations.items()]
-        rows += [('resident', self.resident_bytes), (f'load peak ({self.load})', self.load_peak),
-                 ('peak', self.peak_bytes)]
+        rows += [('resident (allocated)', self.resident_bytes), (f'load peak ({self.load})', self.load_peak),
+                 ('peak (allocated)', self.peak_bytes), ('resident (reserved)', self.reserved_resident),
+                 ('peak (reserved)', self.reserved_peak)]
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
 
 # %% ../nbs/09_memory.ipynb #001de9c5
@@ -514,39 +541,118 @@ def _workload(workload: Workload | None, settings: dict) -> Workload | None:
         raise ValueError(f'workload must be a Workload(size, batch, frames, text_tokens), got {workload!r}')
     return replace(workload or Workload(), **over) if workload is not None or over else None
 
+# %% ../nbs/09_memory.ipynb #a7c1e002
+_DENSE = (None, 'bf16', 'dense')   # the names of no scheme
+
+def linear_plan(transformer: nn.Module, # a denoiser (meta tensors do)
+                scheme, # one scheme (None, 'bf16', 'dense': none) or a plan: fqn -> scheme
+                pick, # scheme -> the names its rules let it take (`linears_under_rules` at the caller's rules)
+               ) -> dict:
+    "fqn -> scheme of the Linears that run quantised: one scheme on all it may take, or a plan's (the rules' dense stay dense)."
+    if scheme in _DENSE: return {}
+    if isinstance(scheme, str): return dict.fromkeys(sorted(pick(scheme)), scheme)
+    lin = [f for f, m in transformer.named_modules() if isinstance(m, nn.Linear)]
+    plan = {f: 'bf16' if s in _DENSE else s for f, s in dict(scheme).items()}
+    if unknown := sorted(set(plan) - set(lin)):
+        raise ValueError(f'the denoiser has no Linear {unknown[0]!r}; its Linears: {", ".join(lin[:3])}, ...')
+    if bad := sorted({s for s in plan.values() if s not in ('bf16', *SCHEMES)}):
+        raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
+    picked = {s: pick(s) for s in set(plan.values()) - {'bf16'}}
+    # as `quantize_` with the rules' filter would leave it
+    return {f: s for f, s in plan.items() if s != 'bf16' and f in picked[s]}
+
+# %% ../nbs/09_memory.ipynb #a7c1e003
+def encoder_plan(encoder: nn.Module, # a text encoder (meta tensors do)
+                 scheme, # its scheme (None, 'bf16', 'dense': none)
+                 floor: int, # the width floor: Linears narrower than this stay bf16
+                ) -> dict:
+    "fqn -> scheme of a text encoder's Linears at least `floor` wide (its output head, if any, stays bf16)."
+    if scheme in _DENSE: return {}
+    if scheme not in SCHEMES: raise ValueError(f'unknown te_scheme {scheme!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
+    return {f: scheme for f, m in encoder.named_modules()
+            if isinstance(m, nn.Linear) and min(m.in_features, m.out_features) >= floor and 'lm_head' not in f}
+
+# %% ../nbs/09_memory.ipynb #a7c1e004
+def tensor_sizes(module: nn.Module, # a part of the pipeline (meta tensors do)
+                 plan: dict | None = None, # fqn -> scheme of its quantised Linears (None: all bf16)
+                ) -> list[int]:
+    "Bytes of each tensor `module` holds with `plan`'s Linears quantised (`linear_bytes`), the rest bf16 as loaded."
+    plan, owner = plan or {}, {}
+    for f, m in module.named_modules():
+        if isinstance(m, nn.Linear) and f in plan:
+            owner[id(m.weight)] = (m, f, 'weight')
+            if m.bias is not None: owner[id(m.bias)] = (m, f, 'bias')
+    out = []
+    for t in module.parameters():   # each tensor once, as `parameters()` yields shared ones
+        if id(t) not in owner: out.append(t.numel() * 2); continue
+        m, f, what = owner[id(t)]
+        w = linear_bytes(m.in_features, m.out_features, plan[f], bias=False)
+        out.append(w if what == 'weight' else linear_bytes(m.in_features, m.out_features, plan[f]) - w)
+    return out
+
+# %% ../nbs/09_memory.ipynb #a7c1e006
+# PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kSmallBuffer,
+# kMinLargeAlloc, kLargeBuffer, kRoundLarge)
+ALLOCATOR = dict(block=512, small=1 << 20, small_segment=2 << 20, mid=10 << 20, mid_segment=20 << 20, round_large=2 << 20)
+
+def reserved_bytes(sizes) -> int:
+    "Bytes the caching allocator reserves to hold tensors of `sizes` bytes at once (its segment rule, blocks packed)."
+    a, up = ALLOCATOR, lambda n, k: -(-int(n) // k) * k
+    small = mid = big = 0
+    for n in sizes:
+        n = up(max(int(n), 1), a['block'])
+        if n <= a['small']: small += n
+        elif n < a['mid']: mid += n
+        else: big += up(n, a['round_large'])
+    return up(small, a['small_segment']) + up(mid, a['mid_segment']) + big
+
+# %% ../nbs/09_memory.ipynb #a7c1e008
+def memory_estimate(family: str, # the family's name (the record's label)
+                    parts: dict, # pipeline attribute -> module (meta tensors do)
+                    plans: dict, # attribute -> its plan, fqn -> scheme (`linear_plan`, `encoder_plan`); others bf16
+                    activations: dict, # phase -> activation peak bytes
+                    load: str, # one of `LOAD_MODES`
+                    size: int = 0, # the picture's side (the record's label)
+                    batch: int = 1, # images per call (the record's label)
+                   ) -> MemoryEstimate:
+    "Resident, load and reserved bytes of `parts` with `plans`' Linears quantised, loaded as `load`."
+    if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
+    sizes = {a: tensor_sizes(mod, plans.get(a)) for a, mod in parts.items()}
+    dense = [n for mod in parts.values() for n in tensor_sizes(mod)]
+    resident = [n for v in sizes.values() for n in v]
+    # while quantising, the one Linear being converted is held dense and quantised at once
+    lins = [x for a, p in plans.items() for f, x in parts[a].named_modules() if f in p and isinstance(x, nn.Linear)]
+    spike = [max(linear_bytes(x.in_features, x.out_features, None) for x in lins)] if lins else []
+    held = {'after-load': dense + spike, 'at-load': resident + spike, 'saved': resident}[load]
+    act = max(activations.values(), default=0)
+    r_load, r_res = reserved_bytes(held), reserved_bytes(resident)
+    r_peak = max(r_load, r_res + (reserved_bytes([act]) if act else 0))   # activations reuse the load's cached blocks
+    used = set(plans.get('transformer', {}).values())
+    name = None if not used else next(iter(used)) if len(used) == 1 else 'mixed'
+    return MemoryEstimate(family, name, size, batch, {a: sum(v) for a, v in sizes.items()}, dict(activations),
+                          int(sum(held)), load, r_load, r_peak)
+
 # %% ../nbs/09_memory.ipynb #1ada14e0
 def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image', ...)
-                    scheme=None, # the transformer's scheme (None, 'bf16' or 'dense': dense)
+                    scheme=None, # the transformer's scheme (None, 'bf16' or 'dense': dense), or a plan: fqn -> scheme
                     workload: Workload | None = None, # what one call renders (default: one 1024 px image)
                     *, load: str = 'after-load', # when the weights are quantised: one of `LOAD_MODES`
                     rules: str = 'lab', # which Linears take `scheme`: one of `QUANT_RULES`
+                    te_scheme=None, # the text encoders' scheme (None: bf16), on their Linears `policy`'s floor wide
                     policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
                     **settings, # Workload fields (size=, batch=, ...) and QuantPolicy fields laid over those
                    ) -> MemoryEstimate:
-    "Predicted resident and peak memory of `family`'s pipeline, transformer in `scheme`, rendering `workload`."
+    "Predicted resident and peak memory (allocated and reserved) of `family`'s pipeline, transformer in `scheme` or a plan."
     w = _workload(workload, settings) or Workload()
     policy = as_policy(policy, **settings)
     load = 'saved' if load == 'none' else load   # the first round's name for a saved folder
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
-    m = get_model(family)
-    s = None if scheme in (None, 'bf16', 'dense') else scheme
+    m, feats = get_model(family), policy.features(tiny=False)
     parts = _meta_parts(m.name)
-    tr, picked = parts['transformer'], quantised_linears(m.name, s, rules, policy)
-    size_of = lambda mod: sum(t.numel() * 2 for t in mod.parameters())   # bf16 as loaded
-    lin = {id(t) for mod in tr.modules() if isinstance(mod, nn.Linear) for t in mod.parameters()}
-    quant = sum(linear_bytes(mod.in_features, mod.out_features, s if f in picked else None, mod.bias is not None)
-                for f, mod in tr.named_modules() if isinstance(mod, nn.Linear))
-    quant += sum(t.numel() * 2 for t in tr.parameters() if id(t) not in lin)
-    weights = {'transformer': quant, **{a: size_of(mod) for a, mod in parts.items() if a != 'transformer'}}
+    plans = {'transformer': linear_plan(parts['transformer'], scheme, lambda s: _picked(m.name, s, rules, feats))}
+    plans.update({a: encoder_plan(mod, te_scheme, feats) for a, mod in parts.items() if a.startswith('text_encoder')})
     traces = pipeline_trace(m.name, w.size, w.batch, w.frames, w.text_tokens)
-    acts = {k: t.peak_bytes for k, t in traces.items()}
-    dense_total = sum(size_of(mod) for mod in parts.values())
-    biggest = max((linear_bytes(mod.in_features, mod.out_features, None) for mod in tr.modules()
-                   if isinstance(mod, nn.Linear)), default=0)
-    resident = sum(weights.values())
-    load_peak = {'after-load': dense_total + (biggest if s else 0), 'at-load': resident + (biggest if s else 0),
-                 'saved': resident}[load]
-    return MemoryEstimate(m.name, s, w.size, w.batch, weights, acts, int(load_peak), load)
+    return memory_estimate(m.name, parts, plans, {k: t.peak_bytes for k, t in traces.items()}, load, w.size, w.batch)
 
 # %% ../nbs/09_memory.ipynb #5ab975b4
 def free_memory(device=None) -> int:

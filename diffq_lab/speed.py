@@ -15,6 +15,7 @@ from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
 from .memory import (LOAD_MODES, PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory,
+                              linear_plan, memory_estimate,
                               pipeline_trace, denoiser_trace, linear_calls,
                               linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
 from .gpus import gpu_spec, gpu_schemes
@@ -22,11 +23,11 @@ from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M',
-           'CAL_GRID', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT',
+           'CAL_GRID', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT',
            'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs',
            'published_runs', 'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate',
-           'forward_time', 'pipeline_time', 'predict', 'format_predictions', 'validate', 'error_summary',
-           'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
+           'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'validate',
+           'error_summary', 'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
            'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
@@ -59,14 +60,21 @@ class Workload(MemoryWorkload):
     compile: str = 'inductor'       # 'none' (eager), 'inductor' (torch.compile), 'cudagraphs' (compile + CUDA graphs)
     rules: str = 'lab'              # Linears in the scheme: 'lab' (the lab's plan), 'all' (quantize_), 'selective'
     attention: str = 'sdpa'         # 'sdpa' (torch's default kernel), 'cudnn' (its cuDNN backend), 'fp8' (FA3 fp8)
+    te_scheme: str | None = None    # the text encoders' scheme (None: bf16), eager, on Linears the width floor wide
+    fuse_qkv: bool = False          # diffusers' `fuse_qkv_projections`: each attention's q, k, v as one Linear
+    compile_vae: bool = False       # the VAE decode compiled (its elementwise kernels fused) rather than eager
     def __post_init__(self):
         super().__post_init__()
         for name, lo in (('size', PIXELS_PER_TOKEN), ('steps', 1), ('forwards_per_step', 1)):
             _check_int(name, getattr(self, name), lo)
         for name in ('height', 'frames', 'text_tokens'): _check_int(name, getattr(self, name), 1, allow_none=True)
-        for name, choices in (('compile', COMPILE_MODES), ('rules', QUANT_RULES), ('attention', ATTENTION)):
+        for name, choices in (('compile', COMPILE_MODES), ('rules', QUANT_RULES), ('attention', ATTENTION),
+                              ('te_scheme', (None, 'bf16', *SCHEMES))):
             if getattr(self, name) not in choices:
-                raise ValueError(f'unknown {name} {getattr(self, name)!r}; choose one of {", ".join(choices)}')
+                named = ', '.join(str(c) for c in choices if c is not None)
+                raise ValueError(f'unknown {name} {getattr(self, name)!r}; choose one of {named}')
+        for name in ('fuse_qkv', 'compile_vae'):
+            if not isinstance(getattr(self, name), bool): raise ValueError(f'{name} must be True or False, got {getattr(self, name)!r}')
     @property
     def compiled(self) -> bool: return self.compile != 'none'
     @property
@@ -428,12 +436,23 @@ def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
     return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
 
 # %% ../nbs/12a_speed.ipynb #83457bde
-def _dense_part(trace, spec) -> float:
-    "GPU seconds of a dense bf16 part run eagerly (text encoder, VAE): matmuls and convs, attention, the rest by bytes."
+def _dense_part(trace, spec, compiled: bool = False) -> float:
+    "GPU seconds of a dense bf16 part (text encoder, VAE): matmuls and convs, attention, the rest by bytes (fused if compiled)."
     ge, bw = arch_efficiency(spec)['bf16'], float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
     mm = trace.ops[trace.ops.kind.isin(['matmul', 'conv'])]
     t = np.maximum(mm.flops.to_numpy(float) / (_peak(spec, 'bf16') * ge), mm.bytes.to_numpy(float) / bw) + 2e-6
-    return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, False)
+    return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, compiled)
+
+# %% ../nbs/12a_speed.ipynb #b4c2e001
+def _encoder_time(trace, spec, scheme, floor: int, cal=None) -> float:
+    "GPU seconds of a text encoder run eagerly: dense, or its Linears `floor` wide in `scheme`'s eager kernel path."
+    t = _dense_part(trace, spec)
+    L = trace.linears
+    if scheme in (None, 'bf16') or L is None or L.empty: return t
+    q = (np.minimum(L.K, L.N) >= floor) & ~L.fqn.str.contains('lm_head')   # `09_memory.encoder_plan`'s rule
+    M, K, N = (L.loc[q, c].to_numpy(float) for c in 'MKN')
+    p, cal = default_path(scheme, 'none'), _calibration() if cal is None else cal
+    return t + float((linear_time(spec, M, K, N, p, cal, False) - linear_time(spec, M, K, N, 'bf16', cal, False)).sum())
 
 # %% ../nbs/12a_speed.ipynb #a7f3e2d0
 def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPolicy) -> np.ndarray:
@@ -451,11 +470,28 @@ def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPo
     return np.array([s if s != 'bf16' and f in picked[s] else 'bf16' for f in fqns
                      for s in [plan.get(f, 'bf16')]], dtype=object)
 
+# %% ../nbs/12a_speed.ipynb #b4c2e002
+# diffusers' `fuse_qkv_projections`: to_q/to_k/to_v become to_qkv, add_{q,k,v}_proj become to_added_qkv
+QKV_FUSED = {'to_q': 'to_qkv', 'to_k': 'to_qkv', 'to_v': 'to_qkv',
+             'add_q_proj': 'to_added_qkv', 'add_k_proj': 'to_added_qkv', 'add_v_proj': 'to_added_qkv'}
+
+def fuse_qkv(shapes: pd.DataFrame, # (fqn, M, K, N) of a forward's Linear calls
+             assigned: np.ndarray, # the scheme of each call (`_assignment`)
+            ) -> tuple[pd.DataFrame, np.ndarray]:
+    "The calls with each attention's q, k, v Linears (same input, same scheme) as one Linear of their summed width."
+    parent, leaf = shapes.fqn.str.rpartition('.')[0], shapes.fqn.str.rpartition('.')[2]
+    fusable = leaf.isin(list(QKV_FUSED))
+    key = np.where(fusable, parent + '.' + leaf.map(QKV_FUSED).fillna(''), shapes.index.astype(str))
+    df = shapes[['fqn', 'M', 'K', 'N']].assign(scheme=assigned, key=key)
+    out = (df.groupby(['key', 'M', 'K', 'scheme'], sort=False)
+             .agg(fqn=('fqn', 'first'), N=('N', 'sum')).reset_index())
+    return out[['fqn', 'M', 'K', 'N']], out.scheme.to_numpy(dtype=object)
+
 # %% ../nbs/12a_speed.ipynb #dd1658c7
 def forward_time(gpu, # a GPU name or spec dict
                  model, # a registry family with real dims, or one of `SPEED_FAMILIES`
                  scheme: str | dict = 'bf16', # the scheme of the Linears `work.rules` pick, or a plan: fqn -> scheme
-                 work: Workload | None = None, # picture, batch, execution mode, rules, attention
+                 work: Workload | None = None, # picture, batch, execution mode, rules, attention, fused QKV
                  *, path: str | None = None, # one scheme's kernel path (None: the newest of the mode, `default_path`)
                  cal: dict | None = None, # the path calibration (None: `calibrate()` on the kernel points)
                  policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
@@ -470,8 +506,10 @@ def forward_time(gpu, # a GPU name or spec dict
     launch = launch_costs().loc['eager' if work.compile == 'none' else work.compile]
     shapes, tr = denoiser_calls(m, work)
     assigned = _assignment(m, scheme, shapes, work, policy)
+    calls = len(shapes)
+    if work.fuse_qkv: shapes, assigned = fuse_qkv(shapes, assigned)
     M, K, N = (shapes[c].to_numpy(float) for c in 'MKN')
-    lin, extra, cpu_lin, paths = 0.0, 0, 0.0, []
+    lin, extra, cpu_lin, paths = 0.0, len(shapes) - calls, 0.0, []   # fused: fewer GEMM kernels than traced
     for s in sorted(set(assigned)):
         q = assigned == s
         p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile))
@@ -493,11 +531,12 @@ def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, 
     fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy)
     te = vae = 0.0
     if not isinstance(m, VideoDiT):      # a SPEED_FAMILIES entry knows its transformer only
-        T, side = work.text_tokens, _square(work)
+        T, side, floor = work.text_tokens, _square(work), as_policy(policy).features(tiny=False)
         te1 = pipeline_trace(m.name, side, 1, work.frames, T)
-        te = sum(_dense_part(t, spec) for k, t in te1.items() if k.startswith('text_encoder')) * work.forwards_per_step
+        te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal) for k, t in te1.items()
+                 if k.startswith('text_encoder')) * work.forwards_per_step
         traces = pipeline_trace(m.name, side, work.batch, work.frames, T)
-        vae = _dense_part(traces['vae'], spec) if 'vae' in traces else 0.0
+        vae = _dense_part(traces['vae'], spec, work.compile_vae) if 'vae' in traces else 0.0
     denoise = fwd['seconds'] * work.steps * work.forwards_per_step
     return dict(seconds=te + denoise + vae, text_encoder_s=te, denoise_s=denoise, vae_s=vae, forward=fwd)
 
@@ -531,42 +570,60 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy) -> dict:
                 text_encoder_s=t['text_encoder_s'], denoise_s=t['denoise_s'], vae_s=t['vae_s'], note='')
 
 # %% ../nbs/12a_speed.ipynb #c691f58b
-def _memory(m, scheme: str, work: Workload, policy: QuantPolicy, load: str) -> tuple[float, float]:
-    "(resident, peak) GiB: the whole pipeline for a registry family; the transformer alone for `SPEED_FAMILIES`."
+def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: str) -> dict:
+    "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for `SPEED_FAMILIES`."
     load = 'saved' if load == 'none' else load
-    s, feats = (None if scheme == 'bf16' else scheme), policy.features(tiny=False)
+    feats = policy.features(tiny=False)
     if not isinstance(m, VideoDiT):
         w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
-        e = pipeline_memory(m.name, s, w, load=load, rules=work.rules, policy=policy)
-        return e.resident_GiB, e.peak_GiB
-    tr, picked = _video_module(m.name), _picked(m.name, scheme, work.rules, feats) if s else frozenset()
-    lin = {f: mod for f, mod in tr.named_modules() if isinstance(mod, nn.Linear)}
-    in_lin = {id(p) for mod in lin.values() for p in mod.parameters()}
-    rest = sum(p.numel() * 2 for p in tr.parameters() if id(p) not in in_lin)
-    resident = rest + sum(linear_bytes(x.in_features, x.out_features, s if f in picked else None, x.bias is not None)
-                          for f, x in lin.items())
-    dense = sum(p.numel() * 2 for p in tr.parameters())
-    biggest = max(linear_bytes(x.in_features, x.out_features, None) for x in lin.values()) if s else 0
-    load_peak = {'after-load': dense + biggest, 'at-load': resident + biggest, 'saved': resident}[load]
-    acts = denoiser_calls(m, work)[1].peak_bytes
-    return resident / 2**30, max(resident + acts, load_peak) / 2**30
+        e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy)
+    else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer alone
+        tr = _video_module(m.name)
+        plan = linear_plan(tr, scheme, lambda s: _picked(m.name, s, work.rules, feats))
+        e = memory_estimate(m.name, {'transformer': tr}, {'transformer': plan},
+                            {'transformer': denoiser_calls(m, work)[1].peak_bytes}, load, work.size, work.batch)
+    return dict(resident_GiB=e.resident_GiB, peak_GiB=e.peak_GiB, reserved_GiB=e.reserved_GiB,
+                reserved_peak_GiB=e.reserved_peak_GiB)
 
 # %% ../nbs/12a_speed.ipynb #26f6cd3a
 LOAD_WORDS = {'after-load': 'loaded dense, then quantised on the GPU', 'at-load': 'quantised while loading',
               'saved': 'loaded already quantised (a saved folder)'}   # each `09_memory.LOAD_MODES` entry in a reader's words
 
+# %% ../nbs/12a_speed.ipynb #b4c2e004
+def _quantises(scheme: str | dict, work: Workload) -> bool:
+    "Whether anything is quantised (the transformer's scheme or plan, or the text encoders): then the load mode matters."
+    dense = lambda s: s in (None, 'bf16', 'dense')
+    return not (all(map(dense, scheme.values())) if isinstance(scheme, dict) else dense(scheme)) or not dense(work.te_scheme)
+
 # %% ../nbs/12a_speed.ipynb #58ff3366
-def _fit(m, s: str, work: Workload, policy: QuantPolicy, load: str, peak: float, cap: float) -> dict:
+def _fit(m, s: str | dict, work: Workload, policy: QuantPolicy, load: str, peak: float, cap: float) -> dict:
     "Whether `s`'s `peak` GiB fits `cap` GiB loaded as `load`; if not, the first lighter load that fits, else offload."
     if peak <= cap: return dict(fits=True, fits_with=load, fit_peak_GiB=peak, fit=f'fits ({peak:.1f} of {cap:g} GiB)')
     no = f'does not fit: peak {peak:.1f} GiB > {cap:g} GiB'
     p = peak
-    for other in (LOAD_MODES[LOAD_MODES.index(load) + 1:] if s != 'bf16' else ()):   # dense loads the same every way
-        p = _memory(m, s, work, policy, other)[1]
+    for other in (LOAD_MODES[LOAD_MODES.index(load) + 1:] if _quantises(s, work) else ()):   # dense loads the same every way
+        p = _memory(m, s, work, policy, other)['peak_GiB']
         if p <= cap:
             return dict(fits=False, fits_with=other, fit_peak_GiB=p, fit=f'{no}; {LOAD_WORDS[other]}: {p:.1f} GiB, fits')
     low = f'; {LOAD_WORDS[LOAD_MODES[-1]]}: {p:.1f} GiB' if p < peak else ''
     return dict(fits=False, fits_with='cpu-offload', fit_peak_GiB=None, fit=f'{no}{low}; needs CPU offload (not modelled)')
+
+# %% ../nbs/12a_speed.ipynb #b4c2e005
+def memory_fit(gpu, # a GPU name or spec dict (its `mem_gb` is the capacity)
+               model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+               scheme: str | dict = 'bf16', # the transformer's scheme, or a per-Linear plan: fqn -> scheme
+               work: Workload | None = None, # picture, batch, rules, text-encoder scheme
+               *, load: str = 'after-load', # when quantisation happens: one of `LOAD_MODES`
+               policy: QuantPolicy | None = None, # the lab rules' width floor
+               **settings, # Workload or QuantPolicy fields laid over `work` / `policy`
+              ) -> dict:
+    "Resident and peak GiB (allocated and reserved) of `model`'s pipeline with `scheme` or a plan on `gpu`; whether it fits, or what does."
+    if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
+    work, rest = as_workload(work, **settings)
+    policy = as_policy(policy, **rest)
+    spec, m = gpu_spec(gpu), speed_family(model)
+    mem, cap = _memory(m, scheme, work, policy, load), float(spec['mem_gb'])
+    return dict(**mem, gpu_GiB=cap, load=load, **_fit(m, scheme, work, policy, load, mem['peak_GiB'], cap))
 
 # %% ../nbs/12a_speed.ipynb #9f5af1c9
 _PREDICTION = 'prediction (roofline + kernel paths), not a measurement'
@@ -574,7 +631,8 @@ _PREDICTION = 'prediction (roofline + kernel paths), not a measurement'
 def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, band) -> dict:
     "One `predict` record: seconds and speedup with their bands, memory and whether it fits, the workload."
     r = _one(spec, m, s, work, policy)
-    resident, peak = _memory(m, s, work, policy, load)
+    mem = _memory(m, s, work, policy, load)
+    resident, peak = mem['resident_GiB'], mem['peak_GiB']
     lo_s, hi_s, lo_x, hi_x = band
     one, video = s == 'bf16', isinstance(m, VideoDiT)
     note = r.get('note', '') or _PREDICTION
@@ -586,11 +644,13 @@ def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, ban
     return dict(scheme=s, seconds=r['seconds'], seconds_lo=r['seconds'] * lo_s, seconds_hi=r['seconds'] * hi_s,
                 speedup=r['speedup'], speedup_lo=1.0 if one else r['speedup'] * lo_x,
                 speedup_hi=1.0 if one else r['speedup'] * hi_x, seconds_per_image=r['seconds'] / work.batch,
-                resident_GiB=resident, peak_GiB=peak, gpu_GiB=cap, load=load,
+                resident_GiB=resident, peak_GiB=peak, reserved_GiB=mem['reserved_GiB'],
+                reserved_peak_GiB=mem['reserved_peak_GiB'], gpu_GiB=cap, load=load,
                 **fit, gpu=spec['gpu'], model=m.name, size=work.size,
                 height=work.height or work.size, frames=_frames(m, work),
                 batch=work.batch, steps=work.steps, forwards_per_step=work.forwards_per_step, compile=work.compile,
-                attention=work.attention, path=r.get('path', ''), note=note)
+                attention=work.attention, te_scheme=work.te_scheme or 'bf16', fuse_qkv=work.fuse_qkv,
+                compile_vae=work.compile_vae, path=r.get('path', ''), note=note)
 
 # %% ../nbs/12a_speed.ipynb #a47cddfb
 def predict(gpu, # a GPU name or spec dict
@@ -631,6 +691,8 @@ def _memory_note(records) -> str:
                              + ', '.join(f"{r['scheme']} ({r['fit_peak_GiB']:.1f} GiB)" for r in alt))
     off = [r['scheme'] for r in records if r['fits_with'] == 'cpu-offload']
     if off: parts.append('need CPU offload: ' + ', '.join(off))
+    parts.append('peak reserved by the caching allocator (its segment rule, `09_memory.reserved_bytes`): '
+                 + ', '.join(f"{r['scheme']} {r['reserved_peak_GiB']:.1f}" for r in records) + ' GiB')
     if records and len(off) == len(records):
         low = min(records, key=lambda r: r['peak_GiB'])
         parts.append(f"nothing fits; the lowest peak is {low['scheme']}'s {low['peak_GiB']:.1f} GiB")
@@ -643,6 +705,9 @@ def format_predictions(records) -> str:
     r0 = records[0]
     pic = f"{r0['size']} px" if r0.get('height', r0['size']) == r0['size'] else f"{r0['size']}x{r0['height']} px"
     if r0.get('frames', 1) > 1: pic += f", {r0['frames']} frames"
+    extra = [w for w, on in ((f"text encoders {r0.get('te_scheme')}", r0.get('te_scheme', 'bf16') != 'bf16'),
+                             ('fused QKV', r0.get('fuse_qkv')), ('VAE compiled', r0.get('compile_vae'))) if on]
+    if extra: pic += ', ' + ', '.join(extra)
     head = (f"# prediction, not a measurement: {r0['model']} at {pic}, batch {r0['batch']}, {r0['steps']} steps x "
             f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, attention={r0.get('attention', 'sdpa')}, "
             f"on {r0['gpu']} ({r0['gpu_GiB']:g} GiB)")

@@ -152,3 +152,12 @@ def test_predict_takes_every_setting_a_published_run_names(capsys):
     recs = json.loads(capsys.readouterr().out)
     assert [(r['size'], r['height'], r['frames'], r['load']) for r in recs] == [(720, 480, 49, 'saved')] * 2
     assert recs[1]['path'] == 'int4wo_tinygemm' and recs[1]['speedup'] < 0.5       # tinygemm at DiT M
+
+
+def test_predict_takes_the_encoder_scheme_fused_qkv_and_a_compiled_vae(capsys):
+    "predict --te-scheme/--fuse-qkv/--compile-vae reach the model; the records say them back."
+    assert main(['predict', '--gpu', 'h100', '--schemes', 'fp8', '--te-scheme', 'fp8', '--fuse-qkv', '--compile-vae',
+                 '--json']) == 0
+    recs = json.loads(capsys.readouterr().out)
+    assert [(r['te_scheme'], r['fuse_qkv'], r['compile_vae']) for r in recs] == [('fp8', True, True)] * 2
+    assert recs[1]['reserved_peak_GiB'] >= recs[1]['peak_GiB']

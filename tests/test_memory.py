@@ -161,3 +161,19 @@ def test_one_way_to_build_a_real_denoiser_on_meta():
     for f in only:  # a transformer alone: the family's pipeline is not known at real dims
         assert type(M.meta_transformer(f)).__name__ == M.get_family(f).denoiser
         with pytest.raises(ValueError, match='no real-dims configs'): real_dims_components(f)
+
+
+def test_layerwise_casting_skips_diffusers_patterns_and_encoders_keep_their_floor():
+    "fp8_layerwise under 'all' is diffusers' enable_layerwise_casting (its skip patterns); encoder_plan keeps narrow Linears."
+    tr = nn.ModuleDict(dict(norm1=nn.ModuleDict(dict(linear=nn.Linear(8, 8))), proj_out=nn.Linear(8, 8),
+                            ff=nn.Linear(8, 8))).to('meta')
+    assert M.linears_under_rules(tr, 'fp8_layerwise', 'all', 0) == {'ff'}
+    assert M.linears_under_rules(tr, 'fp8wo', 'all', 0) == {'norm1.linear', 'proj_out', 'ff'}
+    enc = nn.ModuleDict(dict(wide=nn.Linear(1024, 1024), narrow=nn.Linear(64, 1024), lm_head=nn.Linear(1024, 1024)))
+    assert M.encoder_plan(enc, 'int8', 512) == {'wide': 'int8'}
+    with pytest.raises(ValueError, match='choose one of bf16'): M.encoder_plan(enc, 'fp7', 512)
+
+
+def test_reserved_bytes_follow_the_allocator_segments():
+    assert M.reserved_bytes([1, 1]) == 2 << 20 and M.reserved_bytes([5 << 20] * 5) == 40 << 20
+    assert M.reserved_bytes([100 << 20]) == 100 << 20 and M.reserved_bytes([(100 << 20) + 1]) == 102 << 20
