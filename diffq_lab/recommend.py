@@ -23,7 +23,7 @@ from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
 from .memory import quantised_linears
 from .crossover import layer_pattern
-from .speed import (Workload, calibrate, default_path, denoiser_calls, linear_time, pipeline_time,
+from .speed import (Workload, calibrate, default_path, denoiser_calls, linear_time, memory_fit, pipeline_time,
                              residual_bands)
 
 # %% auto #0
@@ -242,6 +242,7 @@ class Recommendation:
     table: pd.DataFrame   # every plan measured: source, predicted time, PSNR, clears; one row `recommended`
     sensitivity: pd.DataFrame = field(repr=False, default=None)  # per Linear and format, the output's error
     note: str = ''        # why the plan was chosen over a faster-looking one, if it was
+    memory: dict = field(repr=False, default=None)  # the real pipeline's predicted GiB under the plan: `memory_fit`
 
     @property
     def best(self) -> pd.Series: return self.table[self.table.recommended.astype(bool)].iloc[0]
@@ -255,10 +256,10 @@ class Recommendation:
     def source(self) -> str: return str(self.best.source)
 
     def summary(self) -> str:
-        "One line: the GPU, the formats chosen, the predicted time, the measured PSNR against the bar."
-        n = Counter(self.choice.values())
+        "One line: the GPU, the formats chosen, the predicted time and memory, the measured PSNR against the bar."
+        n, fit = Counter(self.choice.values()), f"; memory: {self.memory['fit']}" if self.memory else ''
         return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s "
-                f"for the whole pipeline (prediction); measured PSNR {self.psnr:.2f} dB "
+                f"for the whole pipeline (prediction){fit}; measured PSNR {self.psnr:.2f} dB "
                 f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})" + (f'; {self.note}' if self.note else ''))
 
 # %% ../nbs/16_recommend.ipynb #2f37d37c
@@ -352,7 +353,8 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
         best, best_src = uniform[s], f'uniform {s}'
     final = measure(best, best_src)  # a plan measured before under another name is that row
     table = pd.DataFrame([{**r, 'recommended': r is final} for r in rows]).sort_values('time_s').reset_index(drop=True)
-    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note)
+    memory = memory_fit(spec, fam, real_plan(best, denoiser_calls(fam, t.work)[0].fqn), t.work, policy=policy)
+    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note, memory)
 
 # %% ../nbs/16_recommend.ipynb #r0000027
 def recommend_on_trained(gpus=('b200', 'h200'), # the GPUs to plan for
