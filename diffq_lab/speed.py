@@ -342,6 +342,7 @@ def linear_time(spec, # a GPU name or spec dict
                 cal=None, # the path calibration (None: the fallbacks and the table's own values)
                 compiled: bool = True, # under torch.compile (a weight-only GEMV fuses its dequantise at small M)
                 floor: float = 2e-6, # the shortest a kernel takes, in seconds
+                quant: bool = True, # False: the GEMM alone, its operands already cast (a no-quant microbenchmark)
                ):
     "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise."
     spec = gpu_spec(spec)
@@ -353,10 +354,10 @@ def linear_time(spec, # a GPU name or spec dict
     # tinygemm dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
     math_s = _gemm_math(spec, M, K, N, _peak(spec, p.gemm), ge, ws, p.gemm != 'int4wo')
     gemm = np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor
-    t = gemm + ovh + (p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels else 0.0)
+    t = gemm + ovh + (p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels and quant else 0.0)
     # amax and rescale passes run like the cast kernels
-    mem = bw * min(ew, cb)
-    t = t + (2 * M * K / mem + floor) * p.amax_pass + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)
+    mem = bw * np.minimum(ew, cb)
+    t = t + (2 * M * K / mem + floor) * p.amax_pass * quant + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)
     if p.dequant: t = t + np.where(gemv, 0.0, (p.w_bytes + 2) * N * K / (bw * ew) + floor)
     return t
 
@@ -376,8 +377,17 @@ def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
     "Predicted speedup of a compiled ReLU -> Linear cube n^3 in `path` over bf16 (the torchao benchmark's layout)."
     bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
     relu = 4 * n * n / (bw * ew) + 2e-6                               # bf16 ReLU: read 2, write 2 bytes per element
-    # ReLU fused into the cast
-    return (relu + linear_time(spec, n, n, n, 'bf16', cal)) / linear_time(spec, n, n, n, path, cal)
+    # the ReLU fuses into an inductor cast; the passes a network fuses away run alone here (the alone_* columns: a
+    # custom-op cast needs the ReLU's output written, a rescale after the GEMM has no pointwise op to join)
+    p = _path_rows().loc[path]
+    cb = np.minimum(ew, (cal or {}).get(path, {}).get('cast_bw', ew))
+    alone = (p.alone_in_bytes + p.alone_out_bytes) * n * n / (bw * cb) + p.alone_kernels * 2e-6
+    return (relu + linear_time(spec, n, n, n, 'bf16', cal)) / (linear_time(spec, n, n, n, path, cal) + alone)
+
+# %% ../nbs/12a_speed.ipynb #5d1f0a01
+def _gemm_speedup(spec, M, K, N, path, cal, quant: bool = True) -> np.ndarray:
+    "Predicted speedup of `path`'s Linear (with its activation cast, or the GEMM alone) over a bf16 GEMM of (M, K, N)."
+    return linear_time(spec, M, K, N, 'bf16', cal) / linear_time(spec, M, K, N, path, cal, quant=quant)
 
 # %% ../nbs/12a_speed.ipynb #3a61fe23
 def _fit_flat(g) -> dict:
@@ -387,6 +397,24 @@ def _fit_flat(g) -> dict:
     err = np.stack([np.log(linear_time(spec, r.M, r.K, r.N, path, {path: dict(gemm_eff=ge)}) / (r.value * 1e-3))
                     for r in g.itertuples()])
     return dict(gemm_eff=float(ge[np.argmin((err ** 2).mean(0))]))
+
+# %% ../nbs/12a_speed.ipynb #5d1f0a02
+def _fit_gemm_speedup(g) -> dict:
+    "A path fitted on a GEMM microbenchmark's ratios to bf16: GEMM share, fixed costs (no-quant), then its cast's bandwidth."
+    spec, path = gpu_spec(g.gpu.iloc[0]), g.path.iloc[0]
+    ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
+    nq, q = g[g.kind.eq('gemm_speedup_noquant')], g[g.kind.eq('gemm_speedup')]
+    sq = lambda err: (np.stack(err) ** 2).mean(0)
+    fit = {path: dict(gemm_eff=ge, overhead_s=ov, wave_s=ws)}
+    i = np.unravel_index(np.argmin(sq([np.log(_gemm_speedup(spec, r.M, r.K, r.N, path, fit, quant=False) / r.value)
+                                       for r in nq.itertuples()])), ge.shape)
+    out = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]))
+    cb = CAL_GRID['gemm_eff']                          # the quant kernel's share of peak bandwidth, on the same grid
+    if len(q):
+        fit = {path: dict(out, cast_bw=cb)}
+        out['cast_bw'] = float(cb[np.argmin(sq([np.log(_gemm_speedup(spec, r.M, r.K, r.N, path, fit) / r.value)
+                                                 for r in q.itertuples()]))])
+    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
 
 # %% ../nbs/12a_speed.ipynb #3a61fe24
 def calibrate(points=None, drop_sources=()) -> dict:
@@ -398,6 +426,8 @@ def calibrate(points=None, drop_sources=()) -> dict:
     cb = float(casts.mean()) if len(casts) else None
     out = {path: dict(_fit_flat(g), points=len(g), source=', '.join(sorted(set(g.source))))
            for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path')}
+    for path, g in pts[pts.kind.isin(['gemm_speedup', 'gemm_speedup_noquant'])].groupby('path'):
+        out[path] = _fit_gemm_speedup(g)
     for q in kernel_paths().query('gemm == "int4wo"').path:   # one kernel, eager or compiled: one fitted rate
         if q not in out and 'int4wo_tinygemm' in out: out[q] = out['int4wo_tinygemm']
     ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
