@@ -100,7 +100,7 @@ def test_agreement_holds_the_pinned_tolerances():
     assert (t[t.scheme.isin(['int8', 'fp8'])].ulps <= 2).all()  # measured: 1 ulp at these shapes
     # the pins themselves: loosening them must be a visible edit of this test
     assert {s: e.ulps for s, e in EMULATIONS.items()} == {'int8': 4, 'int8wo': 0, 'fp8': 4, 'fp8wo': 0, 'fp8_layerwise': 0, 'nvfp4': 0, 'nvfp4wo': 0,
-                              'mxfp8': 0, 'int4wo': 0}
+                              'mxfp8': 0, 'int4wo': 0, 'nvfp4_lr': 0, 'int4_lr': 0}
 
 
 def test_agreement_notices_a_rounding_change(monkeypatch):

@@ -83,7 +83,7 @@ def test_every_torchao_scheme_has_a_torchao_handler():
     "Each registered torchao scheme's config is one `quantize_` knows; fresh on every call (configs are mutable)."
     from torchao.quantization.transform_module import _QUANTIZE_CONFIG_HANDLER
     for s in REGISTRY.values():
-        if s.library == 'diffusers': assert s.make_config() is None; continue
+        if s.library != 'torchao': assert s.make_config() is None, s.name; continue  # diffusers casts, nunchaku kernels
         cfg = s.make_config()
         assert type(cfg) in _QUANTIZE_CONFIG_HANDLER, s.name
         assert s.make_config() is not cfg
