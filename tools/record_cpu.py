@@ -16,6 +16,23 @@ def _transformer_bench():
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=('int8', 'fp8wo', 'nvfp4wo', 'mxfp8'),
                              runs=8, compile=True)
 
+def _lowrank_encoder():
+    "lowrank_encoder + lowrank_ablation: SmolLM2's fidelity per low-rank scheme and rank, the toy ablation (~6.5 min)."
+    from diffq_lab import block_select, lowrank, text_encoder
+    m, t = text_encoder.real_encoder('smollm2-135m')
+    lowrank.record_lowrank(m, block_select.encoder_inputs(t, block_select.load_prompts()),
+                           block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
+
+def _lowrank_trained():
+    "lowrank_trained: the trained pipeline's encoder cast per low-rank scheme and rank, 36 held-out prompts (~8 min)."
+    from diffq_lab import emulate, harness, trained
+    lv = lambda *a: emulate.lowrank_variant(*a).name
+    schemes = ['int8', 'fp8', 'nvfp4', lv('nvfp4_lr', 0), lv('nvfp4_lr', 32, None), lv('nvfp4_lr', 8),
+               lv('nvfp4_lr', 16), 'nvfp4_lr', lv('int4_lr', 0, None), 'int4_lr']
+    df = trained.adherence_by_scheme(schemes, prompts=trained.heldout_prompts(), seeds=(0,), target='text_encoder')
+    harness.record_frame('lowrank_trained', df.assign(model='trained-z-image', steps=trained.TRAINED_STEPS,
+                                                      guidance=trained.TRAINED_GUIDANCE))
+
 def _module(mod, fn, **kw):
     return lambda: getattr(__import__(f'diffq_lab.{mod}', fromlist=[fn]), fn)(**kw)
 
@@ -34,6 +51,8 @@ TABLES = {
     'trained_sampling': _module('trained', 'record_sampling'),
     'trained_schemes': _module('trained', 'record_adherence_by_scheme'),
     'trained_encoder_keep': _module('trained', 'record_encoder_keep'),
+    'lowrank_encoder': _lowrank_encoder,
+    'lowrank_trained': _lowrank_trained,
     'recommend': _module('recommend', 'record_recommendations', bar=40.0),
     'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu', '--full', '--record']),
 }
