@@ -327,10 +327,12 @@ def speed_setting(
     te_scheme: _te_scheme = None, # the text encoders' scheme too (default: bf16), run eagerly
     fuse_qkv: bool = False, # each attention's q, k, v Linears fused into one (diffusers' fuse_qkv_projections)
     compile_vae: bool = False, # the VAE decode compiled too (default: eager, as the published runs leave it)
+    # a low-rank scheme's bf16 branch (nvfp4_lr, int4_lr): nunchaku's fused kernels, or two GEMMs of its own
+    lowrank: Param(choices=('fused', 'unfused')) = 'fused',
 ) -> SimpleNamespace:
     "How the modelled pipeline is quantised, loaded, attends and compiles (the speed and memory model's settings)."
     return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention,
-                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae)
+                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae, lowrank=lowrank)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4
 @command
@@ -646,7 +648,7 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
     from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
     w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention, te_scheme=how.te_scheme,
-                 fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae)
+                 fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae, lowrank=how.lowrank)
     recs = _predict(gpu, fam, tuple(schemes), w, load=how.load)
     print(strict_json(recs) if json else format_predictions(recs))
     return 0
@@ -787,6 +789,7 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['predict', '--load', 'lazy'], "choose from 'after-load', 'at-load', 'saved'"),
     (['predict', '--attention', 'flash'], 'invalid choice'), (['predict', '--height', '1000'], 'a multiple of 16'),
     (['predict', '--te-scheme', 'fp7'], 'unknown scheme'), (['predict', '--fuse-qkv', 'yes'], 'unrecognized arguments'),
+    (['predict', '--lowrank', 'half'], "choose from 'fused', 'unfused'"),
     (['predict', '--frames', '5'], 'not a video model'), (['predict', '--family', 'wan', '--frames', '6'], '4k+1'),
 )
 

@@ -22,9 +22,9 @@ from .gpus import gpu_spec, gpu_schemes
 from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M',
-           'CAL_GRID', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT',
-           'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs',
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'TILE',
+           'SMALL_M', 'CAL_GRID', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload',
+           'VideoDiT', 'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs',
            'published_runs', 'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate',
            'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'validate',
            'error_summary', 'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
@@ -33,6 +33,7 @@ __all__ = ['COMPILE_MODES', 'ATTENTION', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'F
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
 ATTENTION = ('sdpa', 'cudnn', 'fp8')   # torch SDPA's default kernel; its cuDNN backend chosen explicitly; FA3 fp8
+LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
 PREDICT_SCHEMES = ('bf16', *SCHEMES)   # dense, then every registered scheme (a snapshot: the checks read live)
 _DATA = lambda name: repo_root()/'data'/name
 
@@ -63,12 +64,13 @@ class Workload(MemoryWorkload):
     te_scheme: str | None = None    # the text encoders' scheme (None: bf16), eager, on Linears the width floor wide
     fuse_qkv: bool = False          # diffusers' `fuse_qkv_projections`: each attention's q, k, v as one Linear
     compile_vae: bool = False       # the VAE decode compiled (its elementwise kernels fused) rather than eager
+    lowrank: str = 'fused'          # a low-rank scheme's branch (nvfp4_lr, int4_lr): 'fused' (nunchaku) or 'unfused'
     def __post_init__(self):
         super().__post_init__()
         for name, lo in (('size', PIXELS_PER_TOKEN), ('steps', 1), ('forwards_per_step', 1)):
             _check_int(name, getattr(self, name), lo)
         for name in ('height', 'frames', 'text_tokens'): _check_int(name, getattr(self, name), 1, allow_none=True)
-        for name, choices in (('compile', COMPILE_MODES), ('rules', QUANT_RULES), ('attention', ATTENTION),
+        for name, choices in (('compile', COMPILE_MODES), ('rules', QUANT_RULES), ('attention', ATTENTION), ('lowrank', LOWRANK),
                               ('te_scheme', (None, 'bf16', *SCHEMES))):
             if getattr(self, name) not in choices:
                 named = ', '.join(str(c) for c in choices if c is not None)
@@ -233,11 +235,24 @@ def published_runs() -> pd.DataFrame:
     return _csv('published_runs.csv').copy()
 
 # %% ../nbs/12a_speed.ipynb #e9713601
-def default_path(scheme: str, compile: str) -> str:
-    "The kernel path `scheme` runs under `compile`: the newest torchao path of that mode."
+def _lowrank_base(scheme: str) -> str:
+    "The registered low-rank scheme a rank variant comes from ('nvfp4_lr16' -> 'nvfp4_lr'); any other scheme itself."
+    s = get_scheme(scheme) if scheme in SCHEMES else None
+    if s is None or s.rank is None: return scheme
+    bases = [b for b in set(kernel_paths().query('lowrank.notna()').scheme) if s.name.startswith(b)]
+    return max(bases, key=len) if bases else s.name
+
+def default_path(scheme: str, # a scheme with a kernel path (a low-rank scheme's rank variants share their base's)
+                 compile: str, # 'none', 'inductor' or 'cudagraphs'
+                 lowrank: str = 'fused', # a low-rank scheme's branch: 'fused' (nunchaku) or 'unfused'
+                ) -> str:
+    "The kernel path `scheme` runs under `compile`: the newest torchao path of that mode; a low-rank scheme's by `lowrank`."
     p = kernel_paths()
     mode = 'eager' if compile == 'none' else 'compiled'
-    rows = p[(p.scheme == scheme) & p['mode'].isin([mode, 'any'])]
+    rows = p[(p.scheme == _lowrank_base(scheme)) & p['mode'].isin([mode, 'any'])]
+    if rows.lowrank.notna().any():
+        if lowrank not in LOWRANK: raise ValueError(f'unknown lowrank {lowrank!r}; choose one of {", ".join(LOWRANK)}')
+        rows = rows[rows.lowrank == lowrank]
     if rows.empty:
         raise ValueError(f'no kernel path for {scheme!r}; schemes with one: {", ".join(sorted(set(p.scheme)))}')
     return rows.path.iloc[0]
@@ -296,12 +311,13 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
         sdpa, cudnn = fa2, cudnn_h
         src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
         if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
-    return dict(bf16=bf16, int4wo=bf16, fp8=fp8, int8=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
+    return dict(bf16=bf16, int4wo=bf16, fp8=fp8, int8=fp8, int4=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
                 attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5), elementwise=bw, source=src)
 
 # %% ../nbs/12a_speed.ipynb #e7318d21
 GEMM_COL = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
-            'nvfp4': 'fp4_tflops', 'int4wo': 'bf16_tflops'}   # tinygemm runs bf16 mma on weights it dequantises
+            'nvfp4': 'fp4_tflops', 'int4wo': 'bf16_tflops',   # tinygemm runs bf16 mma on weights it dequantises
+            'int4': 'int4_tops'}                              # INT4 W4A4 (nunchaku): the int4 mma of sm_75-89
 TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill the SMs in waves (a partial wave costs a whole one)
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
@@ -333,6 +349,22 @@ def _gemm_math(spec, M, K, N, peak, ge, wave_s, waves: bool):
     w = np.ceil(np.ceil(M / bm) * np.ceil(N / TILE) / float(sms))
     return w * (2 * bm * TILE * K / (peak * ge / float(sms)) + wave_s)
 
+# %% ../nbs/12a_speed.ipynb #5d1f0a05
+def _branch_time(spec, M, K, N, rank, how: str, cal, floor: float = 2e-6):
+    "GPU seconds a rank-`rank` bf16 branch (x @ L1: M x K x r, then @ L2: M x r x N) adds to a W4A4 Linear, fused or not."
+    if not rank or not how: return 0.0
+    bw, eff = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)
+    fit, peak = (cal or {}).get('lowrank', {}), _peak(spec, 'bf16')
+    r, flops = float(rank), 2 * M * float(rank) * (K + N)
+    if how == 'fused':
+        # the down projection rides the cast kernel's read of x and the up projection the GEMM's output tile: the branch's
+        # math at a share of the bf16 rate, its two factors and its M x r fp32 activation (written, read) the only traffic
+        return flops / (peak * fit.get('fused_eff', eff['bf16'])) + (2 * r * (K + N) + 8 * M * r) / (bw * eff['elementwise'])
+    # unfused: two rank-r bf16 GEMMs of their own, memory-bound; the down one reads x again, the up one accumulates into y
+    mem = bw * fit.get('unfused_bw', eff['elementwise'])
+    gemm = lambda f, b: np.maximum(f / (peak * eff['bf16']), b / mem) + floor
+    return gemm(2 * M * K * r, 2 * M * K + 2 * K * r + 2 * M * r) + gemm(2 * M * r * N, 2 * M * r + 2 * r * N + 4 * M * N)
+
 # %% ../nbs/12a_speed.ipynb #35cb2df3
 def linear_time(spec, # a GPU name or spec dict
                 M, # tokens (rows of x); int or numpy array
@@ -343,8 +375,9 @@ def linear_time(spec, # a GPU name or spec dict
                 compiled: bool = True, # under torch.compile (a weight-only GEMV fuses its dequantise at small M)
                 floor: float = 2e-6, # the shortest a kernel takes, in seconds
                 quant: bool = True, # False: the GEMM alone, its operands already cast (a no-quant microbenchmark)
+                rank: int | None = None, # a low-rank path's branch rank (None: its scheme's `Scheme.rank`)
                ):
-    "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise."
+    "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise, branch."
     spec = gpu_spec(spec)
     p, ge, cb, ovh, ws = _path_params(path, spec, cal)
     bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
@@ -359,13 +392,15 @@ def linear_time(spec, # a GPU name or spec dict
     mem = bw * np.minimum(ew, cb)
     t = t + (2 * M * K / mem + floor) * p.amax_pass * quant + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)
     if p.dequant: t = t + np.where(gemv, 0.0, (p.w_bytes + 2) * N * K / (bw * ew) + floor)
+    if isinstance(p.lowrank, str) and p.lowrank:   # an SVDQuant-style bf16 branch beside the W4A4 GEMM
+        t = t + _branch_time(spec, M, K, N, get_scheme(p.scheme).rank if rank is None else rank, p.lowrank, cal, floor)
     return t
 
 # %% ../nbs/12a_speed.ipynb #b9726133
 def linear_kernels(path: str) -> int:
-    "Kernels one Linear of `path` launches (GEMM, cast, amax, epilogue, dequant)."
+    "Kernels one Linear of `path` launches (GEMM, cast, amax, epilogue, dequant; an unfused low-rank branch's two GEMMs)."
     p = _path_rows().loc[path]
-    return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + p.dequant)
+    return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + p.dequant + 2 * (p.lowrank == 'unfused'))
 
 # %% ../nbs/12a_speed.ipynb #6b6aeeb4
 CAL_GRID = dict(gemm_eff=np.round(np.arange(0.30, 0.991, 0.01), 2), overhead_s=np.round(np.arange(0, 30.01e-6, 0.5e-6), 9),
@@ -416,6 +451,23 @@ def _fit_gemm_speedup(g) -> dict:
                                                  for r in q.itertuples()]))])
     return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
 
+# %% ../nbs/12a_speed.ipynb #5d1f0a06
+def _lowrank_overhead(spec, M, K, N, path, rank, cal) -> np.ndarray:
+    "Predicted latency a rank-`rank` branch adds to a W4A4 Linear of `path`, as a fraction of the Linear without it."
+    return linear_time(spec, M, K, N, path, cal, rank=rank) / linear_time(spec, M, K, N, path, cal, rank=0) - 1
+
+def _fit_lowrank(g) -> dict:
+    "The branch's share of the bf16 rate when fused, and its kernels' bandwidth share when not, on published overheads."
+    grid, out = CAL_GRID['gemm_eff'], {}
+    for how, key in (('fused', 'fused_eff'), ('unfused', 'unfused_bw')):
+        h = g[g.path.map(lambda q: _path_rows().loc[q].lowrank) == how]
+        if h.empty: continue
+        cal = {'lowrank': {key: grid}}
+        err = np.stack([np.log1p(_lowrank_overhead(gpu_spec(r.gpu), r.M, r.K, r.N, r.path, int(r.rank), cal)) - np.log1p(r.value)
+                        for r in h.itertuples()])
+        out[key] = float(grid[np.argmin((err ** 2).mean(0))])
+    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
+
 # %% ../nbs/12a_speed.ipynb #3a61fe24
 def calibrate(points=None, drop_sources=()) -> dict:
     "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
@@ -428,6 +480,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
            for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path')}
     for path, g in pts[pts.kind.isin(['gemm_speedup', 'gemm_speedup_noquant'])].groupby('path'):
         out[path] = _fit_gemm_speedup(g)
+    if len(lr := pts[pts.kind.eq('lowrank_overhead')]): out['lowrank'] = _fit_lowrank(lr)
     for q in kernel_paths().query('gemm == "int4wo"').path:   # one kernel, eager or compiled: one fitted rate
         if q not in out and 'int4wo_tinygemm' in out: out[q] = out['int4wo_tinygemm']
     ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
@@ -438,6 +491,10 @@ def calibrate(points=None, drop_sources=()) -> dict:
         i = np.unravel_index(np.argmin((err ** 2).mean(0)), ge.shape)
         out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
                          **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
+    # nunchaku's FP4 GEMM has no kernel-level figure of its own: it takes the NVFP4 GEMM fitted on torchao's curve (not its casts)
+    for q in kernel_paths().query('gemm == "nvfp4" and lowrank.notna()').path:
+        if 'nvfp4_compiled' in out:
+            out[q] = {k: out['nvfp4_compiled'][k] for k in ('gemm_eff', 'overhead_s', 'wave_s', 'source')}
     return out
 
 # %% ../nbs/12a_speed.ipynb #04ff51b3
@@ -482,7 +539,8 @@ def _encoder_time(trace, spec, scheme, floor: int, cal=None) -> float:
     q = (np.minimum(L.K, L.N) >= floor) & ~L.fqn.str.contains('lm_head')   # `09_memory.encoder_plan`'s rule
     M, K, N = (L.loc[q, c].to_numpy(float) for c in 'MKN')
     p, cal = default_path(scheme, 'none'), _calibration() if cal is None else cal
-    return t + float((linear_time(spec, M, K, N, p, cal, False) - linear_time(spec, M, K, N, 'bf16', cal, False)).sum())
+    lin = linear_time(spec, M, K, N, p, cal, False, rank=get_scheme(scheme).rank)
+    return t + float((lin - linear_time(spec, M, K, N, 'bf16', cal, False)).sum())
 
 # %% ../nbs/12a_speed.ipynb #a7f3e2d0
 def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPolicy) -> np.ndarray:
@@ -542,8 +600,9 @@ def forward_time(gpu, # a GPU name or spec dict
     lin, extra, cpu_lin, paths = 0.0, len(shapes) - calls, 0.0, []   # fused: fewer GEMM kernels than traced
     for s in sorted(set(assigned)):
         q = assigned == s
-        p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile))
-        lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled).sum())
+        p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile, work.lowrank))
+        rank = None if s == 'bf16' else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
+        lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled, rank=rank).sum())
         if s != 'bf16':
             paths.append(p)
             extra += int(q.sum()) * (linear_kernels(p) - 1)

@@ -402,9 +402,11 @@ def test_calibration_never_reads_end_to_end_runs(monkeypatch):
     base = sp.calibrate()
     monkeypatch.setattr(sp, 'published_runs', lambda: (_ for _ in ()).throw(AssertionError('read a run')))
     assert sp.calibrate() == base
-    assert all(v['points'] >= 5 for v in base.values())
+    assert all(v['points'] >= 2 for v in base.values() if 'points' in v)   # nunchaku's FP4 GEMM borrows a fit: no points
     dropped = sp.calibrate(drop_sources=('torchao-inference-doc',))
-    assert dropped == {}                                           # with its only source gone, nothing is fitted
+    # with torchao's curve gone, its paths (and the FP4 GEMM nunchaku's paths borrow) are not fitted; the others stay
+    assert not {'mxfp8_compiled', 'nvfp4_compiled', 'nvfp4_static_compiled', 'nvfp4_lr_fused'} & set(dropped)
+    assert {'int4wo_tinygemm', 'nvfp4_cutlass_vllm', 'lowrank'} <= set(dropped)
 
 
 @pytest.mark.parametrize('scheme', ['int8', 'fp8'])

@@ -177,3 +177,12 @@ def test_layerwise_casting_skips_diffusers_patterns_and_encoders_keep_their_floo
 def test_reserved_bytes_follow_the_allocator_segments():
     assert M.reserved_bytes([1, 1]) == 2 << 20 and M.reserved_bytes([5 << 20] * 5) == 40 << 20
     assert M.reserved_bytes([100 << 20]) == 100 << 20 and M.reserved_bytes([(100 << 20) + 1]) == 102 << 20
+
+
+@pytest.mark.parametrize('scheme, residual', [('nvfp4_lr', 'nvfp4'), ('int4_lr', None)])
+def test_a_lowrank_linear_carries_its_branch_bytes(scheme, residual):
+    "An SVDQuant Linear's bytes: the 4-bit residual, r (K + N) 2 for the bf16 branch, 2 K for the smoothing factor."
+    k, n, r = 3072, 12288, 32
+    extra = linear_bytes(k, n, scheme, bias=False) - (2 * r * (k + n) + 2 * k)
+    want = linear_bytes(k, n, residual, bias=False) if residual else n * k // 2 + n * (k // 64) * 2
+    assert extra == want

@@ -28,3 +28,28 @@ def test_fused_qkv_and_a_quantised_encoder_reach_the_prediction():
     assert fused[1]['seconds'] < base[1]['seconds'] and fused[1]['fuse_qkv']
     te = predict('h100', 'z-image', 'bf16', intervals=False, te_scheme='fp8')[0]
     assert te['resident_GiB'] < base[0]['resident_GiB'] and te['te_scheme'] == 'fp8'
+
+
+def test_lowrank_schemes_have_a_fused_and_an_unfused_path_priced_per_gpu():
+    "nvfp4_lr / int4_lr (SVDQuant): the branch's cost over the W4A4 GEMM, fused < unfused; FP4 or INT4 cores needed."
+    from diffq_lab.speed import default_path, linear_time
+    assert default_path('nvfp4_lr', 'none') == 'nvfp4_lr_fused'
+    assert default_path('int4_lr', 'cudagraphs', 'unfused') == 'int4_lr_unfused'
+    t = lambda gpu, path, rank: float(linear_time(gpu, 4608, 3072, 3072, path, rank=rank))
+    for gpu, fmt in (('b200', 'nvfp4'), ('rtx5090', 'nvfp4'), ('rtx4090', 'int4')):
+        base, fused, naive = (t(gpu, f'{fmt}_lr_{h}', r) for h, r in (('fused', 0), ('fused', 32), ('unfused', 32)))
+        assert base < fused < naive and fused < 1.15 * base, (gpu, base, fused, naive)
+        assert t(gpu, f'{fmt}_lr_fused', 16) < fused                   # the branch grows with its rank
+    with pytest.raises(ValueError, match='no int4 tensor cores'): t('b200', 'int4_lr_fused', 32)
+    with pytest.raises(ValueError, match='no nvfp4 tensor cores'): t('rtx4090', 'nvfp4_lr_fused', 32)
+    with pytest.raises(ValueError, match='fused, unfused'): Workload(lowrank='half')
+
+
+def test_the_benchmark_only_passes_and_the_nvfp4_paths_runs_name():
+    "The alone_* passes are torchao NVFP4's (calibration only); every published NVFP4 run names a kernel path it ran."
+    from diffq_lab.speed import kernel_paths, published_runs
+    p = kernel_paths().set_index('path')
+    alone = p[['alone_in_bytes', 'alone_out_bytes', 'alone_kernels']].sum(axis=1) > 0
+    assert set(p.index[alone]) == {'nvfp4_compiled', 'nvfp4_static_compiled'}
+    nv = published_runs().query('scheme == "nvfp4"')
+    assert nv.path.isin(p.index).all() and not nv.path.eq('nvfp4_cutlass_vllm').any()
