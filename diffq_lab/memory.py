@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import contextlib, functools, math, os, re, weakref
+import contextlib, functools, itertools, math, os, re, weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -227,18 +227,26 @@ class _KernelCount(TorchDispatchMode):
     def __init__(self):
         super().__init__()
         self.rows, self.live, self.peak, self.group = [], 0, 0, 0
-        self.prod, self.seen, self.storages, self.group_bytes = {}, set(), set(), {}
+        self.prod, self.seen, self.storages, self.group_bytes, self.uid = {}, set(), set(), {}, {}
+        self.count = itertools.count()
     def _free(self, key, n): self.live -= n; self.storages.discard(key)
+    def _key(self, t) -> int:
+        "A key no later tensor shares (an id is reused once its tensor dies: keyed by id, the fused bytes varied by run)."
+        k = self.uid.get(id(t))
+        if k is None:
+            k = self.uid[id(t)] = next(self.count)
+            weakref.finalize(t, self.uid.pop, id(t), None)
+        return k
     def _alloc(self, t, kind):
         s = t.untyped_storage()
-        self.prod[id(t)] = self.group if kind == 'other' else None
-        weakref.finalize(t, self.prod.pop, id(t), None)
+        self.prod[self._key(t)] = self.group if kind == 'other' else None
         if s._cdata in self.storages: return
         self.storages.add(s._cdata); self.live += s.nbytes(); self.peak = max(self.peak, self.live)
         weakref.finalize(s, self._free, s._cdata, s.nbytes())
     def _read(self, t, kind):
         "A fused kernel reads `t` once per group; the group that made `t` writes it once, when something else reads it."
-        key, g = id(t), self.prod.get(id(t))
+        key = self._key(t)
+        g = self.prod.get(key)
         if kind == 'other' and g == self.group: return
         if (key, self.group) in self.seen: return
         self.seen.add((key, self.group))
