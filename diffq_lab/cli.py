@@ -64,15 +64,17 @@ def _device(value: str) -> str:
 
 # %% ../nbs/17_cli.ipynb #7276af9e
 def _scheme_list(allow_auto=False):
-    "An argparse type: a comma list of schemes (or 'all'; 'auto' too when `allow_auto`), normalised."
+    "An argparse type: a comma list of schemes (or 'all', 'kernels'; 'auto' too when `allow_auto`), normalised."
     def parse(value: str) -> list[str]:
-        from diffq_lab.schemes import SCHEMES, normalize_scheme
+        from diffq_lab.schemes import SCHEMES, get_scheme, normalize_scheme
         if value.strip().lower() == 'all': return list(SCHEMES)
+        # the schemes whose kernels torchao or diffusers ship: not the low-rank ones, emulated everywhere (nunchaku's)
+        if value.strip().lower() == 'kernels': return [s for s in SCHEMES if get_scheme(s).library != 'nunchaku']
         try: out = [normalize_scheme(v) for v in value.split(',') if v.strip()]
         except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
         if not out or None in out or (not allow_auto and 'auto' in out):
             auto = ', auto' if allow_auto else ''
-            raise argparse.ArgumentTypeError(f"expected a comma list of schemes{auto} or 'all', got {value!r}")
+            raise argparse.ArgumentTypeError(f"expected a comma list of schemes{auto}, 'kernels' or 'all', got {value!r}")
         return out
     parse.__name__ = 'scheme list'
     return parse
@@ -404,7 +406,7 @@ def _study_line(render: SimpleNamespace, schemes, pipe: SimpleNamespace) -> str:
 
 @command
 def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
-          schemes: _scheme_list() = 'all', # comma list of schemes, or 'all'
+          schemes: _scheme_list() = 'kernels', # comma list, 'kernels' (torchao's and diffusers'), or 'all' (+ low-rank)
           parts: _parts = 'te,transformer', # what each scheme quantises: te, transformer, or both (te,transformer)
           pipe: pipeline = pipeline(), # the pipeline studied
           render: renders = renders(), # what each configuration renders
@@ -771,7 +773,7 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['study', '--out', '$T/afile'], 'is a file'), (['study', '--out', ''], 'empty path'),
     (['study', '--out', '/proc/diffq-lab-report'], 'cannot write'), (['export', '--out', '$T'], 'must name a file'),
     (['export', '--out', '/proc/x/plan.json'], 'cannot write'), (['study', '--schemes', 'fp7'], 'unknown scheme'),
-    (['study', '--schemes', 'auto'], "schemes or 'all'"),
+    (['study', '--schemes', 'auto'], "'kernels' or 'all'"),
     (['study', '--family', 'sdxl-turbo'], 'unknown model family'),
     (['bench', '--family', 'foo'], 'unknown model family'), (['nonsense'], 'invalid choice'),
     (['export', '--family', 'z-image', '--scheme', 'int8', '--te-scheme', 'fp8_layerwise', '--out', ''],

@@ -54,7 +54,7 @@ TABLES = {
     'lowrank_encoder': _lowrank_encoder,
     'lowrank_trained': _lowrank_trained,
     'recommend': _module('recommend', 'record_recommendations', bar=40.0),
-    'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu', '--full', '--record']),
+    'study': lambda: __import__('diffq_lab.cli', fromlist=['main']).main(['study', '--device', 'cpu', '--full', '--schemes', 'all', '--record']),
 }
 
 if __name__ == '__main__':
