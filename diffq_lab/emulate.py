@@ -4,7 +4,7 @@
 
 # %% ../nbs/02_emulate.ipynb #1e599729
 from __future__ import annotations
-import contextlib, copy, dataclasses, functools, math
+import contextlib, copy, dataclasses, functools, math, re
 from dataclasses import dataclass
 from typing import Callable
 import pandas as pd
@@ -13,18 +13,19 @@ import torch.nn as nn
 import torch.nn.functional as F
 from .core import append_rows, fidelity, resolve_device
 from .schemes import (REGISTRY, SMOOTH_ALPHA, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_scheme,
-                               lowrank_bytes, make_config, register_scheme)
+                               lowrank_bytes, make_config, register_scheme, register_scheme_factory)
 
 # %% auto #0
 __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'INT4_W4A4_GROUP', 'AGREEMENT_SHAPES',
-           'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise', 'int8_tensorwise', 'fp8_to',
-           'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4',
-           'Emulation', 'register_emulation', 'get_emulation', 'recipes_table', 'EmulatedLinear', 'emulate_linears',
-           'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning', 'nvfp4_scale_hazard', 'int4_groupwise',
-           'int4_symmetric', 'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear', 'lowrank_variant',
-           'compare_outputs', 'agreement_tolerance', 'agreement_table', 'record_agreement', 'outlier_channels',
-           'make_activations', 'numerics_table', 'record_numerics']
+           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'INT4_W4A4_GROUP', 'LOWRANK_SCHEMES',
+           'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise',
+           'int8_tensorwise', 'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8',
+           'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
+           'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning',
+           'nvfp4_scale_hazard', 'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split',
+           'svdquant_weight', 'svdquant_linear', 'lowrank_variant', 'compare_outputs', 'agreement_tolerance',
+           'agreement_table', 'record_agreement', 'outlier_channels', 'make_activations', 'numerics_table',
+           'record_numerics']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -723,6 +724,20 @@ def lowrank_variant(base, # a registered low-rank scheme: 'nvfp4_lr' or 'int4_lr
         doc=f'{b.name} at rank {rank}' + ('' if alpha == SMOOTH_ALPHA else f', smoothing alpha {alpha}')))
     EMULATIONS[name] = dataclasses.replace(EMULATIONS[b.name], scheme=name)
     return s
+
+# %% ../nbs/02_emulate.ipynb #lr000016
+LOWRANK_SCHEMES = ('nvfp4_lr', 'int4_lr')  # the registered low-rank schemes whose ranks `lowrank_variant` builds
+
+def _lowrank_by_name(value: str) -> Scheme | None:
+    "The rank variant `value` spells ('nvfp4_lr16', 'int4_lr0_nosmooth'), registered on first use; None if it spells none."
+    m = re.fullmatch(r'(.*\D)(\d+)(nosmooth)?', ''.join(c for c in value.lower() if c not in ' -_\t'))
+    try: base = m and get_scheme(m[1])
+    except ValueError: return None   # not a scheme's name before the digits
+    if base is None or base.name not in LOWRANK_SCHEMES: return None
+    return lowrank_variant(base, int(m[2]), None if m[3] else SMOOTH_ALPHA)
+
+# a plan naming 'nvfp4_lr16' resolves in any process that imports the lab (`plan` imports this module)
+register_scheme_factory("<low-rank scheme><rank>[_nosmooth] ('nvfp4_lr16', 'int4_lr0_nosmooth')", _lowrank_by_name)
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

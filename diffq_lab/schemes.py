@@ -15,12 +15,12 @@ from torch import nn
 from .core import package_version
 
 # %% auto #0
-__all__ = ['REGISTRY', 'OFF', 'LOWRANK_RANK', 'SMOOTH_ALPHA', 'NO_LAB_KERNEL', 'SCHEMES', 'VOCABULARIES', 'Gate', 'Scheme',
-           'register_scheme', 'unregister_scheme', 'scheme_choices', 'normalize_scheme', 'get_scheme', 'make_config',
-           'lowrank_bytes', 'RegisteredNames', 'schemes_table', 'vocabulary_table', 'FakeQuantLinear',
-           'layerwise_registry', 'is_quantized_linear', 'quantized_linears', 'skip_reason', 'make_filter_fn',
-           'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons', 'apply_kernel',
-           'fp8_gate_bypassed', 'gate_bypassed']
+__all__ = ['REGISTRY', 'OFF', 'SCHEME_FACTORIES', 'LOWRANK_RANK', 'SMOOTH_ALPHA', 'NO_LAB_KERNEL', 'SCHEMES', 'VOCABULARIES',
+           'Gate', 'Scheme', 'register_scheme', 'unregister_scheme', 'register_scheme_factory', 'scheme_choices',
+           'normalize_scheme', 'get_scheme', 'make_config', 'lowrank_bytes', 'RegisteredNames', 'schemes_table',
+           'vocabulary_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear', 'quantized_linears',
+           'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons',
+           'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -79,6 +79,8 @@ class Scheme:
 REGISTRY: dict[str, Scheme] = {}
 OFF = ('', 'none', 'off', 'dense')
 _LOOKUP: dict[str, str] = {}
+# a family's spelling pattern -> its builder: name -> the scheme it names (registered), or None
+SCHEME_FACTORIES: dict[str, Callable[[str], Scheme | None]] = {}
 
 def _key(s: str) -> str: return ''.join(c for c in s.lower() if c not in ' -_\t')
 
@@ -99,10 +101,26 @@ def unregister_scheme(name: str) -> Scheme:
     for k in [k for k, v in _LOOKUP.items() if v == s.name]: del _LOOKUP[k]
     return s
 
+# %% ../nbs/01_schemes.ipynb #sf000001
+def register_scheme_factory(pattern: str, # the spellings it builds, for error messages: "'nvfp4_lr<rank>'"
+                            build: Callable[[str], Scheme | None], # a name -> the scheme it names, registered; None: not its
+                           ) -> Callable:
+    "Let `normalize_scheme` resolve a family's names on demand: `build` is asked for a spelling the registry lacks."
+    SCHEME_FACTORIES[pattern] = build
+    return build
+
+# %% ../nbs/01_schemes.ipynb #sf000002
+def _on_demand(value: str) -> Scheme | None:
+    "The scheme a registered factory builds (and registers) for `value`, or None when none of them names it."
+    for build in list(SCHEME_FACTORIES.values()):
+        if (s := build(value)) is not None: return s
+    return None
+
 # %% ../nbs/01_schemes.ipynb #8567358c
 def scheme_choices() -> str:
     "The valid scheme spellings, for error messages."
-    return f"choose one of {', '.join(REGISTRY)}, 'auto', or None/'none'/'off' (no quantisation)"
+    built = ''.join(f', {p}' for p in SCHEME_FACTORIES)  # the families built on demand (a low-rank scheme's ranks)
+    return f"choose one of {', '.join(REGISTRY)}{built}, 'auto', or None/'none'/'off' (no quantisation)"
 
 # %% ../nbs/01_schemes.ipynb #5f94986d
 def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
@@ -115,8 +133,10 @@ def normalize_scheme(value, vocabulary: str = 'lab') -> str | None:
     k = _key(value)
     if k in map(_key, OFF): return None
     if k == 'auto': return 'auto'
-    if k not in _LOOKUP: raise ValueError(f"unknown scheme {value!r}; {scheme_choices()}")
-    return _LOOKUP[k]
+    if k in _LOOKUP: return _LOOKUP[k]
+    # a family member no one has asked for yet in this process ('nvfp4_lr16' read from a plan file): built now
+    if (s := _on_demand(value)) is not None: return s.name
+    raise ValueError(f"unknown scheme {value!r}; {scheme_choices()}")
 
 # %% ../nbs/01_schemes.ipynb #63d859c3
 def get_scheme(value) -> Scheme | None:
@@ -342,6 +362,9 @@ class RegisteredNames(Sequence):
     "The registered scheme names in registry order, read live: a scheme registered later is in it too."
     def __getitem__(self, i): return tuple(REGISTRY)[i]
     def __len__(self): return len(REGISTRY)
+    def __contains__(self, x):  # a family member a factory builds on demand ('nvfp4_lr16') is in it once asked for
+        name = x.name if isinstance(x, Scheme) else x
+        return isinstance(name, str) and (name in REGISTRY or getattr(_on_demand(name), 'name', None) == name)
     def __eq__(self, other): return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
     def __hash__(self): return hash(tuple(self))
     def __add__(self, other): return tuple(self) + tuple(other)
