@@ -13,7 +13,7 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import resolve_device
-from .schemes import make_filter_fn
+from .schemes import get_scheme, make_filter_fn
 from .plan import ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, plan_linears
 from .pipelines import family_of, render
 from .text_encoder import plan_text_encoders
@@ -23,21 +23,37 @@ from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
 from .memory import quantised_linears
 from .crossover import layer_pattern
-from .speed import (Workload, calibrate, default_path, denoiser_calls, linear_time, memory_fit, pipeline_time,
-                             residual_bands)
+from .speed import (GEMM_COL, Workload, calibrate, default_path, denoiser_calls, kernel_paths, linear_time,
+                             memory_fit, pipeline_time, residual_bands)
 
 # %% auto #0
-__all__ = ['RECOMMEND_SCHEMES', 'gpu_formats', 'RenderWork', 'RealTarget', 'sampled_calls', 'linear_sensitivity', 'pattern_times',
-           'linear_times', 'real_plan', 'plan_chain', 'predicted', 'measure_plan', 'resolution', 'distinguishable',
-           'Recommendation', 'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+__all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget',
+           'sampled_calls', 'linear_sensitivity', 'pattern_times', 'linear_times', 'real_plan', 'plan_chain',
+           'predicted', 'measure_plan', 'resolution', 'distinguishable', 'settle', 'Recommendation', 'recommend_plan',
+           'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
 
+# %% ../nbs/16_recommend.ipynb #r0000108
+RECOMMEND_LOWRANK = ('nvfp4_lr', 'int4_lr')  # the low-rank schemes, candidates where their W4A4 GEMM is timed
+RECOMMEND_RANKS = (8, 16, 32)               # their branch ranks weighed per Linear (SVDQuant's ablation: 16-32 flat)
+
+# %% ../nbs/16_recommend.ipynb #r0000109
+def _timed(spec, scheme: str) -> bool:
+    "Whether `spec` has the tensor cores of the GEMM `scheme`'s kernel path runs (the speed model times it there)."
+    v = spec.get(GEMM_COL[kernel_paths().set_index('path').loc[default_path(scheme, 'inductor')].gemm])
+    return v is not None and bool(pd.notna(v)) and v > 0
+
 # %% ../nbs/16_recommend.ipynb #101fb46c
-def gpu_formats(gpu) -> tuple[str, ...]:
-    "The lab's schemes `gpu` has tensor cores for and the roofline can time (dense bf16 is always a choice too)."
-    return tuple(s for s in gpu_schemes(gpu) if s in RECOMMEND_SCHEMES)
+def gpu_formats(gpu, # a GPU name or spec dict
+                ranks=RECOMMEND_RANKS, # the low-rank schemes' branch ranks to offer (() for none)
+               ) -> tuple[str, ...]:
+    "The lab's schemes `gpu` has tensor cores for and the speed model can time, low-rank ones at each of `ranks`."
+    spec = gpu_spec(gpu)
+    plain = tuple(s for s in gpu_schemes(spec) if s in RECOMMEND_SCHEMES)
+    # 'nvfp4_lr32' is 'nvfp4_lr' itself: each rank by its canonical name, built on demand
+    return plain + tuple(dict.fromkeys(get_scheme(f'{b}{r}').name for b in RECOMMEND_LOWRANK if _timed(spec, b) for r in ranks))
 
 # %% ../nbs/16_recommend.ipynb #3dd7bbd6
 @dataclass
@@ -140,7 +156,8 @@ def pattern_times(family, gpu, work: Workload | None = None, policy: QuantPolicy
     cols = {'bf16': bf16}
     for s in gpu_formats(spec):   # a Linear the rules leave dense for s keeps its bf16 time: as `predict` times it
         q = shapes.fqn.isin(quantised_linears(family, s, w.rules, policy)).to_numpy()
-        cols[s] = np.where(q, linear_time(spec, m, k, n, default_path(s, w.compile), cal, w.compiled), bf16)
+        path = default_path(s, w.compile, w.lowrank)     # a rank variant's path is its base's, timed at its own rank
+        cols[s] = np.where(q, linear_time(spec, m, k, n, path, cal, w.compiled, rank=get_scheme(s).rank), bf16)
     layers = shapes.assign(pattern=shapes.fqn.map(layer_pattern), n=1, **cols)
     return layers.groupby('pattern')[['n', *cols]].sum()
 
@@ -231,6 +248,23 @@ def distinguishable(fast_s: float, # the predicted seconds of the plan that look
     "Whether the speed model can tell `fast_s` from `slow_s`: their ratio beyond its `resolution`."
     return slow_s / fast_s > resolution(mode)
 
+# %% ../nbs/16_recommend.ipynb #a1b2c3d5
+def settle(best_s: float, # the predicted seconds of the chain's fastest plan that clears the bar
+           uniform: dict, # format -> its uniform plan's measured row: time_s, psnr, clears
+           mode: str = 'compiled', # the execution mode whose validation residuals bound the model's error
+           simplest: bool = True, # a uniform plan the model cannot tell from the fastest wins, the simplest first
+          ) -> str | None:
+    "The format whose uniform plan is recommended over the chain's plan, or None: the chain's plan stands."
+    clear = {s: r for s, r in uniform.items() if r['clears']}
+    if not clear: return None
+    fastest = min(best_s, *(r['time_s'] for r in clear.values()))
+    # no branch before a branch (one kernel library fewer), then the best-rendering
+    close = sorted((s for s, r in clear.items() if not distinguishable(fastest, r['time_s'], mode)),
+                   key=lambda s: (get_scheme(s).rank is not None, -clear[s]['psnr']))
+    if simplest and close: return close[0]
+    s = min(clear, key=lambda s: clear[s]['time_s'])
+    return s if clear[s]['time_s'] < best_s else None
+
 # %% ../nbs/16_recommend.ipynb #r0000022
 @dataclass
 class Recommendation:
@@ -300,12 +334,14 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                    te_scheme=None, # the text encoders' scheme (default: dense)
                    policy: QuantPolicy | None = None, # the width floor (default: every Linear) and the backend
                    simplest: bool = True, # a uniform plan the speed model cannot tell from a faster-looking one wins
+                   ranks=RECOMMEND_RANKS, # the low-rank schemes' branch ranks offered per Linear (() for none)
+                   sensitivity: pd.DataFrame | None = None, # errors measured before on this pipeline and renders: reused
                    **settings, # QuantPolicy fields laid over `policy` (min_features=, backend=)
                   ) -> Recommendation:
     "The per-Linear denoiser plan for `gpu` fastest by whole-pipeline time whose measured PSNR vs dense is >= `bar` dB."
     w, t, policy = renders or RenderWork(), target or RealTarget(), as_policy(policy, **settings)
     _check_bar(bar)
-    spec, formats = gpu_spec(gpu), gpu_formats(gpu)
+    spec, formats = gpu_spec(gpu), gpu_formats(gpu, ranks)
     if not formats:
         raise ValueError(f"{spec['gpu']} has no low-precision format in the roofline ({RECOMMEND_SCHEMES}): "
                          'dense it is')
@@ -313,7 +349,10 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     if list(denoisers(pipe)) != ['transformer']:
         raise ValueError(f'recommend_plan plans one denoiser (transformer); {fam} has {list(denoisers(pipe))}')
     tr = pipe.transformer
-    sens = linear_sensitivity(tr, sampled_calls(pipe, w), formats, policy, device)
+    known = sensitivity[sensitivity.scheme.isin(formats)] if sensitivity is not None else None
+    todo = [s for s in formats if known is None or s not in set(known.scheme)]   # only what is not measured yet
+    sens = pd.concat([known, linear_sensitivity(tr, sampled_calls(pipe, w), todo, policy, device) if todo else None],
+                     ignore_index=True)
     opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work, policy)))
     whole = _whole_time(spec, fam, t, policy)
     te = (plan_text_encoders(pipe, te_scheme, family=fam, backend=policy.backend, device=device) if te_scheme
@@ -336,20 +375,13 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     best, best_src = chain[lo], f'chain {lo + 1}/{len(chain)}'
     uniform = {s: {f: (s if s in o else 'bf16') for f, o in opts.items()} for s in formats}  # all that can take s
     rows_u = {s: measure(u, f'uniform {s}') for s, u in uniform.items()}
-    clear = {s: r for s, r in rows_u.items() if r['clears']}
-    fastest = min([whole(best), *(r['time_s'] for r in clear.values())])
-    # the uniform plans the model cannot tell from the fastest plan: the simplest plans, the best-rendering first
-    close = sorted((s for s, r in clear.items() if not distinguishable(fastest, r['time_s'], t.work.mode)),
-                   key=lambda s: -clear[s]['psnr'])
-    if simplest and close and uniform[close[0]] != best:
-        if best_src.startswith('chain'):
-            gap, res = clear[close[0]]['time_s'] / whole(best) - 1, resolution(t.work.mode) - 1
-            note = (f"{best_src} (predicted {whole(best):.3f} s) is {gap:.1%} ahead of uniform {close[0]} "
-                    f"({clear[close[0]]['time_s']:.3f} s), inside the {res:.1%} the speed model resolves: "
-                    "the uniform plan is recommended")
-        best, best_src = uniform[close[0]], f'uniform {close[0]}'
-    elif clear and min(r['time_s'] for r in clear.values()) < whole(best):  # a uniform plan is faster: it wins
-        s = min(clear, key=lambda s: clear[s]['time_s'])
+    s = settle(whole(best), rows_u, t.work.mode, simplest)
+    if s is not None and uniform[s] != best:
+        r = rows_u[s]
+        if r['time_s'] >= whole(best):   # said why a plan predicted slower is recommended
+            gap, res = r['time_s'] / whole(best) - 1, resolution(t.work.mode) - 1
+            note = (f"{best_src} (predicted {whole(best):.3f} s) is {gap:.1%} ahead of uniform {s} "
+                    f"({r['time_s']:.3f} s), inside the {res:.1%} the speed model resolves: the uniform plan is recommended")
         best, best_src = uniform[s], f'uniform {s}'
     final = measure(best, best_src)  # a plan measured before under another name is that row
     table = pd.DataFrame([{**r, 'recommended': r is final} for r in rows]).sort_values('time_s').reset_index(drop=True)
@@ -357,7 +389,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note, memory)
 
 # %% ../nbs/16_recommend.ipynb #r0000027
-def recommend_on_trained(gpus=('b200', 'h200'), # the GPUs to plan for
+def recommend_on_trained(gpus=('b200', 'h200', 'rtx5090', 'rtx4090'), # the GPUs to plan for
                          bar: float = 40.0, # the least mean PSNR against dense, in dB
                          seeds=(0, 1), # the seeds rendered
                          prompts=None, # the prompts rendered (default: the first 4 held-out captions)
@@ -370,9 +402,11 @@ def recommend_on_trained(gpus=('b200', 'h200'), # the GPUs to plan for
     pairs = [(s, p) for s in seeds for p in prompts]
     score = lambda imgs: dict(adherence=float(np.mean([adherence(imgs[k][0], k[1]) for k in pairs])))
     work = RenderWork(pairs, TRAINED_STEPS, 32, device, render_kw=dict(guidance_scale=TRAINED_GUIDANCE), score=score)
-    pipe, tables, recs = load_trained_pipeline(), [], {}
+    pipe, tables, recs, sens = load_trained_pipeline(), [], {}, None
     for gpu in gpus:
-        rec = recommend_plan(pipe, gpu, bar, work, **kw)
+        rec = recommend_plan(pipe, gpu, bar, work, sensitivity=sens, **kw)
+        # a format's sensitivity is the pipeline's, not the GPU's: measured once, for the first GPU that offers it
+        sens = pd.concat([sens, rec.sensitivity], ignore_index=True).drop_duplicates(['fqn', 'scheme'])
         dense_s = float(rec.table.loc[rec.table.source.eq('chain: dense end'), 'time_s'].iloc[0])
         plan = rec.plan.digest()
         tables.append(rec.table.assign(gpu=rec.gpu, bar=bar, speedup_vs_bf16=dense_s / rec.table.time_s,

@@ -1,4 +1,4 @@
-"""recommend_plan: the plan clears its bar re-measured in a fresh process; never predicted slower than a uniform plan that clears
+"""recommend_plan: the plan (rank variants in it) clears its bar re-measured in a fresh process; never predicted slower than a uniform plan that clears
 it; planted sensitivity stays dense or 8-bit; the plan exports to diffusers; bad input refused."""
 import json, os, subprocess, sys, textwrap
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
@@ -8,7 +8,7 @@ from diffq_lab.gpus import gpu_spec
 from diffq_lab.speed import Workload
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.plan import to_pipeline_config
-from diffq_lab.recommend import RealTarget, RenderWork, gpu_formats, plan_chain, recommend_plan
+from diffq_lab.recommend import RealTarget, RenderWork, gpu_formats, plan_chain, recommend_plan, resolution, settle
 
 PAIRS = [(0, 'a photo of a cat'), (1, 'a red circle')]
 PLANT = '''
@@ -30,13 +30,14 @@ def planted_rec():
     spec = {**gpu_spec('b200'), 'gpu': 'fp4-heavy what-if', 'fp4_tflops': 8 * 9000.0}
     target = RealTarget(work=Workload(size=2048))
     # the search's own plan (simplest=False): with the fitted FP4 path its gain over uniform fp8 is inside the model's error
-    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), target, simplest=False)
+    # one branch rank beside the plain formats: the fresh-process check then loads a plan naming a rank variant
+    return pipe, hot, recommend_plan(pipe, spec, 28.0, RenderWork(PAIRS, device='cpu'), target, simplest=False, ranks=(16,))
 
 
 def test_planted_sensitivity_stays_dense_or_8_bit(planted_rec):
     _, hot, rec = planted_rec
     assert all(rec.choice[f] in ('bf16', 'int8', 'fp8', 'mxfp8') for f in hot), {f: rec.choice[f] for f in hot}
-    assert 'nvfp4' in rec.choice.values()
+    assert 'nvfp4_lr16' in rec.choice.values()
 
 
 def test_never_predicted_slower_than_a_uniform_plan_that_clears(planted_rec):
@@ -67,10 +68,16 @@ def test_the_plan_clears_its_bar_in_a_fresh_process(planted_rec, tmp_path):
     assert again >= rec.bar and abs(again - rec.psnr) < 1e-6, (again, rec.psnr)
 
 
-def test_the_plan_exports_to_diffusers(planted_rec):
-    _, _, rec = planted_rec
-    cfg = to_pipeline_config(rec.plan).quant_mapping['transformer']
-    assert type(cfg.quant_type).__name__ == 'FqnToConfig' and len(cfg.quant_type.fqn_to_config) == rec.plan.components['transformer'].n_quantized
+def test_the_plan_exports_to_diffusers_where_torchao_carries_it(planted_rec):
+    "A low-rank Linear is nunchaku's kernel, no torchao config: refused in one line; the same plan without the branch exports."
+    from diffq_lab.plan import QuantPlan, as_policy
+    from diffq_lab.recommend import _plan_for
+    pipe, _, rec = planted_rec
+    with pytest.raises(ValueError, match='apply_plan'): to_pipeline_config(rec.plan)
+    choice = {f: 'nvfp4' if s == 'nvfp4_lr16' else s for f, s in rec.choice.items()}
+    plan = QuantPlan({'transformer': _plan_for(pipe.transformer, choice, as_policy(None), 'cpu')})
+    cfg = to_pipeline_config(plan).quant_mapping['transformer']
+    assert type(cfg.quant_type).__name__ == 'FqnToConfig' and len(cfg.quant_type.fqn_to_config) == plan.components['transformer'].n_quantized
 
 
 def test_the_chain_runs_from_fastest_to_dense():
@@ -94,3 +101,16 @@ def test_a_gpu_without_low_precision_cores_is_refused(pipes):
     v100ish = {'gpu': 'v100-ish', 'bf16_tflops': 120.0, 'mem_bw_tbs': 0.9}
     assert gpu_formats(v100ish) == ()
     with pytest.raises(ValueError, match='no low-precision format'): recommend_plan(pipes['z-image'], v100ish, bar=30)
+
+
+def test_low_rank_formats_are_offered_where_their_gemm_is_timed():
+    assert gpu_formats('b200') == ('int8', 'fp8', 'mxfp8', 'nvfp4', 'nvfp4_lr8', 'nvfp4_lr16', 'nvfp4_lr')
+    assert gpu_formats('rtx4090', ranks=(8, 32)) == ('int8', 'fp8', 'int4_lr8', 'int4_lr')
+    assert gpu_formats('h200') == ('int8', 'fp8') and gpu_formats('b200', ranks=()) == ('int8', 'fp8', 'mxfp8', 'nvfp4')
+
+
+def test_a_low_rank_plan_only_where_it_beats_8_bit_beyond_the_resolution():
+    r, row = resolution(), lambda t, db: dict(time_s=t, psnr=db, clears=db >= 40)
+    u = {'int8': row(1.0, 45.0), 'nvfp4_lr16': row(1.0 / r ** 0.5, 48.0)}   # better-rendering, faster inside the resolution
+    assert settle(1.0 / r ** 0.9, u) == 'int8' and settle(0.9 / r, u) is None
+    assert settle(0.99, {**u, 'nvfp4_lr16': row(0.9 / r, 41.0)}) == 'nvfp4_lr16'
