@@ -124,7 +124,7 @@ def _summary(cos: list[float], whole: dict) -> dict:
 
 # %% ../nbs/07_block_select.ipynb #88aa40a8
 def token_fidelity(ref, out, inputs=None) -> dict:
-    "Per-token cosine (fp64) of `out` vs `ref` (B, T, D) over real tokens: mean, 1st percentile, worst and where; `rel_err`."
+    "Token cosine (fp64) of `out` vs `ref` (B, T, D) over real tokens: mean, 1st percentile, worst (where); `rel_err`."
     if ref.shape != out.shape: raise ValueError(f'outputs differ in shape: {tuple(ref.shape)} vs {tuple(out.shape)}')
     live = ref.float().norm(dim=-1) > 0  # an all-zero reference token has no direction
     mask = inputs.get('attention_mask') if hasattr(inputs, 'get') else None
@@ -987,7 +987,8 @@ class PromptPath:
 # the trained pipeline's template (14_trained.CHAT_TEMPLATE): SmolLM2's own without its system line, the user turn
 # alone, as Z-Image templates a prompt for Qwen3
 USER_TURN = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-             "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
+             "'<|im_end|>' + '\\n'}}{% endfor %}"
+             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 RAW = PromptPath(source='the tokenizer on the text, no template, read at hidden_states[-2]')
 PIPELINE_PATHS = {
     'smollm2-135m': PromptPath('pipeline', USER_TURN, -2, 512, source=(
@@ -1060,11 +1061,11 @@ def _set_module(model, fqn, module):
     setattr(model.get_submodule(parent) if parent else model, name, module)
 
 class _LinearBench:
-    "`model` cast whole once (a copy); any set of its Linears swapped back to the dense ones, run, put back."
-    def __init__(self, model, inputs, scheme, read_layer, policy: QuantPolicy):
+    "`model` cast whole once (a copy, or `cast`); any set of its Linears swapped back to the dense ones, run, put back."
+    def __init__(self, model, inputs, scheme, read_layer, policy: QuantPolicy, cast=None):
         self.model, self.inputs, self.run_fn, self.passes = model, inputs, encoder_run(read_layer), 0
         with torch.no_grad(): self.ref = self.run_fn(model, inputs)
-        self.cast, self.plan = _cast_copy(model, scheme, policy=policy)
+        self.cast, self.plan = _cast_copy(model, scheme, policy=policy) if cast is None else cast  # (copy, plan)
         self.linears = list(self.plan.quantized)
         self.quant = {f: self.cast.get_submodule(f) for f in self.linears}
         self.memo = {}
@@ -1137,7 +1138,11 @@ def find_keep_linears(model: nn.Module, # a transformers encoder
     if rank not in RANKS: raise ValueError(f'unknown rank {rank!r}; choose one of {list(RANKS)}')
     wb = _worst_bar(bar, worst_bar)
     bench = _LinearBench(model, inputs, scheme, read_layer, EVERY_LINEAR if policy is None else policy)
-    order = _rank_linears(bench, rank)
+    return _keep_linears(bench, bar, wb, rank)
+
+def _keep_linears(bench: _LinearBench, bar: float, wb: float, rank: str) -> dict:
+    "The search behind `find_keep_linears`, on any bench (every Linear cast, or SmoothQuant's copy)."
+    order = _rank_linears(bench, rank) if not _clears(bench.measure(), bar, wb) else [(f, 0.0) for f in bench.linears]
     names = [f for f, _ in order]
     ok = lambda k: _clears(bench.measure(names[:k]), bar, wb)
     lo, hi = -1, len(names)  # every Linear dense is the reference itself: it clears
@@ -1160,7 +1165,7 @@ def smoothquant_cast(model: nn.Module, # a transformers encoder (left as it is)
                      alpha: float = 0.5, # SmoothQuant's migration strength: 0 all on the weights, 1 all on them too
                      policy: QuantPolicy | None = None, # which Linears: `plan_encoder`'s (default: `EVERY_LINEAR`)
                     ):
-    "A copy of `model` cast by torchao's SmoothQuant (prototype) over `scheme`'s config, calibrated on `calib`; the plan."
+    "A copy of `model` cast by torchao's prototype SmoothQuant over `scheme`'s config, calibrated on `calib`; the plan."
     from torchao.quantization import quantize_
     from torchao.prototype.smoothquant import SmoothQuantConfig
     s = normalize_scheme(scheme)
@@ -1200,8 +1205,9 @@ def _blocks_row(model, ks: KeepSchedule, cast: list[str]) -> dict:
 
 def _keep_detail(kl) -> str:
     keep = kl['keep']
-    if not keep: return f"none kept (ranked by input {kl['rank']})"
-    return f"{len(keep)} bf16 by input {kl['rank']}: {', '.join(keep[:3])}" + (' ...' if len(keep) > 3 else '')
+    if not keep: return 'none kept'
+    by = 'input absmax' if kl['rank'] == 'absmax' else 'measured damage'
+    return f"{len(keep)} bf16 by {by}: {', '.join(keep[:3])}" + (' ...' if len(keep) > 3 else '')
 
 def choose_remedy(model: nn.Module, # a transformers encoder
                   inputs, # its tokenised prompts (as its pipeline tokenises them)
@@ -1213,9 +1219,10 @@ def choose_remedy(model: nn.Module, # a transformers encoder
                   read_layer=REAL_READ_LAYER, # where the cosine is read
                   policy: QuantPolicy | None = None, # min_features and backend (default: `EVERY_LINEAR`)
                  ) -> pd.DataFrame:
-    "All cast, keep-blocks, keep-Linears, SmoothQuant: each one's fidelity, and the one leaving most Linears low that clears."
+    "All cast, keep-blocks, keep-Linears, SmoothQuant: each one's fidelity; chosen: the most Linears low that clears."
     policy, wb = EVERY_LINEAR if policy is None else policy, _worst_bar(bar, worst_bar)
-    kl = find_keep_linears(model, inputs, scheme, bar, worst_bar=wb, read_layer=read_layer, policy=policy)
+    kl = find_keep_linears(model, inputs, scheme, bar, worst_bar=wb, rank='damage', read_layer=read_layer,
+                           policy=policy)
     cast = [f for f, _ in kl['order']]
     ks = find_keep_schedule(model, inputs, scheme, bar, worst_bar=wb, per_block=False, read_layer=read_layer,
                             policy=policy)
@@ -1225,14 +1232,17 @@ def choose_remedy(model: nn.Module, # a transformers encoder
             dict(remedy='keep linears', n_low=kl['n_low'], cosine=kl['cosine'], cosine_p01=kl['cosine_p01'],
                  cosine_min=kl['cosine_min'], detail=_keep_detail(kl))]
     if calib is not None and normalize_scheme(scheme) in SMOOTHQUANT_SCHEMES:
-        run = encoder_run(read_layer)
-        with torch.no_grad(): ref = run(model, inputs)
         for a in calib.alphas:
-            q, plan = smoothquant_cast(model, calib.inputs, scheme, a, policy)
-            with torch.no_grad(): res = token_fidelity(ref, run(q, inputs), inputs)
-            rows.append(dict(remedy='smoothquant', n_low=plan.n_quantized, cosine=res['cosine'],
-                             cosine_p01=res['cosine_p01'], cosine_min=res['cosine_min'],
-                             detail=f'alpha {a:g}, calibrated on {calib.prompts or "the given prompts"}'))
+            sq = _LinearBench(model, inputs, scheme, read_layer, policy,
+                              smoothquant_cast(model, calib.inputs, scheme, a, policy))
+            res, what = sq.measure(), f'alpha {a:g}, calibrated on {calib.prompts or "the given prompts"}'
+            rows.append(dict(remedy='smoothquant', n_low=sq.plan.n_quantized, cosine=res['cosine'],
+                             cosine_p01=res['cosine_p01'], cosine_min=res['cosine_min'], detail=what))
+            if _clears(res, bar, wb): continue  # nothing to keep
+            sk = _keep_linears(sq, bar, wb, 'damage')  # the Linears SmoothQuant still leaves harmful, kept bf16
+            rows.append(dict(remedy='smoothquant + keep linears', n_low=sk['n_low'], cosine=sk['cosine'],
+                             cosine_p01=sk['cosine_p01'], cosine_min=sk['cosine_min'],
+                             detail=f'{_keep_detail(sk)}; {what}'))
     df = pd.DataFrame(rows).assign(n_linear=len(cast), scheme=kl['scheme'], backend=kl['backend'], bar=float(bar),
                                    worst_bar=wb)
     df['clears'] = (df.cosine >= bar) & (df.cosine_min >= wb)
@@ -1298,16 +1308,15 @@ def measure_encoder_tails(names=TAILS_ENCODERS, # real encoders measured
         meta = dict(model=name, weights=get_real_encoder(name).weights)
         for p in paths:
             path = prompt_path(name, p)
-            tails.append(encoder_tails(model, tok, prompts, schemes, path).assign(**meta))
+            if schemes: tails.append(encoder_tails(model, tok, prompts, schemes, path).assign(**meta))
             if name not in remedies: continue
             inp, rl = path_inputs(tok, prompts, path), path_read_layer(model, path)
             c = Calibration(path_inputs(tok, calib, path), alphas, f'the first 8 of {cdig}')
             rem.append(choose_remedy(model, inp, 'int8', 0.99, worst_bar=WORST_BAR, calib=c, read_layer=rl)
                        .assign(path=p, n_prompts=len(prompts), **meta))
         if name in spread: spr.append(calibration_spread(model, tok, prompts).assign(**meta))
-    tables = dict(real_encoder_tails=pd.concat(tails), real_encoder_remedies=pd.concat(rem),
-                  real_smoothquant_calibration=pd.concat(spr))
-    return {k: v.assign(prompt_set=digest) for k, v in tables.items()}
+    tables = dict(real_encoder_tails=tails, real_encoder_remedies=rem, real_smoothquant_calibration=spr)
+    return {k: pd.concat(v).assign(prompt_set=digest) for k, v in tables.items() if v}  # none asked: left out
 
 def record_encoder_tails(root=None, allow_dirty: bool = False, **kwargs) -> dict:
     "Measure `measure_encoder_tails` and record its three tables in data/results as one recording."
@@ -1334,12 +1343,13 @@ def _real_blocks(key, prompts, scheme, bar, read_layer, device, policy) -> str:
     model, tok = real_encoder(key, device=device)
     rl = read_layer if read_layer is not None else REAL_READ_LAYER
     dev = module_device(model)
+    inp = encoder_inputs(tok, prompts, device=dev)
     cal, cdig = prompt_set('calibration')
     c = Calibration(encoder_inputs(tok, cal[:N_CALIB], device=dev), (0.5,), f'the first {N_CALIB} of {cdig[:40]}...')
-    df = choose_remedy(model, encoder_inputs(tok, prompts, device=dev), scheme, bar, calib=c, read_layer=rl,
+    df = choose_remedy(model, inp, scheme, bar, calib=c, read_layer=rl,
                        policy=replace(policy, min_features=policy.min_features or 0))
-    e, kl = get_real_encoder(key), df.attrs['keep_linears']
-    top = ', '.join(f'{f} {v:.4g}' for f, v in kl['order'][:4])
+    e = get_real_encoder(key)
+    top = ', '.join(f'{f} {v:.4g}' for f, v in list(linear_input_absmax(model, inp).items())[:4])
     head = (f'# diffq-lab blocks: {e.name} ({type(model).__name__}, {e.weights} weights from {e.package}), '
             f'{len(prompts)} prompts, read {check_read_layer(rl)!r}, min_features {policy.min_features}')
     return '\n'.join([head, '', remedy_verdict(df), '', markdown_table(df, _REMEDY_COLS), '',

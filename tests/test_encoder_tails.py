@@ -1,4 +1,4 @@
-"Encoder fidelity at its tails (nbs/07_block_select): the lab's numbers are torchao's, applied directly, on either prompt path."
+"Encoder fidelity at its tails (nbs/07_block_select): the lab's numbers are torchao's applied directly, on either path."
 import copy, importlib.util, os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
@@ -49,7 +49,8 @@ def test_smoothquant_is_torchaos_own(smol):
     from torchao.prototype.smoothquant import SmoothQuantConfig
     from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
     model, tok = smol
-    inp, cal = bs.path_inputs(tok, PROMPTS), bs.path_inputs(tok, bs.load_prompts(bs.prompts_path(kind='calibration'), n=4))
+    cal = bs.path_inputs(tok, bs.load_prompts(bs.prompts_path(kind='calibration'), n=4))
+    inp = bs.path_inputs(tok, PROMPTS)
     q, plan = bs.smoothquant_cast(model, cal, 'int8', 0.5)
     ref = copy.deepcopy(model)
     f = lambda m, fqn: isinstance(m, nn.Linear) and fqn != 'lm_head'
