@@ -563,7 +563,7 @@ def linear_plan(transformer: nn.Module, # a denoiser (meta tensors do)
     plan = {f: 'bf16' if s in _DENSE else s for f, s in dict(scheme).items()}
     if unknown := sorted(set(plan) - set(lin)):
         raise ValueError(f'the denoiser has no Linear {unknown[0]!r}; its Linears: {", ".join(lin[:3])}, ...')
-    if bad := sorted({s for s in plan.values() if s not in ('bf16', *SCHEMES)}):
+    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES}):
         raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
     picked = {s: pick(s) for s in set(plan.values()) - {'bf16'}}
     # as `quantize_` with the rules' filter would leave it

@@ -21,7 +21,8 @@ from .capability import resolve_backend, select_scheme
 __all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'LinearPlan',
            'ComponentPlan', 'component_role', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears',
            'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'restoring', 'quantize',
-           'component_config', 'to_pipeline_config', 'export_snippet', 'check_plan_out', 'write_plan']
+           'component_config', 'to_pipeline_config', 'lab_only_schemes', 'export_snippet', 'check_plan_out',
+           'write_plan']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -469,6 +470,9 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     hooks = [x for x in schemes if get_scheme(x).config is None]
     if hooks:
         lib = get_scheme(hooks[0]).library
+        if lib != 'diffusers':
+            raise ValueError(f"{where}: {', '.join(hooks)} runs {lib}'s kernels, which no TorchAoConfig carries: "
+                             'load dense and apply the plan with diffq_lab.plan.apply_plan')
         raise ValueError(f"{where}: {', '.join(hooks)} is {lib}'s layerwise casting, not a torchao config"
                          + (': use export_snippet' if len(schemes) == 1 else
                             f' and cannot share a config with {schemes}; '
@@ -513,11 +517,30 @@ def _hook_lines(c: str, p: ComponentPlan) -> list[str]:
     return [f'dense = {sorted(p.skipped)!r}', f'for name, m in pipe.{c}.named_modules():',
             "    if not isinstance(m, torch.nn.Linear) or name in dense: continue", cast]
 
+# %% ../nbs/04_plan.ipynb #c6dc16e0
+def lab_only_schemes(plan: QuantPlan) -> list[str]:
+    "The schemes of `plan` whose kernels are another library's (nunchaku's): no diffusers config or hook carries them."
+    return sorted({l.scheme for p in plan.components.values() for l in p.linears.values()
+                   if l.scheme and get_scheme(l.scheme).library not in ('torchao', 'diffusers')})
+
+# %% ../nbs/04_plan.ipynb #c6dc16e1
+def _lab_snippet(plan: QuantPlan, model: str) -> list[str]:
+    "The code for a plan only the lab applies: load dense, then `apply_plan` with the plan file written beside it."
+    lab = lab_only_schemes(plan)
+    libs = ', '.join(sorted({get_scheme(s).library for s in lab}))
+    return [SNIPPET_MARK, 'from pathlib import Path', 'import torch', 'from diffusers import DiffusionPipeline',
+            'from diffq_lab.plan import QuantPlan, apply_plan', '',
+            f"# {', '.join(lab)}: {libs}'s kernels, which no diffusers config carries and the lab does not call: the lab",
+            '# applies the plan with its emulation (the numerics, not the predicted speed, which needs those kernels)',
+            f'pipe = DiffusionPipeline.from_pretrained({model!r}, dtype=torch.bfloat16)',
+            "apply_plan(pipe, QuantPlan.load(Path(__file__).with_suffix('.json')))  # the plan written beside this file"]
+
 # %% ../nbs/04_plan.ipynb #c6dc16e7
 def export_snippet(plan: QuantPlan, # the plan to carry
                    model: str = 'MODEL_ID_OR_FOLDER', # the hub id or folder the code loads
                   ) -> str:
     "Python code loading `model` with `plan` applied: a PipelineQuantizationConfig (and layerwise-casting hooks)."
+    if lab_only_schemes(plan): return '\n'.join(_lab_snippet(plan, model)) + '\n'
     mapping, hooks, used = [], [], set()
     for c, p in plan.components.items():
         schemes = {l.scheme for l in p.linears.values() if l.scheme}

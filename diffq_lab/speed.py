@@ -551,7 +551,7 @@ def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPo
         plan = dict(scheme)
         if unknown := sorted(set(plan) - set(fqns)):
             raise ValueError(f'{m.name} has no Linear {unknown[0]!r}; its Linears: {", ".join(fqns.iloc[:3])}, ...')
-    if bad := sorted({s for s in plan.values() if s not in ('bf16', *SCHEMES)}):
+    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES}):  # `in` builds rank variants
         raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
     # a Linear the rules leave dense for its scheme stays dense, whatever the plan says: as `quantize_` would leave it
     picked = {s: _picked(m.name, s, work.rules, feats) for s in set(plan.values()) - {'bf16'}}
@@ -753,7 +753,7 @@ def predict(gpu, # a GPU name or spec dict
            ) -> list[dict]:
     "Per scheme: predicted pipeline seconds, speedup vs bf16 in the same mode, resident and peak GiB, with intervals."
     if isinstance(schemes, str): schemes = tuple(s for s in schemes.split(',') if s)
-    bad = [s for s in schemes if s not in ('bf16', *SCHEMES)]
+    bad = [s for s in schemes if s != 'bf16' and s not in SCHEMES]
     if bad or not schemes:
         raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(("bf16", *SCHEMES))}')
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
