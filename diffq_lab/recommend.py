@@ -14,7 +14,8 @@ import torch
 from torch import nn
 from .core import resolve_device
 from .schemes import get_scheme, make_filter_fn
-from .plan import ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, plan_linears
+from .plan import (ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, lab_only_schemes,
+                            plan_linears)
 from .pipelines import family_of, render
 from .text_encoder import plan_text_encoders
 from .block_select import capture_calls
@@ -294,7 +295,14 @@ class Recommendation:
         n, fit = Counter(self.choice.values()), f"; memory: {self.memory['fit']}" if self.memory else ''
         return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s "
                 f"for the whole pipeline (prediction){fit}; measured PSNR {self.psnr:.2f} dB "
-                f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})" + (f'; {self.note}' if self.note else ''))
+                f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})" + (f'; {self.note}' if self.note else '')
+                + self.kernels_note())
+
+    def kernels_note(self) -> str:
+        "Whose kernels the predicted time assumes where no library the lab calls runs them ('' when torchao's do)."
+        lab = lab_only_schemes(self.plan)
+        return (f"; {', '.join(lab)}: the predicted time is nunchaku's fused kernel's; the lab's loader applies the "
+                'plan emulated (its numerics, not its speed)') if lab else ''
 
 # %% ../nbs/16_recommend.ipynb #2f37d37c
 def _check_bar(bar):
