@@ -24,6 +24,10 @@ REHEARSAL_PYTHON = ('3.11', '3.11.7')  # this machine's: the rehearsal installs 
 PLATFORM_ARGS = ['--python-version', '3.12', '--implementation', 'cp', '--platform', 'manylinux_2_28_x86_64',
                  '--platform', 'manylinux_2_17_x86_64', '--platform', 'manylinux2014_x86_64']
 RUN_NEEDS = ('torchao', 'diffusers', 'gguf', 'ipywidgets', 'ipython', 'traitlets', 'comm')  # absent there; imported
+# declared by ipywidgets, never imported: the notebook's and JupyterLab's widget JavaScript, static files a headless
+# run has no use for (2.3 MiB of the 64 MiB that travels); their requirement is met without carrying them
+NOT_CARRIED = {'widgetsnbextension': 'the classic notebook front end\'s widget JS',
+               'jupyterlab-widgets': 'the JupyterLab front end\'s widget JS'}
 
 
 def norm(name: str) -> str:
@@ -93,6 +97,7 @@ def closure(wheels: list[dict], image: dict, py=GPU_PYTHON) -> tuple[list[str], 
             q = Requirement(d)
             if q.marker is not None and not q.marker.evaluate(env): continue
             n = norm(q.name)
+            if n in NOT_CARRIED: continue
             have = image.get(n)
             if n in carried:
                 if not q.specifier.contains(carried[n], prereleases=True):
