@@ -468,7 +468,7 @@ def blocks(
     bar: _float_in(0, 1) = 0.99, # mean per-token cosine the schedule must clear, in (0, 1]
     min_features: _nonneg = 0, # skip Linears narrower than this
     read_layer: str = None, # 'last', a hidden_states index, or a comma list (default: the family's)
-    prompts: _int_in(1, 10_000) = None, # use the first N prompts of data/prompts/encoder_prompts.txt (default: all)
+    prompts: _int_in(1, 10_000) = None, # the first N measured prompts: committed, then adversarial (default: all)
     backend: _BACKEND = 'auto', # who runs the kernels: auto (the probe decides), torchao, emulate
     device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
 ) -> int:
