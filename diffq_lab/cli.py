@@ -544,7 +544,9 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
     rec = recommend_plan(measured, spec, bar, work, RealTarget(family=fam), te_scheme=te_scheme)
     plan = rec.plan if pipe.model else expand_plan(rec.plan, fam)  # measured small: the file names the real Linears
     write_plan(plan, out, pipe.model or 'MODEL_ID_OR_FOLDER')
-    table = markdown_table(rec.table, ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
+    # a mix of many formats (low-rank ranks among them) is cut so that the table fits the terminal; the plan file is whole
+    clip = lambda s: s if len(s) <= 34 else s[:33] + '…'
+    table = markdown_table(rec.table.assign(formats=rec.table.formats.map(clip)), ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
     what = pipe.model or f"{'trained' if trained else 'tiny random-weight'} {fam}"
     print(f"{rec.summary()}\n\nsensitivity: {what} (measured on this device); "
           f"speed: the model of {spec['gpu']} at the real {fam} shapes (a prediction)\n\n{table}\n\n"
