@@ -339,23 +339,24 @@ def _lowrank_weight_bytes(residual: Callable[[int, int], float], rank: int) -> C
 _LR_WHY = ("nunchaku's fused W4A4 + low-rank kernel ({}), not a torchao path: "
            'the lab has no kernel for it and emulates it on every device')
 
-register_scheme(Scheme(
-    'nvfp4_lr', 'NVFP4 W4A4 of smoothed activations and the residual of a rank-32 bf16 low-rank branch (SVDQuant)',
-    weights='NVFP4 residual of W*s after its top-rank singular directions; the branch bf16',
-    activations='NVFP4 of x/s (s: per-input-channel smoothing from the first call); x/s in bf16 into the branch',
-    config=None, library='nunchaku', multiple_of=(16, 16), aliases=('nvfp4_svdquant', 'svdquant_nvfp4', 'w4a4_lr'),
-    gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format('fp4 tensor cores, sm_100+ / sm_120')),
-    weight_bytes=_lowrank_weight_bytes(_NVFP4_BYTES, LOWRANK_RANK), gemm='', rank=LOWRANK_RANK,
-    smooth_alpha=SMOOTH_ALPHA))
+def _lowrank_scheme(name, doc, weights, activations, multiple_of, aliases, cores, residual) -> Scheme:
+    "A low-rank W4A4 scheme record: nunchaku's kernel on `cores`, the `residual` format's bytes plus the branch's."
+    return register_scheme(Scheme(
+        name, doc, weights=weights, activations=activations, config=None, library='nunchaku', multiple_of=multiple_of,
+        aliases=aliases, gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format(cores)),
+        weight_bytes=_lowrank_weight_bytes(residual, LOWRANK_RANK), gemm='', rank=LOWRANK_RANK,
+        smooth_alpha=SMOOTH_ALPHA))
 
-register_scheme(Scheme(
+_lowrank_scheme(
+    'nvfp4_lr', 'NVFP4 W4A4 of smoothed activations and the residual of a rank-32 bf16 low-rank branch (SVDQuant)',
+    'NVFP4 residual of W*s after its top-rank singular directions; the branch bf16',
+    'NVFP4 of x/s (s: per-input-channel smoothing from the first call); x/s in bf16 into the branch',
+    (16, 16), ('nvfp4_svdquant', 'svdquant_nvfp4', 'w4a4_lr'), 'fp4 tensor cores, sm_100+ / sm_120', _NVFP4_BYTES)
+_lowrank_scheme(
     'int4_lr', 'int4 W4A4 (symmetric, groups of 64) of smoothed activations and the residual of a rank-32 bf16 branch',
-    weights='int4 symmetric per group of 64 along K (amax/7, codes -7..7) of the residual of W*s; the branch bf16',
-    activations='int4 symmetric per token and group of 64 of x/s; x/s in bf16 into the branch',
-    config=None, library='nunchaku', multiple_of=(64, 1), aliases=('int4_svdquant', 'svdquant', 'svdquant_int4'),
-    gate=Gate(NO_LAB_KERNEL, False, _LR_WHY.format('int4 tensor cores, sm_75 to sm_89')),
-    weight_bytes=_lowrank_weight_bytes(_int4_w4a4_bytes, LOWRANK_RANK), gemm='', rank=LOWRANK_RANK,
-    smooth_alpha=SMOOTH_ALPHA))
+    'int4 symmetric per group of 64 along K (amax/7, codes -7..7) of the residual of W*s; the branch bf16',
+    'int4 symmetric per token and group of 64 of x/s; x/s in bf16 into the branch',
+    (64, 1), ('int4_svdquant', 'svdquant', 'svdquant_int4'), 'int4 tensor cores, sm_75 to sm_89', _int4_w4a4_bytes)
 
 # %% ../nbs/01_schemes.ipynb #a1e0c00a
 class RegisteredNames(Sequence):
