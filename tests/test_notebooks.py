@@ -61,6 +61,14 @@ def test_no_module_imports_a_later_notebook():
            for d in _package_imports(PKG/f'{m}.py') if d != m and (d not in order or order[d] >= order[m])]
     assert not bad, bad
 
+def test_the_library_never_imports_the_lab():
+    "The lab's experiments (20_lab) sit above the library: no other module imports them, by statement or by name."
+    order = _notebook_order()
+    assert 'lab' in order and order['lab'] == max(order.values()), order
+    bad = [m for m in order if m != 'lab' and ('lab' in _package_imports(PKG/f'{m}.py')
+                                               or 'diffq_lab.lab' in (PKG/f'{m}.py').read_text())]
+    assert not bad, bad
+
 def test_notebook_numbers_are_unique():
     nums = [p.name.split('_')[0] for p in NBS if p.name[0].isdigit()]
     assert len(nums) == len(set(nums)), sorted(nums)
