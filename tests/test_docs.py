@@ -2,8 +2,9 @@
 no asset from another host, navigation by notebook, the findings tables, static widget snapshots.
 
 Executing every notebook takes minutes on 2 cores, so this test builds the WHOLE site (every page, so every
-link is checked) but executes only the notebooks whose outputs it checks (findings, compare); the other pages
-render unexecuted, with their show_doc output, as nbdev's own docs do. `make docs` executes all.
+link is checked) but executes only the notebook whose outputs it checks (findings); the other pages render
+unexecuted, with their show_doc output, as nbdev's own docs do. `make docs` executes all. A widget's static snapshot
+is checked on a toy page of the small build below (13_compare's widgets run in tests/test_run_all.py).
 """
 import html, importlib.util, json, os, re, subprocess, sys, time
 from pathlib import Path
@@ -17,7 +18,7 @@ bd = importlib.util.module_from_spec(spec); spec.loader.exec_module(bd)
 # page names: the notebooks' numbers change. index is not executed: what is checked of it is its markdown (the "Findings
 # so far" heading, the notebooks' table, its links); its executed tables are Markdown(markdown_table(...)) outputs, as
 # findings' are, and those are checked on the findings page.
-EXECUTED = ('findings', 'compare')
+EXECUTED = ('findings',)
 # Links written in a notebook's own markdown to a heading that no longer exists (the build warns about
 # them). Remove an entry once the notebook is fixed.
 KNOWN_STRAY = {('capability.html', '#the-ladder')}  # 03_capability: the heading is "The `auto` ladder" (#the-auto-ladder)
@@ -102,8 +103,6 @@ def test_findings_tables_and_widget_snapshot(site):
     idx = (site/'index.html').read_text()
     assert 'Findings so far' in idx and '<table' in idx
     comp = (site/'compare.html').read_text()
-    assert 'class="widget-snapshot"' in comp and 'data:image/png;base64' in comp      # the widget as a static picture
-    assert 'widget-view+json' not in comp and 'Out[' not in comp
     assert '<math' in comp and '$|x' not in comp                        # math as MathML, no MathJax
 
 # ------------------------------------------------------------------ the builder's parts, without a build
@@ -252,11 +251,17 @@ def test_strict_decides_the_exit_code_of_a_site_with_failed_pages(tmp_path, monk
     with pytest.raises(SystemExit) as e: bd.main(['html', '--strict'])
     assert e.value.code == 1
 
+# a comparison widget as 13_compare builds one: an image beside a choice
+WIDGET = """import io, ipywidgets as w
+from PIL import Image
+b = io.BytesIO(); Image.new('RGB', (4, 4), 'red').save(b, 'PNG')
+w.HBox([w.Image(value=b.getvalue(), format='png'), w.ToggleButtons(options=['dense', 'int8'], value='int8')])"""
+
 def test_a_failing_notebook_gets_a_page_saying_so_and_the_rest_builds(tmp_path):
     """One small build: a good notebook with too much output, one that raises a long multi-line error, one that hangs,
     one that ends its process; into a folder an earlier build made (its manifest lists a page gone since)."""
     nbs, site = tmp_path/'nbs', tmp_path/'site'
-    _toy_nb(nbs/'a_good.ipynb', 'print("z" * 30_000)', 'print("printed-after-7")')
+    _toy_nb(nbs/'a_good.ipynb', 'print("z" * 30_000)', 'print("printed-after-7")', WIDGET)
     _toy_nb(nbs/'b_raise.ipynb', 'print("ran-before-7")', 'raise AssertionError("close:\\n  got <b>1.25</b>\\n  want 1.5 " + "y" * 500)')
     _toy_nb(nbs/'c_hang.ipynb', 'x = 1', 'import time\nwhile True: time.sleep(1)')  # hangs without burning the 2 s
     _toy_nb(nbs/'d_osexit.ipynb', 'import os\nos._exit(3)')
@@ -281,6 +286,8 @@ def test_a_failing_notebook_gets_a_page_saying_so_and_the_rest_builds(tmp_path):
     assert set(json.loads((site/bd.MANIFEST).read_text())['files']) == {str(p.relative_to(site)) for p in site.rglob('*') if p.is_file()} - {bd.MANIFEST}
     assert bd.not_ours(site) == []                                                         # so the next build may replace it
     good = (site/'a_good.html').read_text()
+    assert 'class="widget-snapshot"' in good and 'data:image/png;base64' in good     # the widget as a static picture
+    assert 'widget-view+json' not in good and 'Out[' not in good and 'ws-selected' in good
     assert 'docs-failed' not in good and 'Output cut: this cell wrote 30 kB; the docs keep its first 10 kB' in good and 'printed-after-7' in good and 'z' * 30_000 not in good
     b = (site/'b_raise.html').read_text()
     assert 'class="docs-failed"' in b and 'ran up to the one that failed' in b and 'ran-before-7' in b
