@@ -569,7 +569,7 @@ def image_quality(x: torch.Tensor, ref: torch.Tensor, with_lpips: bool = True) -
     keep = ('psnr', 'ssim', 'st_lpips', 'st_lpips_unavailable', 'lpips', 'lpips_unavailable')
     return {**{k: q[k] for k in keep if k in q}, 'cosine': cos}
 
-BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'first_s', 'vs_dense', 'vs_dense_lo',
+BENCH_COLS = ('family', 'config', 'backend', 'compile', 'quantized', 'median_s', 'build_s', 'first_s', 'vs_dense', 'vs_dense_lo',
               'vs_dense_hi',
               'speed', 'vs_gguf', 'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'ssim', 'lpips', 'cosine',
               'frames_first_call', 'recompiles',
@@ -614,6 +614,7 @@ class _Bench:
 
     def build(self, scheme, label=None):
         "Build one configuration and make its first call: (applied plan, its columns)."
+        t0 = time.perf_counter()  # build_s: the fresh pipeline, GGUF file, quantisation and compile wrap; not the call
         pipe, r, gpath = self.fresh(), self.renders, None
         # a GGUF type is written from this pipeline's dense weights; a file is taken
         if label == self.glabel and self.gguf:
@@ -623,6 +624,7 @@ class _Bench:
         pipe, st = load_pipeline_quantized(pipe, transformer_quant=scheme, gguf=gpath, device=self.device,
                                            dtype=self.dtype,
                                            policy=policy)
+        build_s = time.perf_counter() - t0
         if not self.host: self.host.append(pipe)  # the first pipeline renders every configuration
         config = label or scheme or 'dense'
         go = self.calls[config] = _swapped(self.host[0], denoisers(pipe), prompt=r.prompts[0], steps=r.steps,
@@ -638,7 +640,7 @@ class _Bench:
                           path=st['path'], backend=st['backend'] or '', compile=policy.compile,
             compiler=COMPILER_SETTINGS if policy.compile else 'eager',
             quantized=f"{st['linears_quantized']}/{st['linears_total']}", steps=r.steps, size=r.size, runs=r.rounds,
-            dims=self.dims, first_s=cs['first_call_s'], frames_first_call=cs['frames_first_call'],
+            dims=self.dims, build_s=build_s, first_s=cs['first_call_s'], frames_first_call=cs['frames_first_call'],
             recompiles=cs['recompiles'], mem_load_MiB=st['mem_load_bytes'] / 2**20,
             peak_gen_MiB=_mib(peak_extra_bytes(mark, self.device)), finite=bool(torch.isfinite(cs['output']).all()),
             fallback_reason=st['fallback_reason'], weights=st.weights)

