@@ -14,7 +14,7 @@ from .core import append_rows, as_dtype, fidelity, markdown_table, module_device
 from .core import file_sha256, latest_run, load_table, resolve_device
 from .schemes import SCHEMES, make_config, normalize_scheme, quantized_linears
 from .capability import resolve_backend
-from .plan import QuantPolicy, as_policy, quantize
+from .plan import (LinearPlan, QuantPlan, QuantPolicy, SMOOTHQUANT_SCHEMES, Smoothing, as_policy, quantize)
 from .harness import Experiment
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
 from .text_encoder import block_lists, embedding_cosine, encoder_filter, get_real_encoder, plan_encoder
@@ -23,19 +23,19 @@ from .text_encoder import quantize_encoder, real_encoder, real_encoders, token_c
 # %% auto #0
 __all__ = ['READ_LAST', 'TAIL_Q', 'PROMPT_FILES', 'MEASURED', 'EMPTY_PROMPT', 'WORST_BAR', 'OUTLIER_PAIRS', 'MINILM',
            'MINILM_NAMES', 'REAL_READ_LAYER', 'EVERY_LINEAR', 'REAL_BARS', 'INT8_KEEPS', 'USER_TURN', 'RAW',
-           'PIPELINE_PATHS', 'TAIL_SCHEMES', 'RANKS', 'SMOOTHQUANT_SCHEMES', 'TAILS_ENCODERS', 'N_CALIB',
-           'RECORD_SCHEMES', 'RECORD_FAMILIES', 'TOY_BAR', 'block_stacks', 'block_names', 'schedule_blocks',
-           'check_read_layer', 'read_hidden', 'encoder_run', 'token_fidelity', 'flat_fidelity', 'Probe', 'probe_policy',
-           'block_filter', 'block_sensitivity', 'prompts_path', 'load_prompts', 'prompt_set', 'encoder_inputs',
-           'KeepSchedule', 'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls',
-           'replay_run', 'dit_calls', 'family_read_layer', 'measure_schedule', 'FamilySchedule', 'EncoderSource',
-           'schedule_for_family', 'minilm_dir', 'load_encoder', 'load_minilm', 'scheme_cosines', 'truncated',
-           'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
+           'PIPELINE_PATHS', 'TAIL_SCHEMES', 'RANKS', 'TAILS_ENCODERS', 'N_CALIB', 'RECORD_SCHEMES', 'RECORD_FAMILIES',
+           'TOY_BAR', 'block_stacks', 'block_names', 'schedule_blocks', 'check_read_layer', 'read_hidden',
+           'encoder_run', 'token_fidelity', 'flat_fidelity', 'Probe', 'probe_policy', 'block_filter',
+           'block_sensitivity', 'prompts_path', 'load_prompts', 'prompt_set', 'encoder_inputs', 'KeepSchedule',
+           'find_keep_schedule', 'inject_outliers', 'ToyStack', 'toy_stack', 'capture_calls', 'replay_run', 'dit_calls',
+           'family_read_layer', 'measure_schedule', 'FamilySchedule', 'EncoderSource', 'schedule_for_family',
+           'minilm_dir', 'load_encoder', 'load_minilm', 'scheme_cosines', 'truncated', 'massive_activations',
+           'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
            'record_real_encoder_findings', 'real_encoder_headline', 'PromptPath', 'prompt_path', 'path_inputs',
            'path_read_layer', 'name_worst', 'encoder_tails', 'linear_input_absmax', 'find_keep_linears',
-           'smoothquant_cast', 'Calibration', 'choose_remedy', 'remedy_verdict', 'calibration_spread',
-           'measure_encoder_tails', 'record_encoder_tails', 'cli_blocks', 'deepened', 'measure_block_selection',
-           'record_block_selection']
+           'smoothquant_cast', 'Calibration', 'calibration_absmax', 'smoothquant_plan', 'choose_remedy', 'remedy_plan',
+           'remedy_verdict', 'calibration_spread', 'measure_encoder_tails', 'record_encoder_tails', 'cli_blocks',
+           'deepened', 'measure_block_selection', 'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
 def block_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
@@ -659,12 +659,15 @@ class FamilySchedule:
     model: str                    # what was measured, e.g. 'tiny z-image (random weights)'
     n_prompts: int
     schedules: dict = field(default_factory=dict, repr=False)  # encoder attr -> KeepSchedule
+    worst_bar: float = WORST_BAR  # the bar on the worst token
+    cosine_min: float = float('nan')  # the worst encoder's worst token at `keep` (the nearest measured when None)
     def summary(self) -> str:
-        "One line: the family, the schedule (or that none clears) with its cosine, and what it was measured on."
-        what = ('no schedule clears the bar' if self.keep is None
+        "One line: the family, both bars, the schedule (or that none clears) with its mean and worst token, the source."
+        what = ('no schedule clears both' if self.keep is None
                 else f'keep first {self.keep[0]} + last {self.keep[1]} bf16')
         passes = sum(s.forward_passes for s in self.schedules.values())
-        return (f'{self.family} {self.scheme}, bar {self.bar:g}: {what} -> cosine {self.cosine:.5f} '
+        return (f'{self.family} {self.scheme}, bars: mean >= {self.bar:g}, worst token >= {self.worst_bar:g}: {what} '
+                f'-> mean {self.cosine:.5f}, worst {self.cosine_min:.4f} '
                 f'({self.model}, {self.n_prompts} prompts, {passes} forward passes)')
     def __repr__(self): return f'FamilySchedule({self.summary()})'
     def as_family(self) -> Family:
@@ -698,6 +701,7 @@ def schedule_for_family(family, # the registered family whose schedule is recomp
                         scheme='int8', # a concrete scheme
                         bar: float = 0.99, # the fidelity (mean cosine) every encoder must clear
                         *,
+                        worst_bar: float | None = None, # the worst token to clear (default: `WORST_BAR`, at most `bar`)
                         encoder: EncoderSource | None = None, # what is measured (default: the tiny pipeline's encoders)
                         prompts=None, # the prompts (default: `load_prompts()`)
                         device=None, # where the encoders run (default: where they lie)
@@ -706,7 +710,7 @@ def schedule_for_family(family, # the registered family whose schedule is recomp
                         **settings, # Probe or QuantPolicy fields laid over them
                        ) -> FamilySchedule:
     "Recompute `family`'s keep-bf16 schedule: on `encoder` when given, else on each encoder of its tiny pipeline."
-    fam = get_family(family)
+    fam, wb = get_family(family), _worst_bar(bar, worst_bar)
     probe, policy = probe_policy(probe, policy, **settings)
     src = EncoderSource() if encoder is None else encoder
     if not isinstance(src, EncoderSource):
@@ -725,16 +729,19 @@ def schedule_for_family(family, # the registered family whose schedule is recomp
         if device is not None: enc.to(device)
         inputs[a] = encoder_inputs(tok, prompts, src.max_length, module_device(enc))
         rl = family_read_layer(fam.name, a, _n_layers(enc)) if read_layer is None else read_layer
-        found[a] = find_keep_schedule(enc, inputs[a], scheme, bar, probe=replace(probe, read_layer=rl), policy=policy)
+        found[a] = find_keep_schedule(enc, inputs[a], scheme, bar, worst_bar=wb, probe=replace(probe, read_layer=rl),
+                                      policy=policy)
     first = found[next(iter(found))].scheme
+    nearest = lambda keep, res: FamilySchedule(fam.name, first, float(bar), keep, min(r['cosine'] for r in res), name,
+                                               len(prompts), found, wb, min(r['cosine_min'] for r in res))
     if not all(s.ok for s in found.values()):
-        return FamilySchedule(fam.name, first, float(bar), None, min(s.cosine for s in found.values()), name,
-                              len(prompts), found)
+        return nearest(None, [dict(cosine=s.cosine, cosine_min=s.cosine_min) for s in found.values()])
     keep = (max(s.keep[0] for s in found.values()), max(s.keep[1] for s in found.values()))
     at = lambda a, s: measure_schedule(encoders[a][0], inputs[a], keep, scheme,
-                                       probe=replace(probe, read_layer=s.read_layer), policy=policy)['cosine']
-    cos = [s.cosine if s.keep == keep else at(a, s) for a, s in found.items()]
-    return FamilySchedule(fam.name, first, float(bar), keep, min(cos), name, len(prompts), found)
+                                       probe=replace(probe, read_layer=s.read_layer), policy=policy)
+    res = [dict(cosine=s.cosine, cosine_min=s.cosine_min) if s.keep == keep else at(a, s) for a, s in found.items()]
+    # the family's one schedule is each encoder's widened: measured again, it clears both bars or is not offered
+    return nearest(keep if all(_clears(r, bar, wb) for r in res) else None, res)
 
 # %% ../nbs/07_block_select.ipynb #3ab25c81
 MINILM = 'all-MiniLM-L6-v2'
@@ -1157,8 +1164,6 @@ def _keep_linears(bench: _LinearBench, bar: float, wb: float, rank: str) -> dict
                 scheme=bench.plan.scheme, backend=bench.plan.backend, passes=bench.passes, **bench.measure(names[:hi]))
 
 # %% ../nbs/07_block_select.ipynb #a38e0024
-SMOOTHQUANT_SCHEMES = ('int8',)  # torchao's SmoothQuantConfig over these schemes' configs runs on this CPU
-
 def smoothquant_cast(model: nn.Module, # a transformers encoder (left as it is)
                      calib: dict, # the tokenised calibration prompts: one padded batch, as torchao observes it
                      scheme='int8', # an 8-bit dynamic-activation scheme (`SMOOTHQUANT_SCHEMES`)
@@ -1190,6 +1195,49 @@ class Calibration:
     alphas: tuple = (0.5,)       # each alpha is one candidate
     prompts: str = ''            # where the prompts come from, e.g. 'calibration_prompts.txt[0:8]@sha256'
 
+# %% ../nbs/07_block_select.ipynb #a38e0050
+def calibration_absmax(model: nn.Module, # a transformers encoder
+                       calib: dict, # the tokenised calibration prompts (one padded batch)
+                       fqns, # the Linears observed
+                      ) -> dict[str, torch.Tensor]:
+    "Per Linear of `fqns`: the per-channel max |input| over every calibration token, padding too, as torchao observes it."
+    amax, named = {}, dict(model.named_modules())
+    def hook(f):
+        def h(mod, args):
+            x = args[0].detach().abs().reshape(-1, args[0].shape[-1]).amax(0)
+            amax[f] = x if f not in amax else torch.maximum(amax[f], x)
+        return h
+    hooks = [named[f].register_forward_pre_hook(hook(f)) for f in fqns]
+    try:
+        with torch.no_grad(): model(**calib)
+    finally:
+        for h in hooks: h.remove()
+    if missing := [f for f in fqns if f not in amax]:
+        raise ValueError(f'{len(missing)} Linear(s) saw no calibration input (e.g. {missing[0]!r}): nothing to smooth by')
+    return {f: amax[f].cpu() for f in fqns}
+
+def smoothquant_plan(model: nn.Module, # a transformers encoder (left as it is)
+                     calib: Calibration, # what SmoothQuant is calibrated on (its `prompts` recorded in the plan)
+                     scheme='int8', # an 8-bit dynamic-activation scheme (`SMOOTHQUANT_SCHEMES`)
+                     alpha: float = 0.5, # SmoothQuant's migration strength
+                     *,
+                     keep=(), # Linears kept bf16 beside the smoothing
+                     policy: QuantPolicy | None = None, # which Linears: `plan_encoder`'s (default: `EVERY_LINEAR`)
+                     component: str = '', # the component the plan names ('' a bare encoder, 'text_encoder' in a pipeline)
+                    ) -> QuantPlan:
+    "The `QuantPlan` of `smoothquant_cast` (with `keep` dense): alpha, calibration and each Linear's absmax carried."
+    s = normalize_scheme(scheme)
+    if s not in SMOOTHQUANT_SCHEMES:
+        raise ValueError(f'SmoothQuant runs over {list(SMOOTHQUANT_SCHEMES)} here, not {scheme!r}')
+    p = plan_encoder(model, s, policy=EVERY_LINEAR if policy is None else policy)
+    if bad := sorted(set(keep) - set(p.quantized)): raise ValueError(f'keep names {bad[:3]}, which the plan does not cast')
+    lins = {f: LinearPlan(None, None, 'kept bf16 by the remedy', l.shape) if f in set(keep) else l
+            for f, l in p.linears.items()}
+    cast = [f for f, l in lins.items() if l.scheme]
+    sm = Smoothing(alpha, calib.prompts, calibration_absmax(model, calib.inputs, cast))
+    return QuantPlan({component: replace(p, linears=lins, smoothing=sm, note=f'SmoothQuant alpha {alpha:g}' +
+                                         (f' + {len(keep)} Linears kept bf16' if keep else ''))})
+
 # %% ../nbs/07_block_select.ipynb #a38e0026
 _REMEDY_COLS = ['remedy', 'n_low', 'n_linear', 'cosine', 'cosine_p01', 'cosine_min', 'clears', 'chosen', 'detail']
 
@@ -1201,7 +1249,8 @@ def _blocks_row(model, ks: KeepSchedule, cast: list[str]) -> dict:
     low = [f for f in cast if not any(f.startswith(b + '.') for b in kept)]
     what = f'first {int(row.keep_first)} + last {int(row.keep_last)}'
     return dict(remedy='keep blocks', n_low=len(low), cosine=ks.cosine, cosine_p01=row['cosine_p01'],
-                cosine_min=ks.cosine_min, detail=f'{what}: {len(kept)} blocks bf16')
+                cosine_min=ks.cosine_min, detail=f'{what}: {len(kept)} blocks bf16',
+                keep=tuple(f for f in cast if f not in set(low)))
 
 def _keep_detail(kl) -> str:
     keep = kl['keep']
@@ -1228,28 +1277,48 @@ def choose_remedy(model: nn.Module, # a transformers encoder
                             policy=policy)
     full = ks.curve.iloc[0]
     rows = [dict(remedy='all cast', n_low=len(cast), cosine=full.cosine, cosine_p01=full.cosine_p01,
-                 cosine_min=full.cosine_min, detail=''), _blocks_row(model, ks, cast),
+                 cosine_min=full.cosine_min, detail='', keep=()), _blocks_row(model, ks, cast),
             dict(remedy='keep linears', n_low=kl['n_low'], cosine=kl['cosine'], cosine_p01=kl['cosine_p01'],
-                 cosine_min=kl['cosine_min'], detail=_keep_detail(kl))]
+                 cosine_min=kl['cosine_min'], detail=_keep_detail(kl), keep=kl['keep'])]
     if calib is not None and normalize_scheme(scheme) in SMOOTHQUANT_SCHEMES:
         for a in calib.alphas:
             sq = _LinearBench(model, inputs, scheme, read_layer, policy,
                               smoothquant_cast(model, calib.inputs, scheme, a, policy))
             res, what = sq.measure(), f'alpha {a:g}, calibrated on {calib.prompts or "the given prompts"}'
             rows.append(dict(remedy='smoothquant', n_low=sq.plan.n_quantized, cosine=res['cosine'],
-                             cosine_p01=res['cosine_p01'], cosine_min=res['cosine_min'], detail=what))
+                             cosine_p01=res['cosine_p01'], cosine_min=res['cosine_min'], detail=what, keep=(), alpha=a))
             if _clears(res, bar, wb): continue  # nothing to keep
             sk = _keep_linears(sq, bar, wb, 'damage')  # the Linears SmoothQuant still leaves harmful, kept bf16
             rows.append(dict(remedy='smoothquant + keep linears', n_low=sk['n_low'], cosine=sk['cosine'],
                              cosine_p01=sk['cosine_p01'], cosine_min=sk['cosine_min'],
-                             detail=f'{_keep_detail(sk)}; {what}'))
+                             detail=f'{_keep_detail(sk)}; {what}', keep=sk['keep'], alpha=a))
+    keeps, alphas = [r.pop('keep') for r in rows], [r.pop('alpha', None) for r in rows]
     df = pd.DataFrame(rows).assign(n_linear=len(cast), scheme=kl['scheme'], backend=kl['backend'], bar=float(bar),
                                    worst_bar=wb)
     df['clears'] = (df.cosine >= bar) & (df.cosine_min >= wb)
     best = df[df.clears].sort_values(['n_low', 'cosine_min'], ascending=False).index[:1]
     df['chosen'] = df.index.isin(best)
-    df.attrs.update(keep_schedule=ks, keep_linears=kl)
+    df.attrs.update(keep_schedule=ks, keep_linears=kl, keeps=dict(zip(df.index, keeps)),
+                    alphas=dict(zip(df.index, alphas)), calib=calib, policy=policy)
     return df
+
+def remedy_plan(model: nn.Module, # the encoder `choose_remedy` measured
+                df: pd.DataFrame, # `choose_remedy`'s table
+                row=None, # the candidate's index (default: the chosen one)
+                component: str = '', # the component the plan names ('text_encoder' in a pipeline)
+               ) -> QuantPlan:
+    "The `QuantPlan` of a `choose_remedy` candidate: its Linears kept bf16, and its SmoothQuant (alpha, calibration)."
+    if row is None:
+        if not df.chosen.any(): raise ValueError(f'no remedy clears both bars: {remedy_verdict(df)}')
+        row = df.index[df.chosen][0]
+    keep, alpha, r = df.attrs['keeps'][row], df.attrs['alphas'][row], df.loc[row]
+    if alpha is not None:
+        return smoothquant_plan(model, df.attrs['calib'], r.scheme, alpha, keep=keep, policy=df.attrs['policy'],
+                                component=component)
+    p = plan_encoder(model, r.scheme, policy=df.attrs['policy'])
+    lins = {f: LinearPlan(None, None, 'kept bf16 by the remedy', l.shape) if f in set(keep) else l
+            for f, l in p.linears.items()}
+    return QuantPlan({component: replace(p, linears=lins, note=f'{r.remedy}: {r.detail}')})
 
 # %% ../nbs/07_block_select.ipynb #a38e0027
 def remedy_verdict(df: pd.DataFrame) -> str:
@@ -1338,7 +1407,7 @@ def _report(title: str, ks: KeepSchedule) -> str:
 # %% ../nbs/07_block_select.ipynb #77866aed
 N_CALIB = 8  # the calibration prompts `blocks` gives SmoothQuant: the first 8 of calibration_prompts.txt
 
-def _real_blocks(key, prompts, scheme, bar, read_layer, device, policy) -> str:
+def _real_blocks(key, prompts, scheme, bar, worst_bar, read_layer, device, policy) -> str:
     "`cli_blocks` on a real encoder: the remedy chosen under both bars, the candidates, the block search."
     model, tok = real_encoder(key, device=device)
     rl = read_layer if read_layer is not None else REAL_READ_LAYER
@@ -1346,7 +1415,7 @@ def _real_blocks(key, prompts, scheme, bar, read_layer, device, policy) -> str:
     inp = encoder_inputs(tok, prompts, device=dev)
     cal, cdig = prompt_set('calibration')
     c = Calibration(encoder_inputs(tok, cal[:N_CALIB], device=dev), (0.5,), f'the first {N_CALIB} of {cdig[:40]}...')
-    df = choose_remedy(model, inp, scheme, bar, calib=c, read_layer=rl,
+    df = choose_remedy(model, inp, scheme, bar, worst_bar=worst_bar, calib=c, read_layer=rl,
                        policy=replace(policy, min_features=policy.min_features or 0))
     e = get_real_encoder(key)
     top = ', '.join(f'{f} {v:.4g}' for f, v in list(linear_input_absmax(model, inp).items())[:4])
@@ -1358,8 +1427,9 @@ def _real_blocks(key, prompts, scheme, bar, read_layer, device, policy) -> str:
 
 def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' or a family name
                scheme: str = 'int8', # a concrete scheme
-               bar: float = 0.99, # the mean cosine to clear, in (0, 1]; the worst token's bar is `WORST_BAR` at most
+               bar: float = 0.99, # the mean cosine to clear, in (0, 1]
                *,
+               worst_bar: float | None = None, # the worst token to clear, in [-1, 1] (default: `WORST_BAR`, at most `bar`)
                read_layer=None, # where to read (default: -2 for a real encoder, 'last', or the family's)
                n_prompts: int | None = None, # the first N measured prompts (committed, then adversarial; default: all)
                device=None, # where the encoder runs
@@ -1369,15 +1439,15 @@ def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' o
     "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the plan under both bars."
     policy = as_policy(policy, **settings)
     if n_prompts is not None: load_prompts(n=n_prompts)  # checks n
-    _worst_bar(bar, None)  # checks bar before anything loads
+    wb = _worst_bar(bar, worst_bar)  # checks both bars before anything loads
     prompts, mf = prompt_set()[0][:n_prompts], policy.min_features
     key = str(encoder).strip()
-    if key.lower() in real_encoders(): return _real_blocks(key, prompts, scheme, bar, read_layer, device, policy)
+    if key.lower() in real_encoders(): return _real_blocks(key, prompts, scheme, bar, wb, read_layer, device, policy)
     if key.lower() in MINILM_NAMES or Path(key).is_dir():
         model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
         name = MINILM if key.lower() in MINILM_NAMES else key
         ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
-                                read_layer=read_layer if read_layer is not None else 'last', policy=policy)
+                                worst_bar=wb, read_layer=read_layer if read_layer is not None else 'last', policy=policy)
         return '\n'.join([f'# diffq-lab blocks: {name} ({type(model).__name__}), {len(prompts)} prompts, '
                           f'read {ks.read_layer!r}, min_features {mf}', '', _report(name, ks)])
     try: fam = get_family(key)
@@ -1385,7 +1455,7 @@ def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' o
         raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "
                          f"{list(real_encoders())}, nor a known family; pass a transformers model folder, 'minilm', "
                          f"a real encoder or a family name") from None
-    fs = schedule_for_family(fam.name, scheme, bar, prompts=prompts, device=device, read_layer=read_layer,
+    fs = schedule_for_family(fam.name, scheme, bar, worst_bar=wb, prompts=prompts, device=device, read_layer=read_layer,
                              policy=policy)
     reg = 'none' if fam.keep_bf16 is None else f'first {fam.keep_bf16[0]} + last {fam.keep_bf16[1]}'
     lines = [f'# diffq-lab blocks: {fam.name} ({fs.model}), {len(prompts)} prompts, min_features {mf}', '',

@@ -132,7 +132,7 @@ def hardware_gate(scheme, cap) -> tuple[bool, str]:
     return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g.why}"
 
 # %% ../nbs/03_capability.ipynb #fd817e2e
-PROBE_VERSION = 3   # bump when the probe's procedure changes: old cache entries stop matching
+PROBE_VERSION = 4   # bump when the probe's procedure changes: old cache entries stop matching
 PROBE_TOL = 0.25    # relative error vs bf16 above which a kernel is called wrong
 PROBE_SHAPE = dict(features=512, tokens=32, zero_rows=(0, 13, 31))
 
@@ -279,6 +279,17 @@ def _judge(out, ref, tol=PROBE_TOL) -> tuple[bool, str, float | None, float | No
     return True, f'ok: relative error {rel:.3g} vs bf16', rel, worst
 
 # %% ../nbs/03_capability.ipynb #43cf2d0f
+def _forms_that_run(model, x3) -> str:
+    "Once the non-contiguous 3-D view failed: which other 3-D forms the kernel runs (said in the probe's reason)."
+    ran = []
+    for what, ctx, x in (('a contiguous 3-D input', torch.no_grad, x3.contiguous()),
+                         ('the view under torch.inference_mode', torch.inference_mode, x3)):
+        try:
+            with ctx(): model(x)
+            ran.append(what)
+        except Exception: pass  # noqa: BLE001 -- a form that fails is simply not listed
+    return f"2-D{''.join(', ' + r for r in ran)} run{'' if ran else 's'}"
+
 def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
     "Quantise the probe Linear with `scheme`'s real kernel and judge one forward; exceptions become a failed result."
     base = dict(scheme=scheme.name, device_name=name, torch=torch.__version__, torchao=package_version('torchao'))
@@ -292,7 +303,8 @@ def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
         with torch.no_grad():
             where = 'forward'  # converted: a failure from here on is a kernel that converts but cannot compute
             out = model(x)
-            # pipelines feed Linears 3-D, often non-contiguous views; NVFP4 weight-only fails there on torchao 0.18
+            # pipelines feed Linears 3-D, some DiTs non-contiguous views (the tiny FLUX.2 and SD3 ones here do); NVFP4
+            # weight-only fails on those on torchao 0.18 (aten.expand), where a pipeline would die mid-render
             x3, ref3 = (t.view(2, -1, t.shape[-1]).transpose(0, 1) for t in (x, ref))
             stage, where = '3-D non-contiguous input: ', 'forward 3-D'
             out3 = model(x3)
@@ -308,6 +320,8 @@ def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
         if oom and device.type == 'cuda': torch.cuda.empty_cache()
         broken = not oom and not _device_healthy(device)
         why = 'out of memory: ' if oom else 'device unusable after: ' if broken else ''
+        if where == 'forward 3-D' and not (oom or broken):  # precise: what runs, and the non-contiguous view that fails
+            stage = f'3-D non-contiguous input ({_forms_that_run(model, x3)}; a non-contiguous view, as some DiTs pass, fails): '
         return ProbeResult(**base, ok=False, reason=why + stage + _describe(e), oom=oom, transient=oom or broken,
                            stage=where, seconds=time.perf_counter() - t0)
 

@@ -13,7 +13,7 @@ from fastcore.script import Param
 # %% auto #0
 __all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'BAD_INPUTS', 'BAD_WITHOUT_GPU', 'check_model', 'command', 'flag_group', 'parser',
            'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'speed_setting', 'probe',
-           'study', 'bench', 'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
+           'study', 'bench', 'bars', 'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
 
 # %% ../nbs/17_cli.ipynb #741c5e79
 # sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
@@ -459,23 +459,32 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
 # %% ../nbs/17_cli.ipynb #65e39921
 _BACKEND = Param(choices=('auto', 'torchao', 'emulate'))  # who runs the kernels
 
+# %% ../nbs/17_cli.ipynb #d7575f30
+@flag_group
+def bars(
+    bar: _float_in(0, 1) = 0.99, # mean per-token cosine the plan must clear, in (0, 1]
+    worst_bar: _float_in(-1, 1) = None, # the worst token's cosine it must clear too (default: 0.98, at most --bar)
+) -> SimpleNamespace:
+    "The two bars an encoder plan clears: the mean token cosine and the worst token's."
+    return SimpleNamespace(bar=bar, worst_bar=worst_bar)
+
 # %% ../nbs/17_cli.ipynb #d7575f38
 @command
 def blocks(
     # a family (its tiny encoder), 'minilm', a real encoder (smollm2-135m, gemma3-270m) or a transformers folder
     encoder: str,
     scheme: _one_scheme() = 'int8', # the encoder's scheme
-    bar: _float_in(0, 1) = 0.99, # mean per-token cosine the schedule must clear, in (0, 1]
+    clear: bars = bars(), # the mean token cosine and the worst token's that the plan must clear
     min_features: _nonneg = 0, # skip Linears narrower than this
     read_layer: str = None, # 'last', a hidden_states index, or a comma list (default: the family's)
     prompts: _int_in(1, 10_000) = None, # the first N measured prompts: committed, then adversarial (default: all)
     backend: _BACKEND = 'auto', # who runs the kernels: auto (the probe decides), torchao, emulate
     device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
 ) -> int:
-    "Which encoder blocks must stay bf16: per-block sensitivity and the smallest keep schedule."
+    "Blocks kept bf16 to clear both bars; on a real encoder, kept Linears or SmoothQuant where more stay low."
     from diffq_lab.block_select import cli_blocks
-    print(cli_blocks(encoder, scheme, bar, read_layer=read_layer, n_prompts=prompts, device=device,
-                     min_features=min_features, backend=backend))
+    print(cli_blocks(encoder, scheme, clear.bar, worst_bar=clear.worst_bar, read_layer=read_layer, n_prompts=prompts,
+                     device=device, min_features=min_features, backend=backend))
     return 0
 
 # %% ../nbs/17_cli.ipynb #fabd0028
@@ -766,6 +775,7 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['blocks', '--encoder', 'z-image', '--read-layer', 'middle'], 'unknown read layer'),
     (['blocks', '--encoder', 'minilm', '--bar', '1.5'], '(0, 1]'),
     (['blocks', '--encoder', 'minilm', '--bar', 'nan'], '(0, 1]'),
+    (['blocks', '--encoder', 'minilm', '--worst-bar', '1.5'], '(-1, 1]'),
     (['blocks', '--encoder', 'z-image', '--scheme', 'fp7'], 'unknown scheme'),
     (['blocks', '--encoder', 'minilm', '--scheme', 'fp7'], 'unknown scheme'),
     (['blocks', '--encoder', 'no-such-family'], 'nor a known family'),

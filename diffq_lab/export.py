@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from .core import as_dtype, check_writable, file_sha256, package_version, resolve_device
 from .schemes import FakeQuantLinear, get_scheme, make_filter_fn, quantized_linears, skip_reasons
-from .plan import ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy, component_config
+from .plan import (ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy, component_config,
+                            smoothed_components)
 from .pipelines import get_family, family_of
 from .text_encoder import plan_text_encoders
 from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, transformer_filter
@@ -98,6 +99,9 @@ def expand_plan(plan: QuantPlan, # a plan measured on a small pipeline of `famil
     comps = real_dims_components(get_family(family).name, 'meta')
     missing = sorted(set(plan.components) - set(comps))
     if missing: raise ValueError(f'{family} at real dims has no component {missing}; it has {sorted(comps)}')
+    if sq := smoothed_components(plan):  # its absmax is the measured model's activations, not the real model's
+        raise ValueError(f'{sq}: SmoothQuant is calibrated on the model it was measured on and does not expand by role '
+                         'and depth: calibrate it on the real model (block_select.smoothquant_plan)')
     return QuantPlan({c: _expand_component(p, comps[c], c, policy) for c, p in plan.components.items()})
 
 # %% ../nbs/10a_export.ipynb #095819df
@@ -124,6 +128,9 @@ def _check_plan_matches(pipe, plan: QuantPlan):
             raise ValueError(f'{c}: {", ".join(emulated) or "some Linears"} emulated (no kernel on this machine): '
                              'an emulation is not a checkpoint; save the plan (QuantPlan.save or diffq-lab export) '
                              'and apply it where the kernel runs')
+        if p.smoothing is not None:  # torchao's act_pre_scale is not a weight any library format restores
+            raise ValueError(f"{c}: SmoothQuant's input pre-scales are applied at load by the lab: save the dense "
+                             'pipeline and the plan (QuantPlan.save or diffq-lab export), then apply_plan at load')
         if any(get_scheme(l.scheme).library == 'diffusers' for l in p.linears.values() if l.scheme):
             raise ValueError(f"{c}: fp8_layerwise is diffusers' layerwise-casting hook, set at load time, not stored "
                              'weights: save the dense pipeline and apply it at load (export_snippet writes the call)')

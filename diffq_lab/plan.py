@@ -4,7 +4,7 @@
 
 # %% ../nbs/04_plan.ipynb #3f1094a9
 from __future__ import annotations
-import contextlib, hashlib, json, re, shutil, tempfile, warnings
+import base64, binascii, contextlib, hashlib, json, re, shutil, tempfile, warnings
 from collections import Counter
 from dataclasses import dataclass, field, asdict, replace
 from pathlib import Path
@@ -18,11 +18,11 @@ from .emulate import emulate_linears
 from .capability import resolve_backend, select_scheme
 
 # %% auto #0
-__all__ = ['PLAN_BACKENDS', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK', 'LinearPlan',
-           'ComponentPlan', 'component_role', 'QuantPlan', 'QuantPolicy', 'as_policy', 'dense_plan', 'plan_linears',
-           'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'restoring', 'quantize',
-           'component_config', 'to_pipeline_config', 'lab_only_schemes', 'export_snippet', 'check_plan_out',
-           'write_plan']
+__all__ = ['PLAN_BACKENDS', 'SMOOTHQUANT_SCHEMES', 'ON_UNAVAILABLE', 'TINY_MIN_FEATURES', 'REAL_MIN_FEATURES', 'SNIPPET_MARK',
+           'LinearPlan', 'ComponentPlan', 'Smoothing', 'check_smoothing', 'component_role', 'QuantPlan', 'QuantPolicy',
+           'as_policy', 'dense_plan', 'plan_linears', 'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan',
+           'restoring', 'quantize', 'component_config', 'to_pipeline_config', 'lab_only_schemes', 'smoothed_components',
+           'export_snippet', 'check_plan_out', 'write_plan']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)
@@ -40,6 +40,7 @@ class ComponentPlan:
     linears: dict[str, LinearPlan] = field(default_factory=dict)
     requested: str | None = None   # what was asked for ('auto', 'int8', a mixed assignment: 'mixed')
     note: str = ''                 # why this scheme was chosen (a family rule, an auto ladder, a fallback)
+    smoothing: Smoothing | None = None  # SmoothQuant on some quantised Linears: applied by the lab, no config carries it
 
     @property
     def quantized(self) -> list[str]: return [f for f, l in self.linears.items() if l.scheme]
@@ -70,7 +71,9 @@ class ComponentPlan:
         why_backend = f' ({self.backend_reason})' if self.backend_reason else ''
         via = f' via {self.backend}{why_backend}' if self.backend else ''
         dense = f'; dense: {why}' if why else ''
-        return f"{self.scheme or 'dense'}{via}: {self.n_quantized}/{self.n_linear} Linears quantised{dense}"
+        sq = '' if self.smoothing is None else (f'; SmoothQuant alpha {self.smoothing.alpha:g} on '
+                                                f'{len(self.smoothing.absmax)} ({self.smoothing.calibration})')
+        return f"{self.scheme or 'dense'}{via}: {self.n_quantized}/{self.n_linear} Linears quantised{dense}{sq}"
     def to_frame(self) -> pd.DataFrame:
         "One row per Linear: fqn, in, out, scheme, backend, reason."
         return pd.DataFrame([dict(fqn=f, **{'in': l.shape[0], 'out': l.shape[1]}, scheme=l.scheme, backend=l.backend,
@@ -85,6 +88,52 @@ _NAME = re.compile(r'[^.\s]+(\.[^.\s]+)*')  # a module path: 'layers.0.attn.to_q
 
 def _bad_plan(where: str, what: str) -> ValueError:
     return ValueError(f'not a valid QuantPlan: {where}: {what}')
+
+# %% ../nbs/04_plan.ipynb #sq040001
+SMOOTHQUANT_SCHEMES = ('int8',)  # torchao's SmoothQuantConfig pre-scales the activations of these schemes' kernels
+_SMOOTH_DTYPES = ('bfloat16', 'float16', 'float32')
+
+@dataclass(frozen=True, eq=False)
+class Smoothing:
+    "SmoothQuant on some Linears of a component: alpha, what it was calibrated on, each Linear's calibration |input| max."
+    alpha: float       # SmoothQuant's migration strength, in [0, 1]
+    calibration: str   # what the calibration prompts were, e.g. 'calibration_prompts.txt[0:8]@sha256:...'
+    absmax: dict = field(default_factory=dict)  # fqn -> 1-D tensor: the per-channel max |input| torchao's observer saw
+
+    def __post_init__(self):
+        a = self.alpha
+        if isinstance(a, bool) or not isinstance(a, (int, float)) or not 0 <= a <= 1:
+            raise ValueError(f'SmoothQuant alpha must be in [0, 1], got {a!r}')
+        for f, t in self.absmax.items():
+            if not (isinstance(t, torch.Tensor) and t.ndim == 1 and str(t.dtype).removeprefix('torch.') in _SMOOTH_DTYPES
+                    and bool(torch.isfinite(t).all()) and bool((t >= 0).all())):
+                raise ValueError(f'SmoothQuant absmax of {f!r} must be a 1-D finite tensor >= 0 of {_SMOOTH_DTYPES}')
+    @property
+    def linears(self) -> list[str]: return list(self.absmax)
+    def to_json(self) -> dict:
+        "alpha, calibration, dtype and each absmax as base64 of its little-endian bytes (exact, a tenth of decimal's size)."
+        dts = {str(t.dtype).removeprefix('torch.') for t in self.absmax.values()}
+        dt = dts.pop() if len(dts) == 1 else 'float32'  # mixed dtypes widen to float32, exactly
+        raw = lambda t: t.detach().cpu().to(getattr(torch, dt)).contiguous().view(torch.uint8).numpy().tobytes()
+        return dict(alpha=float(self.alpha), calibration=self.calibration, dtype=dt,
+                    absmax={f: base64.b64encode(raw(t)).decode('ascii') for f, t in self.absmax.items()})
+    @classmethod
+    def from_json(cls, where: str, d) -> Smoothing:
+        if not (isinstance(d, dict) and isinstance(d.get('absmax'), dict) and d.get('dtype') in _SMOOTH_DTYPES
+                and isinstance(d.get('calibration'), str)):
+            raise _bad_plan(where, 'smoothquant: expected {"alpha", "calibration", "dtype" (one of '
+                                   f'{list(_SMOOTH_DTYPES)}), "absmax": {{fqn: base64}}}}')
+        dt = getattr(torch, d['dtype'])
+        try: absmax = {f: torch.frombuffer(bytearray(base64.b64decode(v, validate=True)), dtype=dt).clone()
+                       for f, v in d['absmax'].items()}
+        except (TypeError, ValueError, binascii.Error) as e:
+            raise _bad_plan(where, f'smoothquant: an absmax is not base64 of {d["dtype"]} ({e})') from None
+        try: return cls(d.get('alpha'), d['calibration'], absmax)
+        except ValueError as e: raise _bad_plan(where, str(e)) from None
+    def __eq__(self, o):
+        return isinstance(o, Smoothing) and self.to_json() == o.to_json()
+    def __repr__(self):
+        return f'Smoothing(alpha {self.alpha:g} on {len(self.absmax)} Linears, calibrated on {self.calibration or "?"})'
 
 # %% ../nbs/04_plan.ipynb #346740a6
 def _linear_from_json(where: str, v) -> LinearPlan:
@@ -112,8 +161,23 @@ def _component_from_json(c, p) -> ComponentPlan:
         raise _bad_plan(c, 'requested/note must be text')
     bad = [f for f in p['linears'] if not (f == '' or _NAME.fullmatch(f))]
     if bad: raise _bad_plan(c, f'{bad[0]!r} is not a Linear name')
-    return ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'),
-                         p.get('note') or '')
+    sm = Smoothing.from_json(c, p['smoothquant']) if p.get('smoothquant') is not None else None
+    cp = ComponentPlan({f: _linear_from_json(f'{c}.{f}', v) for f, v in p['linears'].items()}, p.get('requested'),
+                       p.get('note') or '', sm)
+    check_smoothing(cp, c)
+    return cp
+
+def check_smoothing(p: ComponentPlan, where: str = ''):
+    "ValueError unless every smoothed Linear of `p` is quantised with a SmoothQuant scheme and its absmax fits its width."
+    if p.smoothing is None: return
+    for f, t in p.smoothing.absmax.items():
+        l = p.linears.get(f)
+        if l is None or l.scheme not in SMOOTHQUANT_SCHEMES:
+            raise _bad_plan(where or 'module', f'smoothquant names {f!r}, which the plan does not quantise with one of '
+                                               f'{list(SMOOTHQUANT_SCHEMES)}')
+        if t.numel() != l.shape[0]:
+            raise _bad_plan(where or 'module', f'smoothquant absmax of {f!r} has {t.numel()} channels, the Linear '
+                                               f'takes {l.shape[0]}')
 
 # %% ../nbs/04_plan.ipynb #a0efbf7f
 def component_role(name: str) -> str:
@@ -129,16 +193,22 @@ class QuantPlan:
     resolved_here: bool = field(default=True, compare=False)
 
     def to_dict(self) -> dict:
-        return dict(version=1, components={
-            c: dict(requested=p.requested, note=p.note,
+        "The plan as JSON-able data: version 1, or 2 when a component carries SmoothQuant (older readers refuse it)."
+        sq = lambda p: {} if p.smoothing is None else dict(smoothquant=p.smoothing.to_json())
+        return dict(version=2 if any(p.smoothing for p in self.components.values()) else 1, components={
+            c: dict(requested=p.requested, note=p.note, **sq(p),
                     linears={f: [l.scheme, l.backend, l.reason, *l.shape] for f, l in p.linears.items()})
             for c, p in self.components.items()})
     @classmethod
     def from_dict(cls, d: dict) -> QuantPlan:
         "The plan `d` (as `to_dict` wrote it), checked against the schema and the registry; backends resolved anew."
-        if not isinstance(d, dict) or d.get('version') != 1 or not isinstance(d.get('components'), dict):
-            raise ValueError('not a QuantPlan (version 1): expected {"version": 1, "components": {...}}')
-        return cls({c: _component_from_json(c, p) for c, p in d['components'].items()}, resolved_here=False)
+        if not isinstance(d, dict) or d.get('version') not in (1, 2) or not isinstance(d.get('components'), dict):
+            raise ValueError('not a QuantPlan (version 1 or 2): expected {"version": 1, "components": {...}}')
+        plan = cls({c: _component_from_json(c, p) for c, p in d['components'].items()}, resolved_here=False)
+        if (d['version'] == 2) != any(p.smoothing for p in plan.components.values()):  # as `to_dict` writes it
+            raise ValueError(f"not a QuantPlan (version 1 or 2): version {d['version']} is a plan "
+                             f"{'with' if d['version'] == 2 else 'without'} SmoothQuant")
+        return plan
     def to_json(self, compact: bool = False) -> str:
         "The plan as JSON: indented for reading, or `compact` (one line) for the results folder's many plans."
         layout = dict(separators=(',', ':')) if compact else dict(indent=1)
@@ -348,7 +418,7 @@ def resolve_here(mods: dict, plan: QuantPlan) -> QuantPlan:
             b, why = resolve_backend(l.scheme, 'auto', device)  # the file says where it was made; this machine decides
             moved = f'planned via {l.backend}' if b != l.backend else ''
             lins[f] = LinearPlan(l.scheme, b, '; '.join(x for x in (why, moved) if x), l.shape)
-        comps[c] = ComponentPlan(lins, p.requested, p.note)
+        comps[c] = replace(p, linears=lins)
     return QuantPlan(comps)
 
 # %% ../nbs/04_plan.ipynb #6fa0d81d
@@ -375,13 +445,29 @@ def _restore(snap: list):
         if parent is not None: setattr(parent, attr, m)
 
 # %% ../nbs/04_plan.ipynb #e9e9ad2f
+def _smooth_convert(module: nn.Module, scheme: str, fqns, sm: Smoothing):
+    "torchao's SmoothQuant over `scheme` on `fqns`: its observers fed each Linear's recorded absmax, then converted."
+    from torchao.quantization import quantize_
+    from torchao.prototype.smoothquant import SmoothQuantConfig
+    names = set(fqns)
+    only = lambda m, fqn: fqn in names and isinstance(m, nn.Linear) and not is_quantized_linear(m)
+    cfg = lambda step: SmoothQuantConfig(get_scheme(scheme).make_config(), step=step, alpha=float(sm.alpha))
+    quantize_(module, cfg('prepare'), filter_fn=only)
+    with torch.no_grad():  # the observer takes the per-channel max of |input|: the recorded absmax as one row is it
+        for f in fqns:
+            m = module.get_submodule(f)
+            m(sm.absmax[f].to(m.weight.device, m.weight.dtype)[None])
+    quantize_(module, cfg('convert'), filter_fn=only)
+
 def _convert(module: nn.Module, p: ComponentPlan, component: str):
     groups: dict = {}
+    smoothed = set(p.smoothing.absmax) if p.smoothing is not None else set()
     for f, l in p.linears.items():
-        if l.scheme: groups.setdefault((l.scheme, l.backend), []).append(f)
-    for (s, b), fqns in groups.items():
+        if l.scheme: groups.setdefault((l.scheme, l.backend, f in smoothed), []).append(f)
+    for (s, b, sq), fqns in groups.items():
         try:
-            if b == 'emulate': emulate_linears(module, s, fqns)
+            if sq: _smooth_convert(module, s, fqns, p.smoothing)
+            elif b == 'emulate': emulate_linears(module, s, fqns)
             else: apply_kernel(module, s, fqns)
         except Exception as e:
             done = [f for f in fqns if f in set(quantized_linears(module))]
@@ -395,7 +481,7 @@ def _as_applied(module: nn.Module, p: ComponentPlan) -> ComponentPlan:
     left = [f for f in p.quantized if f not in done]
     for f in left: lins[f] = LinearPlan(None, None, f'left dense by {p.linears[f].backend}', p.linears[f].shape)
     if left: warnings.warn(f'{p.scheme}: {len(left)} planned Linear(s) left dense by the library: {left[:5]}')
-    return ComponentPlan(lins, p.requested, p.note)
+    return replace(p, linears=lins)
 
 # %% ../nbs/04_plan.ipynb #7a5f5737
 def apply_plan(target, plan, check=None) -> QuantPlan:
@@ -404,6 +490,11 @@ def apply_plan(target, plan, check=None) -> QuantPlan:
     mods = _components(target, plan)
     _check_applicable(mods, plan)
     plan = resolve_here(mods, plan)
+    for c, p in plan.components.items():
+        check_smoothing(p, c)
+        emu = [f for f in (p.smoothing.absmax if p.smoothing else ()) if p.linears[f].backend != 'torchao']
+        if emu: raise ValueError(f"{c or 'module'}: SmoothQuant runs through torchao's kernel, but {emu[0]!r} would be "
+                                 f"{p.linears[emu[0]].backend}d here: apply this plan where its scheme's kernel runs")
     snap = [s for c, p in plan.components.items() for s in _snapshot(mods[c], p.quantized)]
     try:
         for c, p in plan.components.items(): _convert(mods[c], p, c)
@@ -467,6 +558,10 @@ def component_config(p: ComponentPlan, library: str = 'diffusers', component: st
     schemes = sorted({l.scheme for l in p.linears.values() if l.scheme})
     where = component or 'the component'
     if not schemes: return None
+    if p.smoothing is not None:
+        raise ValueError(f"{where}: SmoothQuant (alpha {p.smoothing.alpha:g}) pre-scales {len(p.smoothing.absmax)} "
+                         "Linears' inputs, which no TorchAoConfig carries: load dense and apply the plan with "
+                         "diffq_lab.plan.apply_plan (the lab's loader step)")
     hooks = [x for x in schemes if get_scheme(x).config is None]
     if hooks:
         lib = get_scheme(hooks[0]).library
@@ -524,14 +619,25 @@ def lab_only_schemes(plan: QuantPlan) -> list[str]:
                    if l.scheme and get_scheme(l.scheme).library not in ('torchao', 'diffusers')})
 
 # %% ../nbs/04_plan.ipynb #c6dc16e1
+def smoothed_components(plan: QuantPlan) -> list[str]:
+    "The components of `plan` carrying SmoothQuant: no diffusers or transformers config carries its input pre-scales."
+    return [c for c, p in plan.components.items() if p.smoothing is not None]
+
 def _lab_snippet(plan: QuantPlan, model: str) -> list[str]:
     "The code for a plan only the lab applies: load dense, then `apply_plan` with the plan file written beside it."
-    lab = lab_only_schemes(plan)
-    libs = ', '.join(sorted({get_scheme(s).library for s in lab}))
+    lab, why = lab_only_schemes(plan), []
+    if lab:
+        libs = ', '.join(sorted({get_scheme(s).library for s in lab}))
+        why += [f"# {', '.join(lab)}: {libs}'s kernels, which no diffusers config carries and the lab does not call: "
+                'the lab', '# applies the plan with its emulation (the numerics, not the predicted speed, which needs '
+                'those kernels)']
+    for c in smoothed_components(plan):
+        sm = plan.components[c].smoothing
+        why += [f"# {c or 'module'}: SmoothQuant (alpha {sm.alpha:g}, calibrated on {sm.calibration or 'unrecorded prompts'})"
+                f" on {len(sm.absmax)} Linears:", "# no TorchAoConfig carries its input pre-scales: the lab's loader "
+                "step (apply_plan) applies them with torchao's SmoothQuant"]
     return [SNIPPET_MARK, 'from pathlib import Path', 'import torch', 'from diffusers import DiffusionPipeline',
-            'from diffq_lab.plan import QuantPlan, apply_plan', '',
-            f"# {', '.join(lab)}: {libs}'s kernels, which no diffusers config carries and the lab does not call: the lab",
-            '# applies the plan with its emulation (the numerics, not the predicted speed, which needs those kernels)',
+            'from diffq_lab.plan import QuantPlan, apply_plan', '', *why,
             f'pipe = DiffusionPipeline.from_pretrained({model!r}, dtype=torch.bfloat16)',
             "apply_plan(pipe, QuantPlan.load(Path(__file__).with_suffix('.json')))  # the plan written beside this file"]
 
@@ -540,7 +646,7 @@ def export_snippet(plan: QuantPlan, # the plan to carry
                    model: str = 'MODEL_ID_OR_FOLDER', # the hub id or folder the code loads
                   ) -> str:
     "Python code loading `model` with `plan` applied: a PipelineQuantizationConfig (and layerwise-casting hooks)."
-    if lab_only_schemes(plan): return '\n'.join(_lab_snippet(plan, model)) + '\n'
+    if lab_only_schemes(plan) or smoothed_components(plan): return '\n'.join(_lab_snippet(plan, model)) + '\n'
     mapping, hooks, used = [], [], set()
     for c, p in plan.components.items():
         schemes = {l.scheme for l in p.linears.values() if l.scheme}

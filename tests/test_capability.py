@@ -277,3 +277,16 @@ def test_report_marks_the_auto_pick(monkeypatch):
     assert list(rep.index[rep.auto_pick]) == ['int8']
     assert rep.loc['fp8', 'auto_rank'] == 1 and rep.loc['int8', 'auto_rank'] == 2
     assert '`auto` -> int8' in format_report(rep.reset_index())
+
+
+@pytest.mark.parametrize('family', ['sd3', 'flux.2-dev'])
+def test_some_dits_feed_their_linears_non_contiguous_views(family):
+    "Why the probe's 3-D input is a non-contiguous view: these tiny DiTs pass their Linears such views (03_capability)."
+    from diffq_lab.pipelines import render, tiny_pipeline
+    pipe, seen = tiny_pipeline(family), []
+    hooks = [m.register_forward_pre_hook(lambda m, a: seen.append(a[0].is_contiguous()))
+             for m in pipe.transformer.modules() if isinstance(m, nn.Linear)]
+    try: render(pipe)
+    finally:
+        for h in hooks: h.remove()
+    assert seen and not all(seen)

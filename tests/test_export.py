@@ -128,6 +128,23 @@ def test_what_would_reload_as_another_model_is_refused(pipes, scheme, why, tmp_p
     assert not (tmp_path/'x').exists() and list(tmp_path.iterdir()) == []
 
 
+def test_a_smoothquant_plan_is_applied_by_the_lab_not_saved_or_expanded(pipes, tmp_path):
+    "SmoothQuant's input pre-scales live in no library format: save and expand_plan refuse it, with the way that works."
+    from dataclasses import replace
+    from diffq_lab.export import expand_plan
+    from diffq_lab.plan import Smoothing
+    pipe = copy.deepcopy(pipes['z-image'])
+    te = plan_linears(pipe.text_encoder, 'int8', make_filter_fn(0), device='cpu')
+    sm = Smoothing(0.5, 'a stand-in calibration', {f: torch.ones(te.linears[f].shape[0], dtype=torch.bfloat16) * 4
+                                                   for f in te.quantized})
+    plan = QuantPlan({'text_encoder': replace(te, smoothing=sm)})
+    applied = apply_plan(pipe, QuantPlan.from_json(plan.to_json()))
+    assert applied.components['text_encoder'].smoothing == sm and torch.isfinite(render(pipe)).all()
+    with pytest.raises(ValueError, match='then apply_plan at load'): save_quantized(pipe, tmp_path/'x', applied)
+    assert list(tmp_path.iterdir()) == []
+    with pytest.raises(ValueError, match='does not expand by role'): expand_plan(plan, 'z-image')
+
+
 def test_save_refuses_a_plan_that_is_not_the_pipelines(pipes, tmp_path):
     pipe = copy.deepcopy(pipes['z-image'])
     planned = plan_pipeline(pipe, 'int8', min_features=0)
