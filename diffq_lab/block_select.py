@@ -1335,7 +1335,7 @@ def remedy_verdict(df: pd.DataFrame) -> str:
 # %% ../nbs/07_block_select.ipynb #a38e0028
 def calibration_spread(model, tokenizer, # a real encoder and its tokenizer
                        prompts, # the prompts measured
-                       sizes=(8, 32), # calibration set sizes
+                       sizes=(8, 32, 128), # calibration set sizes
                        n_sets: int = 5, # disjoint sets of each size, taken in order from the calibration file
                        alpha: float = 0.5, # SmoothQuant's alpha
                        path: PromptPath = RAW, # how the pipeline tokenises and reads
@@ -1366,6 +1366,7 @@ def measure_encoder_tails(names=TAILS_ENCODERS, # real encoders measured
                           remedies=('smollm2-135m',), # encoders whose int8 remedies are chosen (each path)
                           alphas=(0.5, 0.8), # SmoothQuant alphas tried, calibrated on the first 8 calibration prompts
                           spread=('smollm2-135m',), # encoders whose calibration spread is measured (raw path)
+                          sizes=(8, 32, 128), # the calibration set sizes of the spread (5 disjoint sets each)
                          ) -> dict[str, pd.DataFrame]:
     "The tables `record_encoder_tails` records: per-scheme tails, int8 remedies, SmoothQuant calibration spread."
     prompts, digest = prompt_set()
@@ -1383,7 +1384,7 @@ def measure_encoder_tails(names=TAILS_ENCODERS, # real encoders measured
             c = Calibration(path_inputs(tok, calib, path), alphas, f'the first 8 of {cdig}')
             rem.append(choose_remedy(model, inp, 'int8', 0.99, worst_bar=WORST_BAR, calib=c, read_layer=rl)
                        .assign(path=p, n_prompts=len(prompts), **meta))
-        if name in spread: spr.append(calibration_spread(model, tok, prompts).assign(**meta))
+        if name in spread: spr.append(calibration_spread(model, tok, prompts, sizes).assign(**meta))
     tables = dict(real_encoder_tails=tails, real_encoder_remedies=rem, real_smoothquant_calibration=spr)
     return {k: pd.concat(v).assign(prompt_set=digest) for k, v in tables.items() if v}  # none asked: left out
 
