@@ -1408,23 +1408,20 @@ def _report(title: str, ks: KeepSchedule) -> str:
 # %% ../nbs/07_block_select.ipynb #77866aed
 N_CALIB = 8  # the calibration prompts `blocks` gives SmoothQuant: the first 8 of calibration_prompts.txt
 
-def _real_blocks(key, prompts, scheme, bar, worst_bar, read_layer, device, policy) -> str:
-    "`cli_blocks` on a real encoder: the remedy chosen under both bars, the candidates, the block search."
-    model, tok = real_encoder(key, device=device)
-    rl = read_layer if read_layer is not None else REAL_READ_LAYER
+def _remedy_blocks(model, tok, name: str, what: str, prompts, scheme, bar, worst_bar, rl, policy) -> str:
+    "`cli_blocks` on a transformers encoder: the remedy chosen under both bars, the candidates, the block search."
     dev = module_device(model)
     inp = encoder_inputs(tok, prompts, device=dev)
     cal, cdig = prompt_set('calibration')
     c = Calibration(encoder_inputs(tok, cal[:N_CALIB], device=dev), (0.5,), f'the first {N_CALIB} of {cdig[:40]}...')
     df = choose_remedy(model, inp, scheme, bar, worst_bar=worst_bar, calib=c, read_layer=rl,
                        policy=replace(policy, min_features=policy.min_features or 0))
-    e = get_real_encoder(key)
     top = ', '.join(f'{f} {v:.4g}' for f, v in list(linear_input_absmax(model, inp).items())[:4])
-    head = (f'# diffq-lab blocks: {e.name} ({type(model).__name__}, {e.weights} weights from {e.package}), '
-            f'{len(prompts)} prompts, read {check_read_layer(rl)!r}, min_features {policy.min_features}')
+    head = (f'# diffq-lab blocks: {name} ({type(model).__name__}{what}), {len(prompts)} prompts, '
+            f'read {check_read_layer(rl)!r}, min_features {policy.min_features}')
     return '\n'.join([head, '', remedy_verdict(df), '', markdown_table(df, _REMEDY_COLS), '',
                       f'largest Linear inputs (absmax over real tokens): {top}', '',
-                      _report(e.name, df.attrs['keep_schedule'])])
+                      _report(name, df.attrs['keep_schedule'])])
 
 def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' or a family name
                scheme: str = 'int8', # a concrete scheme
@@ -1443,14 +1440,14 @@ def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' o
     wb = _worst_bar(bar, worst_bar)  # checks both bars before anything loads
     prompts, mf = prompt_set()[0][:n_prompts], policy.min_features
     key = str(encoder).strip()
-    if key.lower() in real_encoders(): return _real_blocks(key, prompts, scheme, bar, wb, read_layer, device, policy)
-    if key.lower() in MINILM_NAMES or Path(key).is_dir():
+    if key.lower() in real_encoders():
+        (model, tok), e = real_encoder(key, device=device), get_real_encoder(key)
+        return _remedy_blocks(model, tok, e.name, f', {e.weights} weights from {e.package}', prompts, scheme, bar, wb,
+                              REAL_READ_LAYER if read_layer is None else read_layer, policy)
+    if key.lower() in MINILM_NAMES or Path(key).is_dir():  # any transformers encoder: the same three remedies
         model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
-        name = MINILM if key.lower() in MINILM_NAMES else key
-        ks = find_keep_schedule(model, encoder_inputs(tok, prompts, device=module_device(model)), scheme, bar,
-                                worst_bar=wb, read_layer=read_layer if read_layer is not None else 'last', policy=policy)
-        return '\n'.join([f'# diffq-lab blocks: {name} ({type(model).__name__}), {len(prompts)} prompts, '
-                          f'read {ks.read_layer!r}, min_features {mf}', '', _report(name, ks)])
+        return _remedy_blocks(model, tok, MINILM if key.lower() in MINILM_NAMES else key, '', prompts, scheme, bar, wb,
+                              'last' if read_layer is None else read_layer, policy)
     try: fam = get_family(key)
     except ValueError:
         raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "
