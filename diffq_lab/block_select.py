@@ -1406,14 +1406,16 @@ def _report(title: str, ks: KeepSchedule) -> str:
                       markdown_table(ks.curve, _CURVE_COLS), ''] + sens)
 
 # %% ../nbs/07_block_select.ipynb #77866aed
-N_CALIB = 8  # the calibration prompts `blocks` gives SmoothQuant: the first 8 of calibration_prompts.txt
+# the calibration prompts `blocks` gives SmoothQuant: the first 128 of calibration_prompts.txt (over 5 disjoint sets
+# SmolLM2's worst token spans 0.986-0.990 with 128, 0.956-0.989 with 8: real_smoothquant_calibration)
+N_CALIB = 128
 
-def _remedy_blocks(model, tok, name: str, what: str, prompts, scheme, bar, worst_bar, rl, policy) -> str:
+def _remedy_blocks(model, tok, name: str, what: str, prompts, scheme, bar, worst_bar, rl, policy, n_calib) -> str:
     "`cli_blocks` on a transformers encoder: the remedy chosen under both bars, the candidates, the block search."
     dev = module_device(model)
     inp = encoder_inputs(tok, prompts, device=dev)
     cal, cdig = prompt_set('calibration')
-    c = Calibration(encoder_inputs(tok, cal[:N_CALIB], device=dev), (0.5,), f'the first {N_CALIB} of {cdig[:40]}...')
+    c = Calibration(encoder_inputs(tok, cal[:n_calib], device=dev), (0.5,), f'the first {n_calib} of {cdig[:40]}...')
     df = choose_remedy(model, inp, scheme, bar, worst_bar=worst_bar, calib=c, read_layer=rl,
                        policy=replace(policy, min_features=policy.min_features or 0))
     top = ', '.join(f'{f} {v:.4g}' for f, v in list(linear_input_absmax(model, inp).items())[:4])
@@ -1432,6 +1434,7 @@ def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' o
                n_prompts: int | None = None, # the first N measured prompts (committed, then adversarial; default: all)
                device=None, # where the encoder runs
                policy: QuantPolicy | None = None, # min_features and backend
+               n_calib: int = N_CALIB, # SmoothQuant's calibration prompts: the first N of calibration_prompts.txt
                **settings, # QuantPolicy fields laid over `policy`
               ) -> str:
     "What `diffq-lab blocks` prints for `encoder` (a real encoder, folder, minilm or family): the plan under both bars."
@@ -1443,11 +1446,11 @@ def cli_blocks(encoder: str, # a real encoder, a transformers folder, 'minilm' o
     if key.lower() in real_encoders():
         (model, tok), e = real_encoder(key, device=device), get_real_encoder(key)
         return _remedy_blocks(model, tok, e.name, f', {e.weights} weights from {e.package}', prompts, scheme, bar, wb,
-                              REAL_READ_LAYER if read_layer is None else read_layer, policy)
+                              REAL_READ_LAYER if read_layer is None else read_layer, policy, n_calib)
     if key.lower() in MINILM_NAMES or Path(key).is_dir():  # any transformers encoder: the same three remedies
         model, tok = load_minilm(device=device) if key.lower() in MINILM_NAMES else load_encoder(key, device=device)
         return _remedy_blocks(model, tok, MINILM if key.lower() in MINILM_NAMES else key, '', prompts, scheme, bar, wb,
-                              'last' if read_layer is None else read_layer, policy)
+                              'last' if read_layer is None else read_layer, policy, n_calib)
     try: fam = get_family(key)
     except ValueError:
         raise ValueError(f"--encoder {encoder!r} is neither a folder, nor 'minilm', nor a real encoder "

