@@ -13,7 +13,7 @@ from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
 from .capability import SchemeUnavailableError, select_scheme
 from .plan import (ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan,
-                            dense_plan)
+                            component_role, dense_plan, resolve_here)
 from .pipelines import get_family, family_of, render, load_pipeline, weights_digest
 from .text_encoder import offload_probe, plan_text_encoders, text_encoders
 from .transformer import (DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer,
@@ -266,7 +266,7 @@ def _place_and_compile(pipe, device, policy, report):
 # %% ../nbs/10b_loader.ipynb #43de0ef6
 def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pipelines.load_pipeline`), or a pipeline
                             transformer_quant=None, # the denoisers' scheme ('auto': the device ladder); None: dense
-                            te_quant=None, # the text encoders' scheme, under the family's rules; None: dense
+                            te_quant=None, # the encoders' scheme (the family's rules) or QuantPlan (a remedy); None: dense
                             *, family=None, # the family, when the pipeline cannot tell
                             gguf=None, # a .gguf file (or {denoiser: file}) to fall back to
                             device=None, # where it runs (default: cuda if present)
@@ -282,6 +282,9 @@ def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pi
     policy = policy or pol
     device, dtype = resolve_device(device), as_dtype(dtype)
     # an unknown name fails before anything loads; a seed's names (vocabulary='unsloth-te' or 'diffu') become the lab's
+    te_plan, te_quant = (te_quant, None) if isinstance(te_quant, QuantPlan) else (None, te_quant)
+    if te_plan is not None and (odd := [c for c in te_plan.components if component_role(c) != 'te']):
+        raise ValueError(f'te_quant as a plan names {odd}: only text encoders (text_encoder*); the transformer is planned here')
     requested, te_quant = (normalize_scheme(x, policy.vocabulary) for x in (transformer_quant, te_quant))
     built = hasattr(model_or_pipe, 'components')
     if built and load_kwargs: raise TypeError(f'unexpected arguments for a built pipeline: {sorted(load_kwargs)}')
@@ -290,7 +293,11 @@ def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pi
     fam = get_family(family).name if family is not None else family_of(pipe)
     dens = denoisers(pipe)
     ggufs = _gguf_paths(gguf, dens)
-    encoders, te_why = _plan_encoders(pipe, te_quant, fam, policy, device)
+    if te_plan is not None:  # the plan as given (a remedy: kept Linears, SmoothQuant), its backends resolved here
+        if missing := [c for c in te_plan.components if not isinstance(getattr(pipe, c, None), nn.Module)]:
+            raise ValueError(f'te_quant names {missing}, which the pipeline lacks; it has {sorted(text_encoders(pipe))}')
+        encoders, te_why = resolve_here({c: getattr(pipe, c) for c in te_plan.components}, te_plan), ''
+    else: encoders, te_why = _plan_encoders(pipe, te_quant, fam, policy, device)
     report = LoadReport(QuantPlan(), fam, requested, te_fallback_reason=te_why,
                         gguf=', '.join(map(str, ggufs.values())),
                         weights=weights_digest(pipe),  # the identity of what runs, before anything changes it
