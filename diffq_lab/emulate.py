@@ -23,9 +23,9 @@ __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BL
            'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
            'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning',
            'nvfp4_scale_hazard', 'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split',
-           'svdquant_weight', 'svdquant_linear', 'lowrank_variant', 'compare_outputs', 'agreement_tolerance',
-           'agreement_table', 'record_agreement', 'outlier_channels', 'make_activations', 'numerics_table',
-           'record_numerics']
+           'svdquant_weight', 'svdquant_linear', 'lowrank_variant', 'lowrank_calibration', 'compare_outputs',
+           'agreement_tolerance', 'agreement_table', 'record_agreement', 'outlier_channels', 'make_activations',
+           'numerics_table', 'record_numerics']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -738,6 +738,28 @@ def _lowrank_by_name(value: str) -> Scheme | None:
 
 # a plan naming 'nvfp4_lr16' resolves in any process that imports the lab (`plan` imports this module)
 register_scheme_factory("<low-rank scheme><rank>[_nosmooth] ('nvfp4_lr16', 'int4_lr0_nosmooth')", _lowrank_by_name)
+
+# %% ../nbs/02_emulate.ipynb #lr000018
+@contextlib.contextmanager
+def lowrank_calibration(model: nn.Module, # a module holding low-rank `EmulatedLinear`s (a DiT, an encoder)
+                       ):
+    "Inside: uncalibrated low-rank Linears of `model` run dense and gather absmax over every call; on exit each calibrates on it."
+    mods = [m for m in model.modules() if isinstance(m, EmulatedLinear) and m.scheme.rank is not None and not m.calibrated]
+    amax = {}
+    def dense(m):
+        def forward(x):
+            a = x.detach().reshape(-1, x.shape[-1]).abs().amax(0).float()
+            amax[m] = a if m not in amax else torch.maximum(amax[m], a)
+            return F.linear(x, m.qweight.to(x.dtype), None if m.bias is None else m.bias.to(x.dtype))  # dense until calibrated
+        return forward
+    for m in mods: m.forward = dense(m)  # an instance attribute: nn.Module.__call__ finds it before the class's
+    try: yield mods
+    finally:
+        for m in mods:
+            del m.forward
+            # the first call calibrates on its input's absmax: a single row equal to the absmax over every call gives it
+            if m in amax:
+                with torch.no_grad(): m(amax[m][None].to(m.qweight.dtype))
 
 # %% ../nbs/02_emulate.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)

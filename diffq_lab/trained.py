@@ -19,14 +19,16 @@ from .export import digest_difference, file_digests
 # %% auto #0
 __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TEXT_ENCODER',
            'CAPTION_TOKENS', 'CHAT_TEMPLATE', 'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS',
-           'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL', 'TARGETS', 'TABLE_SCHEMES', 'caption', 'layouts', 'draw_scene',
-           'scene_params', 'is_held_out', 'make_dataset', 'heldout_prompts', 'trained_encoder', 'encoder_record',
-           'build_components', 'caption_states', 'whiten_caption_embedder', 'TrainRecipe', 'train_vae', 'train_dit',
-           'trained_manifest', 'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading',
-           'check_encoder', 'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse',
-           'relation_of', 'checks', 'adherence', 'evaluate', 'record_trained', 'seed_spread', 'record_seed_spread',
-           'spread_summary', 'sampling_table', 'record_sampling', 'render_set', 'adherence_by_scheme',
-           'record_adherence_by_scheme', 'encoder_keep_table', 'record_encoder_keep']
+           'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL', 'TARGETS', 'TABLE_SCHEMES', 'LOWRANK_TRAINED_SCHEMES',
+           'LOWRANK_PLAIN', 'LOWRANK_CALIBRATION_SEED', 'caption', 'layouts', 'draw_scene', 'scene_params',
+           'is_held_out', 'make_dataset', 'heldout_prompts', 'trained_encoder', 'encoder_record', 'build_components',
+           'caption_states', 'whiten_caption_embedder', 'TrainRecipe', 'train_vae', 'train_dit', 'trained_manifest',
+           'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading', 'check_encoder',
+           'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
+           'checks', 'adherence', 'evaluate', 'record_trained', 'seed_spread', 'record_seed_spread', 'spread_summary',
+           'sampling_table', 'record_sampling', 'render_set', 'adherence_by_scheme', 'record_adherence_by_scheme',
+           'encoder_keep_table', 'record_encoder_keep', 'lowrank_calibration_captions', 'lowrank_trained_table',
+           'record_lowrank_trained']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
@@ -793,3 +795,96 @@ def record_encoder_keep(root=None, **kw) -> pd.DataFrame:
     df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
                                          guidance=TRAINED_GUIDANCE)
     return record_frame('trained_encoder_keep', df, root=root)
+
+# %% ../nbs/14_trained.ipynb #lrt00002
+LOWRANK_TRAINED_SCHEMES = ('int8', 'fp8', 'nvfp4', 'nvfp4_lr0', 'nvfp4_lr32_nosmooth', 'nvfp4_lr8', 'nvfp4_lr16', 'nvfp4_lr',
+                           'int4_lr0_nosmooth', 'int4_lr')  # 8-bit, then per 4-bit format: plain, smoothing, SVD, both by rank
+LOWRANK_PLAIN = {'nvfp4_lr': 'nvfp4', 'int4_lr': 'int4_lr0_nosmooth'}  # each low-rank base's plain W4A4 (no branch, no smoothing)
+LOWRANK_CALIBRATION_SEED = 1000  # the calibration renders' noise seed: none of the measured ones
+
+def lowrank_calibration_captions(n: int = 8, # how many
+                                ) -> list[str]:
+    "`n` training captions (none held out), evenly spaced over the training scenes: what the low-rank Linears calibrate on."
+    train = [caption(*p) for p in scene_params() if not is_held_out(p)]
+    return train[::len(train) // n][:n]
+
+def _plain_twin(scheme: str) -> str | None:
+    "Plain W4A4 of a low-rank scheme's format ('nvfp4_lr16' -> 'nvfp4'); None for a scheme without a branch."
+    from diffq_lab.schemes import get_scheme, normalize_scheme
+    s = get_scheme(normalize_scheme(scheme))
+    return None if s.rank is None else next(p for b, p in LOWRANK_PLAIN.items() if s.name.startswith(b))
+
+# %% ../nbs/14_trained.ipynb #lrt00003
+def _per_render(imgs: dict, ref: dict) -> dict:
+    "Per render of `ref`'s pairs: PSNR and ST-LPIPS of `imgs` against dense, and adherence."
+    from diffq_lab.quality import psnr, st_lpips
+    ks = list(ref)
+    x, y = torch.stack([imgs[k] for k in ks]), torch.stack([ref[k] for k in ks])
+    return dict(psnr=[float(psnr(a, b)) for a, b in zip(x, y)], st_lpips=st_lpips(x, y, per_frame=True).tolist(),
+                adherence=[adherence(imgs[k], k[0]) for k in ks])
+
+def _calibrated_render(pipe, pairs, calibration, steps):
+    "Calibrate `pipe`'s low-rank Linears (every step of the `calibration` captions, dense meanwhile), then render `pairs`."
+    from diffq_lab.emulate import lowrank_calibration
+    with contextlib.ExitStack() as stack:
+        mods = [m for c in (pipe.text_encoder, pipe.transformer) for m in stack.enter_context(lowrank_calibration(c))]
+        if mods: render_set(pipe, [(c, LOWRANK_CALIBRATION_SEED) for c in calibration], steps)
+    return render_set(pipe, pairs, steps)
+
+# %% ../nbs/14_trained.ipynb #lrt00004
+def lowrank_trained_table(schemes=LOWRANK_TRAINED_SCHEMES, # the schemes, one row each per target after the dense one
+                          targets=('transformer', 'text_encoder'), # what each scheme quantises (`TARGETS`)
+                          prompts=None, # the measured prompts (default: the 36 held-out ones)
+                          seeds=(0, 1, 2), # the seeds each prompt is rendered with
+                          calibration=None, # the low-rank Linears' calibration captions (default: `lowrank_calibration_captions()`)
+                          steps: int = TRAINED_STEPS, # sampling steps of every render
+                          policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
+                         ) -> pd.DataFrame:
+    "Per target and scheme: PSNR, ST-LPIPS, adherence vs dense; a low-rank row's paired change vs plain W4A4 of its format."
+    from diffq_lab.harness import Experiment, concat_frames
+    from diffq_lab.schemes import normalize_scheme
+    from diffq_lab.stats import paired_bootstrap
+    for t in targets:
+        if t not in TARGETS: raise ValueError(f'unknown target {t!r}; choose one of {TARGETS}')
+    schemes = [normalize_scheme(s) for s in schemes]  # a ValueError naming the valid schemes before any work
+    # the loader's one-step validation render would be a low-rank DiT's first call, and so its calibration
+    policy = replace(as_policy(policy), validate=False)
+    prompts = heldout_prompts() if prompts is None else list(prompts)
+    calibration = lowrank_calibration_captions() if calibration is None else list(calibration)
+    if set(calibration) & set(prompts): raise ValueError('calibration captions must not be measured prompts')
+    pairs = [(p, s) for p in prompts for s in seeds]
+    ref = render_set(load_trained_pipeline(), pairs, steps)
+    ref_adh = [adherence(ref[k], k[0]) for k in pairs]
+    frames = []
+    for target in targets:
+        per = {}
+        def one(scheme):
+            pipe, st = _quantised_trained(scheme, target, policy)
+            plan = st['quant_plan']
+            imgs = _calibrated_render(pipe, pairs, calibration, steps)
+            per[scheme] = _per_render(imgs, ref)
+            c = {a: f'{p.n_quantized}/{p.n_linear}' for a, p in plan.components.items()}
+            return plan, dict(scheme=scheme, target=target, calibration=len(calibration),
+                              te_quantized=c.get('text_encoder'), transformer_quantized=c.get('transformer'),
+                              **_compare(imgs, ref, ref_adh))
+        ex = Experiment('lowrank_trained')
+        rows = [dict(requested='dense', scheme='dense', target=target, status='ok', **_compare(ref, ref, ref_adh)),
+                *ex.run(schemes, one)]
+        for r in rows:  # the paired change against plain W4A4 of the row's format, on the same prompts and seeds
+            twin = _plain_twin(r['requested']) if r['requested'] != 'dense' else None
+            if twin is None or twin == r['requested'] or r['requested'] not in per or twin not in per: continue
+            r['vs_plain'] = twin
+            for m in ('psnr', 'st_lpips', 'adherence'):
+                d = paired_bootstrap(per[r['requested']][m], per[twin][m])
+                r.update({f'{m}_vs_plain': d.mean, f'{m}_vs_plain_lo': d.lo, f'{m}_vs_plain_hi': d.hi})
+        frames.append(ex.frame(rows))
+    return concat_frames(frames)
+
+def record_lowrank_trained(root=None, # the results folder's parent (default: this checkout's data/)
+                           **kw, # `lowrank_trained_table`'s settings
+                          ) -> pd.DataFrame:
+    "`lowrank_trained_table` appended as one run to the `lowrank_trained` table."
+    from diffq_lab.harness import record_frame
+    df = lowrank_trained_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
+                                            guidance=TRAINED_GUIDANCE, seeds=len(kw.get('seeds', (0, 1, 2))))
+    return record_frame('lowrank_trained', df, root=root)
