@@ -303,7 +303,7 @@ def _run_probe(scheme: Scheme, device: torch.device, name: str) -> ProbeResult:
         with torch.no_grad():
             where = 'forward'  # converted: a failure from here on is a kernel that converts but cannot compute
             out = model(x)
-            # pipelines feed Linears 3-D, some DiTs non-contiguous views (the tiny FLUX.2 and SD3 ones here do); NVFP4
+            # pipelines feed Linears 3-D, some DiTs non-contiguous views (the tiny SD3 one here does); NVFP4
             # weight-only fails on those on torchao 0.18 (aten.expand), where a pipeline would die mid-render
             x3, ref3 = (t.view(2, -1, t.shape[-1]).transpose(0, 1) for t in (x, ref))
             stage, where = '3-D non-contiguous input: ', 'forward 3-D'
