@@ -18,7 +18,8 @@ from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmet
 
 # %% auto #0
 __all__ = ['E2M1_GRID', 'ABLATION', 'CALIBRATION_PROMPTS', 'FINDINGS_RANKS', 'np_int4', 'np_nvfp4', 'numpy_svdquant',
-           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'record_lowrank']
+           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'record_lowrank',
+           'error_split_table', 'record_error_split']
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0006
 def _np_blocks(a: np.ndarray, block: int) -> np.ndarray:
@@ -197,3 +198,53 @@ def record_lowrank(model: nn.Module, # the dense encoder
     return record_tables(dict(lowrank_encoder=enc.to_dict('records'),
                               lowrank_ablation=ablation_table().to_dict('records')),
                          root=root, device=next(model.parameters()).device, allow_dirty=allow_dirty)
+
+# %% ../nbs/02a_lowrank.ipynb #1a0e0051
+def _inputs_by_linear(model: nn.Module, lins: dict, inputs: dict) -> dict:
+    "Each Linear's input on `inputs`' real tokens (attention mask), fp32 (tokens, K)."
+    keep, xs = inputs['attention_mask'].reshape(-1).bool(), {}
+    def hook(f):
+        return lambda m, a: xs.__setitem__(f, a[0].detach().reshape(-1, a[0].shape[-1])[keep].float())
+    hs = [m.register_forward_pre_hook(hook(f)) for f, m in lins.items()]
+    try:
+        with torch.inference_mode(): model(**inputs)
+    finally:
+        for h in hs: h.remove()
+    return xs
+
+def error_split_table(model: nn.Module, # a transformers encoder (dense)
+                      inputs: dict, # the measured prompts, tokenised
+                      calib: dict, # the calibration prompts, tokenised: smoothing's absmax
+                      rank: int = LOWRANK_RANK, # the branch's rank in `weight_svd`, 'SVD alone' and 'both'
+                     ) -> pd.DataFrame:
+    "Per Linear (but the output embedding) and 4-bit format: the output error of each part alone and of the four arms."
+    head = model.get_output_embeddings() if hasattr(model, 'get_output_embeddings') else None
+    lins = {f: m for f, m in model.named_modules() if isinstance(m, nn.Linear) and m is not head}
+    xs, cal = _inputs_by_linear(model, lins, inputs), _inputs_by_linear(model, lins, calib)
+    rows = []
+    for f, m in lins.items():
+        x, w, amax = xs[f], m.weight.detach().float(), cal[f].abs().amax(0)
+        ref, ch = x @ w.T, x.abs().amax(0)
+        err = lambda y: ((y - ref).norm() / ref.norm()).item()
+        row = dict(linear=f, kind=f.rsplit('.', 1)[-1], K=w.shape[1], N=w.shape[0], x_peak=(ch.max() / ch.median()).item())
+        for fmt, q in (('nvfp4', nvfp4), ('int4', int4_symmetric)):
+            _, up, down, qr = svdquant_weight(w, None, rank, q, None)
+            arms = {v: err(svdquant_linear(x, *svdquant_weight(w, amax if a else None, rank if r is None else r, q, a), q))
+                    for v, r, a in ABLATION}
+            rows.append(dict(row, format=fmt, act=err(q(x) @ w.T), weight=err(x @ q(w).T),
+                             weight_svd=err(x @ (qr + up @ down).T), **arms))
+    return pd.DataFrame(rows)
+
+# %% ../nbs/02a_lowrank.ipynb #1a0e0052
+def record_error_split(model: nn.Module, # the dense encoder
+                       inputs: dict, calib: dict, # measured and calibration prompts, tokenised
+                       name: str, # the encoder's name for the rows ('smollm2-135m')
+                       root=None, # the results folder's parent (default: this checkout's data/)
+                       allow_dirty: bool = False, # record from a tree with uncommitted changes
+                       **kwargs, # `error_split_table`'s settings
+                      ) -> pd.DataFrame:
+    "Record `error_split_table` as results table 'lowrank_error_split'."
+    t = error_split_table(model, inputs, calib, **kwargs).assign(model=name)
+    record_tables(dict(lowrank_error_split=t.to_dict('records')), root=root, device=next(model.parameters()).device,
+                  allow_dirty=allow_dirty)
+    return t
