@@ -102,32 +102,30 @@ def test_variants_carry_the_rank_in_their_name_and_bytes():
     assert normalize_scheme('SVDQuant') == 'int4_lr' and normalize_scheme('nvfp4_svdquant') == 'nvfp4_lr'
 
 
-def test_a_plan_naming_rank_variants_loads_and_applies_in_a_fresh_process(tmp_path):
-    "No lowrank_variant call there: the names in the file build their schemes (and recipes) on demand."
-    import subprocess, sys, textwrap
-    from diffq_lab.plan import plan_linears
+def test_plan_imports_emulate_at_module_level():
+    "A process that reads a plan imports `plan`, so the variants' factory (registered by `emulate` on import) is there."
+    import ast, diffq_lab.plan as P
+    tree = ast.parse(open(P.__file__).read())
+    assert any(isinstance(n, ast.ImportFrom) and n.module == 'emulate' and n.level == 1 for n in tree.body)
+
+
+def test_a_plan_naming_unregistered_rank_variants_loads_and_applies(tmp_path):
+    "No lowrank_variant call before the load: the names in the file build their schemes (and recipes) on demand."
+    from diffq_lab.plan import QuantPlan, apply_plan, plan_linears
     m = _model()
     plan = plan_linears(m, {'0': 'nvfp4_lr16', '2': 'int4_lr8_nosmooth'}, make_filter_fn(min_features=0), backend='emulate')
-    from diffq_lab.plan import QuantPlan
     QuantPlan({'': plan}).save(tmp_path/'plan.json')
-    code = textwrap.dedent(f'''
-        import torch
-        from torch import nn
-        from diffq_lab.schemes import REGISTRY
-        from diffq_lab.plan import QuantPlan, apply_plan
-        assert 'nvfp4_lr16' not in REGISTRY and 'int4_lr8_nosmooth' not in REGISTRY
-        torch.manual_seed(0)
-        m = nn.Sequential(nn.Linear(128, 64), nn.GELU(), nn.Linear(64, 128)).to(torch.bfloat16)
-        apply_plan(m, QuantPlan.load({str(tmp_path/'plan.json')!r}))
-        with torch.no_grad(): y = m(torch.randn(3, 128, dtype=torch.bfloat16))
-        print(m[0].scheme, m[0].lr_up.shape[1], m[2].scheme, m[2].lr_up.shape[1], REGISTRY['int4_lr8_nosmooth'].smooth_alpha,
-              bool(m[2].calibrated), bool(torch.isfinite(y).all()))
-    ''')
-    out = subprocess.run([sys.executable, '-c', code], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, 'OMP_NUM_THREADS': '1'})
-    assert out.returncode == 0, out.stderr[-2000:]
-    assert out.stdout.split()[-7:] == ['nvfp4_lr16', '16', 'int4_lr8_nosmooth', '8', 'None', 'True', 'True'], out.stdout
-    for n in ('nvfp4_lr16', 'int4_lr8_nosmooth'): EMULATIONS.pop(n, None); unregister_scheme(n)
+    names = ('nvfp4_lr16', 'int4_lr8_nosmooth')
+    try:
+        for n in names: EMULATIONS.pop(n, None); unregister_scheme(n)
+        assert not any(n in REGISTRY or n in EMULATIONS for n in names)
+        m = _model()
+        apply_plan(m, QuantPlan.load(tmp_path/'plan.json'))
+        with torch.no_grad(): y = m(torch.randn(3, 128, dtype=BF16))
+        assert (m[0].scheme.name, m[0].lr_up.shape[1], m[2].scheme.name, m[2].lr_up.shape[1]) == ('nvfp4_lr16', 16, 'int4_lr8_nosmooth', 8)
+        assert REGISTRY['int4_lr8_nosmooth'].smooth_alpha is None and bool(m[2].calibrated) and bool(torch.isfinite(y).all())
+    finally:
+        for n in names: EMULATIONS.pop(n, None); unregister_scheme(n)
 
 
 @pytest.mark.parametrize('name', ['nvfp4_lr16x', 'nvfp4_16', 'int8_lr16', 'int4_lr8_smooth'])
