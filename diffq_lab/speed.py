@@ -22,12 +22,14 @@ from .gpus import gpu_spec, gpu_schemes
 from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'FALLBACK', 'GEMM_COL', 'TILE',
-           'SMALL_M', 'CAL_GRID', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload',
-           'VideoDiT', 'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'kernel_paths', 'launch_costs',
-           'published_runs', 'default_path', 'arch_efficiency', 'linear_time', 'linear_kernels', 'calibrate',
-           'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'validate',
-           'error_summary', 'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'TE_FAMILY', 'FALLBACK', 'GEMM_COL',
+           'TILE', 'SMALL_M', 'CAL_GRID', 'H200_SOURCES', 'KERNEL_CHECK_FILE', 'QKV_FUSED', 'LOAD_WORDS',
+           'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family', 'token_grid',
+           'denoiser_calls', 'kernel_points', 'measured_kernel_points', 'kernel_paths', 'launch_costs',
+           'cpu_per_kernel', 'published_runs', 'torchao_since', 'default_path', 'arch_efficiency', 'cpu_per_linear',
+           'linear_time', 'linear_kernels', 'calibrate', 'kernel_check', 'record_kernel_check', 'fuse_qkv',
+           'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'validate', 'error_summary',
+           'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
            'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
@@ -215,6 +217,59 @@ def kernel_points() -> pd.DataFrame:
     "Kernel-level published figures the model is calibrated on (`data/kernel_points.csv`), each with its source."
     return _csv('kernel_points.csv').copy()
 
+# %% ../nbs/12a_speed.ipynb #a37f0002
+def _measured_path(scheme, compiled: bool, torchao) -> str:
+    return default_path(scheme, 'inductor' if compiled else 'none', torchao=torchao)
+
+# te_bench's encoder -> the family whose text encoder has its shape (the lab traces that one's kernels)
+TE_FAMILY = {'Qwen3-4B shape': 'z-image'}
+
+def measured_kernel_points(bench: pd.DataFrame, # `gemm_bench` rows of one GPU run (`data/results/gemm_bench.csv`)
+                           te: pd.DataFrame | None = None, # `te_bench` rows of the same GPU (`data/results/te_bench.csv`)
+                          ) -> pd.DataFrame:
+    "Kernel points from the lab's own GPU rows: bare-GEMM ratios, each Linear's seconds beyond its GEMM, eager dispatch."
+    rows = []
+    for (run, comp, M, K, N), g in bench[bench.status.eq('ok')].groupby(['run', 'compiled', 'M', 'K', 'N'], sort=False):
+        b = g[g.scheme.eq('bf16')]
+        if b.empty: continue
+        b = b.iloc[0]
+        gpu, url = gpu_spec(str(b.device_name))['gpu'], f'data/results/gemm_bench.csv (run {run})'
+        for q in g[g.scheme.isin(['int8', 'fp8'])].itertuples():
+            path, mode = _measured_path(q.scheme, bool(comp), q.torchao), 'compiled' if comp else 'eager'
+            common = dict(source=f'lab-{gpu}-gemm', url=url, gpu=gpu, path=path, M=M, K=K, N=N, rank=np.nan,
+                          torch=q.torch, torchao=q.torchao)
+            rows.append(dict(common, kind='gemm_speedup_noquant', value=b.gemm_only_s / q.gemm_only_s, unit='x vs bf16',
+                             note=f'bare torch.mm vs the bare {q.scheme} GEMM, {mode} run\'s timing (median of 20)'))
+            # the harness's own per-call cost (dispatch, events) is what bf16 spends beyond its GEMM: netted out
+            extra = (q.median_s - q.gemm_only_s) - (b.median_s - b.gemm_only_s)
+            if extra > 0:
+                rows.append(dict(common, kind='linear_extra_s', value=extra, unit='s beyond the bare GEMM',
+                                 note=f'{mode} torchao Linear: median minus its bare GEMM, net of the bf16 arm\'s same difference'))
+    if te is not None:
+        for (run, T), g in te[te.status.eq('ok') & te.device.eq('cuda')].groupby(['run', 'tokens'], sort=False):
+            b = g[g.scheme.eq('bf16')]
+            if b.empty: continue
+            b, gpu = b.iloc[0], gpu_spec(str(g.device_name.iloc[0]))['gpu']
+            if T != te[te.run.eq(run)].tokens.min(): continue      # the shortest prompts: the GPU work is a few us a Linear
+            if (fam := TE_FAMILY.get(b.encoder)):                   # dense eager: CPU-bound, one dispatch per traced kernel
+                k = pipeline_trace(fam, 1024, 1, None, int(T))['text_encoder'].eager_kernels
+                rows.append(dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu,
+                                 kind='eager_kernel_s', path='bf16', M=T, K=np.nan, N=np.nan, rank=np.nan,
+                                 value=b.median_s / k, unit='s per eager kernel', torch=b.torch, torchao=b.torchao,
+                                 note=f'{b.encoder} ({b.layers} layers) bf16 eager at {T} tokens: median / the {k} kernels '
+                                      f'of the lab\'s trace of {fam}\'s encoder'))
+            for q in g[g.scheme.isin(['int8', 'fp8'])].itertuples():
+                n = int(str(q.quantized).split('/')[0])
+                rows.append(dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu,
+                                 kind='eager_linear_s', path=_measured_path(q.scheme, False, q.torchao), M=T, K=np.nan,
+                                 N=np.nan, rank=np.nan, value=(q.median_s - b.median_s) / n, unit='s per quantised Linear',
+                                 torch=q.torch, torchao=q.torchao,
+                                 note=f'{q.encoder} ({q.layers} layers) eager at {T} tokens: (median - bf16 median) / {n} Linears'))
+    out = pd.DataFrame(rows)
+    if out.empty: return out
+    out['point'] = [f'{r.gpu}-{r.kind.split("_")[0]}-{r.path}-{i}' for i, r in enumerate(out.itertuples())]
+    return out[list(kernel_points().columns)]
+
 # %% ../nbs/12a_speed.ipynb #b883f388
 def kernel_paths() -> pd.DataFrame:
     "How each scheme's Linear runs per execution mode and torchao version (`data/kernel_paths.csv`), with sources."
@@ -229,6 +284,13 @@ def launch_costs() -> pd.DataFrame:
     "CPU cost per kernel launch and GPU floor per kernel in each execution mode (`data/launch.csv`)."
     return _csv('launch.csv').set_index('mode')
 
+def cpu_per_kernel(mode: str, # 'eager', 'inductor' or 'cudagraphs'
+                   cal: dict | None = None, # the calibration (None: `calibrate()`)
+                  ) -> float:
+    "CPU seconds a kernel launch costs in `mode`: eager's measured where a GPU run gave it, else `data/launch.csv`'s."
+    fit = (_calibration() if cal is None else cal).get('eager_dispatch', {}) if mode == 'eager' else {}
+    return float(fit['cpu_s']) if 'cpu_s' in fit else float(launch_costs().loc[mode].cpu_us_per_kernel) * 1e-6
+
 # %% ../nbs/12a_speed.ipynb #f399f004
 def published_runs() -> pd.DataFrame:
     "Published end-to-end runs (`data/published_runs.csv`): the validation set, never used to fit."
@@ -242,11 +304,17 @@ def _lowrank_base(scheme: str) -> str:
     bases = [b for b in set(kernel_paths().query('lowrank.notna()').scheme) if s.name.startswith(b)]
     return max(bases, key=len) if bases else s.name
 
+def torchao_since(v) -> tuple:
+    "The lowest torchao version a path's `torchao` field or a run's version names ('>=0.18' -> (0, 18); none: (0, 0))."
+    m = re.search(r'(\d+)\.(\d+)', v) if isinstance(v, str) and not v.startswith('<') else None
+    return (int(m[1]), int(m[2])) if m else (0, 0)
+
 def default_path(scheme: str, # a scheme with a kernel path (a low-rank scheme's rank variants share their base's)
                  compile: str, # 'none', 'inductor' or 'cudagraphs'
                  lowrank: str = 'fused', # a low-rank scheme's branch: 'fused' (nunchaku) or 'unfused'
+                 torchao: str | None = None, # the torchao a run used ('0.6-era nightly', '0.17'; None: the newest)
                 ) -> str:
-    "The kernel path `scheme` runs under `compile`: the newest torchao path of that mode; a low-rank scheme's by `lowrank`."
+    "The kernel path `scheme` runs under `compile`: the newest (or `torchao`'s) path of that mode; a low-rank one's by `lowrank`."
     p = kernel_paths()
     mode = 'eager' if compile == 'none' else 'compiled'
     rows = p[(p.scheme == _lowrank_base(scheme)) & p['mode'].isin([mode, 'any'])]
@@ -255,6 +323,11 @@ def default_path(scheme: str, # a scheme with a kernel path (a low-rank scheme's
         rows = rows[rows.lowrank == lowrank]
     if rows.empty:
         raise ValueError(f'no kernel path for {scheme!r}; schemes with one: {", ".join(sorted(set(p.scheme)))}')
+    if isinstance(torchao, str) and torchao:
+        # a path that needs a newer torchao than the run's is not the run's; older than every path: the oldest
+        since = rows.torchao.map(torchao_since)
+        ok = since <= torchao_since(torchao)
+        rows = rows[ok] if ok.any() else rows[since == since.min()]
     return rows.path.iloc[0]
 
 # %% ../nbs/12a_speed.ipynb #909d7103
@@ -329,11 +402,24 @@ def _peak(spec, dtype) -> float:
     return float(v) * 1e12
 
 # %% ../nbs/12a_speed.ipynb #0bab137d
+def _fit_for(path, spec, cal) -> dict:
+    "`path`'s fitted values where they hold on `spec`: a fit made on one architecture's points says so (`arch`)."
+    fit = (cal or {}).get(path, {})
+    return fit if fit.get('arch') in (None, spec.get('arch')) else {}
+
+def cpu_per_linear(path, spec, cal=None) -> float:
+    "CPU seconds an eager quantised Linear of `path` spends beyond a dense one's and its extra kernels' launches."
+    v, cal = _path_rows().loc[path].cpu_us_per_linear, _calibration() if cal is None else cal
+    fit = _fit_for(path, spec, cal)
+    if 'cpu_s' not in fit: return 0.0 if v == 'fit' else float(v) * 1e-6
+    # measured as a whole Linear's extra CPU time: its extra kernels' launches are counted apart (`linear_kernels`)
+    return max(float(fit['cpu_s']) - (linear_kernels(path) - 1) * cpu_per_kernel('eager', cal), 0.0)
+
 def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float]:
     "The kernel-path row, its GEMM efficiency, cast bandwidth share, fixed seconds per Linear and per wave (fitted)."
     p = _path_rows().loc[path]
     eff = arch_efficiency(spec)
-    fit = (cal or {}).get(path, {})
+    fit = _fit_for(path, spec, cal)
     ge = fit.get('gemm_eff', eff[p.gemm])
     if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
     cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
@@ -374,7 +460,7 @@ def linear_time(spec, # a GPU name or spec dict
                 cal=None, # the path calibration (None: the fallbacks and the table's own values)
                 compiled: bool = True, # under torch.compile (a weight-only GEMV fuses its dequantise at small M)
                 floor: float = 2e-6, # the shortest a kernel takes, in seconds
-                quant: bool = True, # False: the GEMM alone, its operands already cast (a no-quant microbenchmark)
+                quant: bool = True, # False: the GEMM alone (operands already cast, no rescale: a no-quant microbenchmark)
                 rank: int | None = None, # a low-rank path's branch rank (None: its scheme's `Scheme.rank`)
                ):
     "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise, branch."
@@ -390,7 +476,7 @@ def linear_time(spec, # a GPU name or spec dict
     t = gemm + ovh + (p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels and quant else 0.0)
     # amax and rescale passes run like the cast kernels
     mem = bw * np.minimum(ew, cb)
-    t = t + (2 * M * K / mem + floor) * p.amax_pass * quant + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)
+    t = t + ((2 * M * K / mem + floor) * p.amax_pass + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)) * quant
     if p.dequant: t = t + np.where(gemv, 0.0, (p.w_bytes + 2) * N * K / (bw * ew) + floor)
     if isinstance(p.lowrank, str) and p.lowrank:   # an SVDQuant-style bf16 branch beside the W4A4 GEMM
         t = t + _branch_time(spec, M, K, N, get_scheme(p.scheme).rank if rank is None else rank, p.lowrank, cal, floor)
@@ -405,7 +491,9 @@ def linear_kernels(path: str) -> int:
 # %% ../nbs/12a_speed.ipynb #6b6aeeb4
 CAL_GRID = dict(gemm_eff=np.round(np.arange(0.30, 0.991, 0.01), 2), overhead_s=np.round(np.arange(0, 30.01e-6, 0.5e-6), 9),
                 wave_s=np.round(np.arange(0, 1.01e-6, 0.25e-6), 9),   # a wave's prologue and epilogue: ~1 us at most
-                flat_eff=np.round(np.arange(0.01, 0.601, 0.001), 3))   # a flat-rate kernel's share (tinygemm)
+                flat_eff=np.round(np.arange(0.01, 0.601, 0.001), 3),   # a flat-rate kernel's share (tinygemm)
+                pass_bw=np.round(np.geomspace(0.01, 0.99, 161), 4),    # torch's eager passes reach far less than a copy
+                call_s=np.round(np.arange(0, 300.1e-6, 2e-6), 9))      # a lone compiled call's wrapper beyond bf16's
 
 # %% ../nbs/12a_speed.ipynb #43c83ce6
 def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
@@ -449,7 +537,34 @@ def _fit_gemm_speedup(g) -> dict:
         fit = {path: dict(out, cast_bw=cb)}
         out['cast_bw'] = float(cb[np.argmin(sq([np.log(_gemm_speedup(spec, r.M, r.K, r.N, path, fit) / r.value)
                                                  for r in q.itertuples()]))])
-    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
+    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))), arch=spec.get('arch'))
+
+# %% ../nbs/12a_speed.ipynb #a37f0001
+def _lone_extra(spec, M, K, N, path, cal, cpu: float = 0.0) -> np.ndarray:
+    "Seconds a lone Linear of `path` spends beyond its bare GEMM: its passes (or its CPU dispatch) and a lone call's cost."
+    passes = linear_time(spec, M, K, N, path, cal) - linear_time(spec, M, K, N, path, cal, quant=False)
+    # a lone eager Linear's kernels start as the CPU launches them: the GPU passes hide under the dispatch or it under them;
+    # a lone compiled call pays its wrapper and guards beyond bf16's (`call_s`): a whole compiled DiT pays them once
+    return np.maximum(passes, cpu) + _fit_for(path, spec, cal).get('call_s', 0.0)
+
+def _fit_passes(g, base: dict) -> dict:
+    "A path's pass bandwidth share on lone-Linear extra seconds (`linear_extra_s`); an eager one's CPU per Linear first."
+    spec, path = gpu_spec(g.gpu.iloc[0]), g.path.iloc[0]
+    cpu_pts, x = g[g.kind.eq('eager_linear_s')], g[g.kind.eq('linear_extra_s')]
+    cpu = float(cpu_pts.value.mean()) if len(cpu_pts) else 0.0
+    out = dict(base, arch=spec.get('arch'))
+    if len(cpu_pts): out['cpu_s'] = cpu
+    if len(x):
+        # compiled: the passes' bandwidth and a lone call's fixed cost (charged in calibration only, like `alone_*`)
+        calls = CAL_GRID['call_s'] if _path_rows().loc[path]['mode'] == 'compiled' else np.zeros(1)
+        cb, cs = np.meshgrid(CAL_GRID['pass_bw'], calls, indexing='ij')
+        fit = {path: dict(base, cast_bw=cb, call_s=cs)}
+        err = np.stack([np.log(_lone_extra(spec, r.M, r.K, r.N, path, fit, cpu) / r.value) for r in x.itertuples()])
+        i = np.unravel_index(np.argmin((err ** 2).mean(0)), cb.shape)
+        out['cast_bw'] = float(cb[i])
+        if calls.any(): out['call_s'] = float(cs[i])
+    srcs = set(g.source) | ({base['source']} if base.get('source') else set())
+    return dict(out, points=base.get('points', 0) + len(g), source=', '.join(sorted(srcs)))
 
 # %% ../nbs/12a_speed.ipynb #5d1f0a06
 def _lowrank_overhead(spec, M, K, N, path, rank, cal) -> np.ndarray:
@@ -480,6 +595,11 @@ def calibrate(points=None, drop_sources=()) -> dict:
            for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path')}
     for path, g in pts[pts.kind.isin(['gemm_speedup', 'gemm_speedup_noquant'])].groupby('path'):
         out[path] = _fit_gemm_speedup(g)
+    # measured lone Linears (the lab's own GPU runs): each path's passes beyond its bare GEMM, an eager one's CPU dispatch
+    for path, g in pts[pts.kind.isin(['linear_extra_s', 'eager_linear_s'])].groupby('path'):
+        out[path] = _fit_passes(g, out.get(path, {}))
+    if len(d := pts[pts.kind.eq('eager_kernel_s')]):     # a host's eager dispatch, measured on a CPU-bound dense encoder
+        out['eager_dispatch'] = dict(cpu_s=float(d.value.mean()), points=len(d), source=', '.join(sorted(set(d.source))))
     if len(lr := pts[pts.kind.eq('lowrank_overhead')]): out['lowrank'] = _fit_lowrank(lr)
     for q in kernel_paths().query('gemm == "int4wo"').path:   # one kernel, eager or compiled: one fitted rate
         if q not in out and 'int4wo_tinygemm' in out: out[q] = out['int4wo_tinygemm']
@@ -500,6 +620,67 @@ def calibrate(points=None, drop_sources=()) -> dict:
 # %% ../nbs/12a_speed.ipynb #04ff51b3
 @functools.lru_cache(maxsize=1)
 def _calibration() -> dict: return calibrate()
+
+# %% ../nbs/12a_speed.ipynb #a37f0003
+H200_SOURCES = ('lab-h200-gemm', 'lab-h200-te')   # the lab's first GPU rows in `data/kernel_points.csv`
+
+def _lone_speedup(spec, r, b, path, cal) -> float:
+    "Predicted speedup of a lone torchao Linear over bf16 as `gemm_bench` times it (the bf16 arm's per-call cost added to both)."
+    M, K, N, harness = r.M, r.K, r.N, b.median_s - b.gemm_only_s
+    eager = _path_rows().loc[path]['mode'] == 'eager'
+    # a lone eager Linear's whole CPU time: its dispatch and its extra kernels' launches
+    cpu = cpu_per_linear(path, spec, cal) + (linear_kernels(path) - 1) * cpu_per_kernel('eager', cal) if eager else 0.0
+    q = linear_time(spec, M, K, N, path, cal, quant=False) + _lone_extra(spec, M, K, N, path, cal, cpu)
+    return float((linear_time(spec, M, K, N, 'bf16', cal) + harness) / (q + harness))
+
+def kernel_check(bench: pd.DataFrame, # `gemm_bench` rows of one GPU (`data/results/gemm_bench.csv`)
+                 te: pd.DataFrame | None = None, # `te_bench` rows of that GPU
+                 cal: dict | None = None, # the calibration (None: `calibrate()`, these rows' points in it)
+                 before: dict | None = None, # the calibration without them (None: `calibrate(drop_sources=H200_SOURCES)`)
+                ) -> pd.DataFrame:
+    "Each measured GPU point beside the model's prediction, before and after the points entered the calibration."
+    cal = _calibration() if cal is None else cal
+    before = calibrate(drop_sources=H200_SOURCES) if before is None else before
+    band, rows = residual_bands(), []
+    for r in bench[bench.status.eq('ok') & bench.scheme.isin(['int8', 'fp8'])].itertuples():
+        b = bench[(bench.run == r.run) & (bench.compiled == r.compiled) & (bench.M == r.M) & (bench.K == r.K) &
+                  (bench.N == r.N) & bench.scheme.eq('bf16')].iloc[0]
+        spec, mode = gpu_spec(str(r.device_name)), 'compiled' if r.compiled else 'eager'
+        new, old = (default_path(r.scheme, 'inductor' if r.compiled else 'none', torchao=v) for v in (r.torchao, '0.17'))
+        rows.append(dict(what='lone Linear', shape=f'{r.M}x{r.K}x{r.N}', scheme=r.scheme, mode=mode,
+                         measured=r.speedup_vs_bf16, measured_lo=r.speedup_lo, measured_hi=r.speedup_hi,
+                         before=_lone_speedup(spec, r, b, old, before), path=new,
+                         predicted=_lone_speedup(spec, r, b, new, cal), run=r.run))
+    if te is not None and len(te):
+        tr = {T: pipeline_trace('z-image', 1024, 1, None, int(T))['text_encoder'] for T in sorted(set(te.tokens))}
+        for r in te[te.status.eq('ok') & te.scheme.isin(['int8', 'fp8'])].itertuples():
+            spec, t, T = gpu_spec(str(r.device_name)), tr[r.tokens], int(r.tokens)
+            ratio = lambda v, c: _encoder_time(t, spec, 'bf16', 0, c, v) / _encoder_time(t, spec, r.scheme, 0, c, v)
+            rows.append(dict(what=f'eager encoder, {T} tokens' + (' (calibrates the CPU per Linear)' if T == te.tokens.min() else ''),
+                             shape=f'{r.encoder}: {r.layers} x {r.hidden}', scheme=r.scheme, mode='eager',
+                             measured=r.vs_bf16, measured_lo=r.vs_bf16_lo, measured_hi=r.vs_bf16_hi,
+                             before=ratio('0.17', before), path=default_path(r.scheme, 'none', torchao=r.torchao),
+                             predicted=ratio(r.torchao, cal), run=r.run))
+    out = pd.DataFrame(rows)
+    lo, hi = (out['mode'].map(lambda m, i=i: band.get(m, (1, 1, 1, 1))[i]) for i in (2, 3))
+    out['predicted_lo'], out['predicted_hi'] = out.predicted * lo, out.predicted * hi
+    out['error'], out['error_before'] = out.predicted / out.measured - 1, out.before / out.measured - 1
+    # off: the measured interval and the prediction's band do not overlap
+    out['off'] = (out.predicted_lo > out.measured_hi) | (out.predicted_hi < out.measured_lo)
+    out['off_before'] = (out.before * lo > out.measured_hi) | (out.before * hi < out.measured_lo)
+    return out
+
+KERNEL_CHECK_FILE = 'speed_kernel_check.csv'
+
+def record_kernel_check(root=None) -> pd.DataFrame:
+    "`kernel_check` on every GPU row of `gemm_bench` and `te_bench`, written to `data/speed_kernel_check.csv`."
+    res = repo_root()/'data'/'results'
+    gpu = lambda name: (lambda d: d[d.device.eq('cuda')])(pd.read_csv(res/name))
+    bench, te = gpu('gemm_bench.csv'), gpu('te_bench.csv')
+    out = kernel_check(bench, te).assign(device=lambda d: 'measured on ' + ', '.join(sorted(set(bench.device_name))),
+                                         computed_by='diffq_lab.speed.kernel_check (predictions; no GPU here)')
+    out.to_csv((root or repo_root()/'data')/KERNEL_CHECK_FILE, index=False)
+    return out
 
 # %% ../nbs/12a_speed.ipynb #d6cd139e
 def _other_time(trace, spec, compiled, floor=2e-6) -> float:
@@ -531,16 +712,20 @@ def _dense_part(trace, spec, compiled: bool = False) -> float:
     return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, compiled)
 
 # %% ../nbs/12a_speed.ipynb #b4c2e001
-def _encoder_time(trace, spec, scheme, floor: int, cal=None) -> float:
-    "GPU seconds of a text encoder run eagerly: dense, or its Linears `floor` wide in `scheme`'s eager kernel path."
-    t = _dense_part(trace, spec)
-    L = trace.linears
-    if scheme in (None, 'bf16') or L is None or L.empty: return t
+def _encoder_time(trace, spec, scheme, floor: int, cal=None, torchao: str | None = None) -> float:
+    "Seconds of a text encoder run eagerly: the larger of its GPU and CPU time, dense or its `floor`-wide Linears in `scheme`."
+    t, L = _dense_part(trace, spec), trace.linears
+    cal = _calibration() if cal is None else cal
+    cpu = trace.eager_kernels * cpu_per_kernel('eager', cal)
+    if scheme in (None, 'bf16') or L is None or L.empty: return max(t, cpu)
     q = (np.minimum(L.K, L.N) >= floor) & ~L.fqn.str.contains('lm_head')   # `09_memory.encoder_plan`'s rule
     M, K, N = (L.loc[q, c].to_numpy(float) for c in 'MKN')
-    p, cal = default_path(scheme, 'none'), _calibration() if cal is None else cal
+    p = default_path(scheme, 'none', torchao=torchao)
     lin = linear_time(spec, M, K, N, p, cal, False, rank=get_scheme(scheme).rank)
-    return t + float((lin - linear_time(spec, M, K, N, 'bf16', cal, False)).sum())
+    # eager: every quantised Linear's extra kernels and its tensor-subclass dispatch on the CPU (measured on the H200:
+    # 0.47 ms fp8, 1.6 ms int8 a Linear, so a short prompt's quantised encoder is CPU-bound and slower than bf16)
+    cpu += len(M) * ((linear_kernels(p) - 1) * cpu_per_kernel('eager', cal) + cpu_per_linear(p, spec, cal))
+    return max(t + float((lin - linear_time(spec, M, K, N, 'bf16', cal, False)).sum()), cpu)
 
 # %% ../nbs/12a_speed.ipynb #a7f3e2d0
 def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPolicy) -> np.ndarray:
@@ -580,7 +765,8 @@ def forward_time(gpu, # a GPU name or spec dict
                  model, # a registry family with real dims, or one of `SPEED_FAMILIES`
                  scheme: str | dict = 'bf16', # the scheme of the Linears `work.rules` pick, or a plan: fqn -> scheme
                  work: Workload | None = None, # picture, batch, execution mode, rules, attention, fused QKV
-                 *, path: str | None = None, # one scheme's kernel path (None: the newest of the mode, `default_path`)
+                 *, path: str | None = None, # one scheme's kernel path (None: `default_path` of the mode and `torchao`)
+                 torchao: str | None = None, # the torchao version that ran (None: the newest path)
                  cal: dict | None = None, # the path calibration (None: `calibrate()` on the kernel points)
                  policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
                  **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=768, min_features=0)
@@ -591,7 +777,6 @@ def forward_time(gpu, # a GPU name or spec dict
     if path and not isinstance(scheme, str): raise ValueError("path is one scheme's kernel path; a plan takes each default")
     spec, m = gpu_spec(gpu), speed_family(model)
     cal = _calibration() if cal is None else cal
-    launch = launch_costs().loc['eager' if work.compile == 'none' else work.compile]
     shapes, tr = denoiser_calls(m, work)
     assigned = _assignment(m, scheme, shapes, work, policy)
     calls = len(shapes)
@@ -600,29 +785,29 @@ def forward_time(gpu, # a GPU name or spec dict
     lin, extra, cpu_lin, paths = 0.0, len(shapes) - calls, 0.0, []   # fused: fewer GEMM kernels than traced
     for s in sorted(set(assigned)):
         q = assigned == s
-        p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile, work.lowrank))
+        p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile, work.lowrank, torchao))
         rank = None if s == 'bf16' else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
         lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled, rank=rank).sum())
         if s != 'bf16':
             paths.append(p)
             extra += int(q.sum()) * (linear_kernels(p) - 1)
-            cpu_lin += int(q.sum()) * _path_rows().loc[p].cpu_us_per_linear * 1e-6
+            cpu_lin += int(q.sum()) * cpu_per_linear(p, spec, cal)
     att, other = _attention_time(tr, spec, work.attention), _other_time(tr, spec, work.compiled)
     kernels = (tr.fused_kernels if work.compiled else tr.eager_kernels) + extra
-    cpu = kernels * launch.cpu_us_per_kernel * 1e-6 + (0.0 if work.compiled else cpu_lin)
+    cpu = kernels * cpu_per_kernel('eager' if work.compile == 'none' else work.compile, cal) + (0.0 if work.compiled else cpu_lin)
     gpu_s = lin + att + other
     return dict(seconds=max(gpu_s, cpu), gpu_s=gpu_s, cpu_s=cpu, linear_s=lin, attention_s=att, other_s=other,
                 kernels=kernels, quantised_linears=int((assigned != 'bf16').sum()), path=', '.join(paths) or 'bf16')
 
 # %% ../nbs/12a_speed.ipynb #25e6b23d
-def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, policy=None) -> dict:
+def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, policy=None, torchao=None) -> dict:
     "Seconds of one pipeline call: text encoders per prompt (x forwards per step), every forward, one VAE decode."
-    fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy)
+    fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy, torchao=torchao)
     te = vae = 0.0
     if not isinstance(m, VideoDiT):      # a SPEED_FAMILIES entry knows its transformer only
         T, side, floor = work.text_tokens, _square(work), as_policy(policy).features(tiny=False)
         te1 = pipeline_trace(m.name, side, 1, work.frames, T)
-        te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal) for k, t in te1.items()
+        te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal, torchao) for k, t in te1.items()
                  if k.startswith('text_encoder')) * work.forwards_per_step
         traces = pipeline_trace(m.name, side, work.batch, work.frames, T)
         vae = _dense_part(traces['vae'], spec, work.compile_vae) if 'vae' in traces else 0.0
@@ -638,20 +823,20 @@ def pipeline_time(gpu, # a GPU name or spec dict
                   forwards_per_step: int = 1, # denoiser forwards per step (2: classifier-free guidance)
                   scheme: str | dict = 'bf16', # the scheme of the Linears the rules pick, or a plan: fqn -> scheme
                   compile: str = 'inductor', # 'none', 'inductor' or 'cudagraphs'
-                  **kw, # other Workload fields (height, frames, text_tokens, rules, attention), path, cal, policy
+                  **kw, # other Workload fields (height, frames, text_tokens, rules, attention), path, cal, policy, torchao
                  ) -> dict:
     "Predicted seconds of one pipeline call: text encoders per prompt (x2 with CFG), every forward, one VAE decode."
-    opts = {k: kw.pop(k) for k in ('path', 'cal', 'policy') if k in kw}
+    opts = {k: kw.pop(k) for k in ('path', 'cal', 'policy', 'torchao') if k in kw}
     work, rest = as_workload(Workload(size=size, batch=batch, steps=steps, forwards_per_step=forwards_per_step,
                                       compile=compile), **kw)
     policy = as_policy(opts.pop('policy', None), **rest)
     return _pipeline(gpu_spec(gpu), speed_family(model), scheme, work, policy=policy, **opts)
 
 # %% ../nbs/12a_speed.ipynb #beebd4ec
-def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy) -> dict:
+def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy, torchao=None) -> dict:
     try:
-        t = _pipeline(spec, m, scheme, work, policy=policy)
-        b = _pipeline(spec, m, 'bf16', work, policy=policy)
+        t = _pipeline(spec, m, scheme, work, policy=policy, torchao=torchao)
+        b = _pipeline(spec, m, 'bf16', work, policy=policy, torchao=torchao)
     except ValueError as e:
         if 'tensor cores' not in str(e) and 'no kernel path' not in str(e): raise
         return dict(scheme=scheme, seconds=np.nan, speedup=np.nan, note=str(e))
@@ -717,9 +902,9 @@ def memory_fit(gpu, # a GPU name or spec dict (its `mem_gb` is the capacity)
 # %% ../nbs/12a_speed.ipynb #9f5af1c9
 _PREDICTION = 'prediction (roofline + kernel paths), not a measurement'
 
-def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, band) -> dict:
+def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, band, torchao=None) -> dict:
     "One `predict` record: seconds and speedup with their bands, memory and whether it fits, the workload."
-    r = _one(spec, m, s, work, policy)
+    r = _one(spec, m, s, work, policy, torchao)
     mem = _memory(m, s, work, policy, load)
     resident, peak = mem['resident_GiB'], mem['peak_GiB']
     lo_s, hi_s, lo_x, hi_x = band
@@ -749,6 +934,7 @@ def predict(gpu, # a GPU name or spec dict
             *, policy: QuantPolicy | None = None, # the lab rules' width floor
             load: str = 'after-load', # when quantisation happens: 'after-load', 'at-load', 'saved' (`LOAD_MODES`)
             intervals: bool = True, # bands from the validation residuals (False: the point prediction only)
+            torchao: str | None = None, # the torchao whose kernel paths to time ('0.17'; None: the newest, `default_path`)
             **settings, # Workload or QuantPolicy fields laid over `work` / `policy` (size=1024, compile='none', ...)
            ) -> list[dict]:
     "Per scheme: predicted pipeline seconds, speedup vs bf16 in the same mode, resident and peak GiB, with intervals."
@@ -761,7 +947,7 @@ def predict(gpu, # a GPU name or spec dict
     policy = as_policy(policy, **rest)
     spec, m = gpu_spec(gpu), speed_family(model)
     band = residual_bands().get(work.mode, (1.0, 1.0, 1.0, 1.0)) if intervals else (1.0, 1.0, 1.0, 1.0)
-    out = [_record(spec, m, s, work, policy, load, band) for s in dict.fromkeys(schemes)]
+    out = [_record(spec, m, s, work, policy, load, band, torchao) for s in dict.fromkeys(schemes)]
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
@@ -834,7 +1020,8 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
             p = pipeline_time(r.gpu, r.model, int(r.size), int(r.batch), int(r.steps), int(r.forwards_per_step),
                               r.scheme,
                               r.compile, text_tokens=int(r.text_tokens), rules=r.rules, cal=cal,
-                              path=r.path if isinstance(r.path, str) and r.path else None)['seconds']
+                              path=r.path if isinstance(r.path, str) and r.path else None,
+                              torchao=r.torchao if isinstance(r.torchao, str) else None)['seconds']
             row = dict(run=r.run, **k, scheme=r.scheme, use=r.use, published_s=r.seconds, predicted_s=p,
                        published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
                        predicted_speedup=b_pred / p)
