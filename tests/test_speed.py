@@ -53,3 +53,25 @@ def test_the_benchmark_only_passes_and_the_nvfp4_paths_runs_name():
     assert set(p.index[alone]) == {'nvfp4_compiled', 'nvfp4_static_compiled'}
     nv = published_runs().query('scheme == "nvfp4"')
     assert nv.path.isin(p.index).all() and not nv.path.eq('nvfp4_cutlass_vllm').any()
+
+
+def test_the_h200_kernel_points_are_what_the_recorded_rows_give():
+    "data/kernel_points.csv's lab-h200-gemm rows: measured_kernel_points of the recorded gemm_bench GPU rows, to the digit."
+    from diffq_lab.core import repo_root
+    from diffq_lab.speed import kernel_points, measured_kernel_points
+    b = pd.read_csv(repo_root()/'data'/'results'/'gemm_bench.csv')
+    got = measured_kernel_points(b[b.device.eq('cuda')])
+    kp = kernel_points().query("source == 'lab-h200-gemm'")
+    assert len(got) == len(kp) == 32 and list(got.point) == list(kp.point)
+    np.testing.assert_allclose(got.value.to_numpy(), kp.value.to_numpy(), rtol=1e-12)
+
+
+def test_a_run_takes_the_paths_of_its_torchao():
+    "torchao 0.18's paths (measured on the H200) are the default; an older run, or predict(torchao=), gets its own."
+    from diffq_lab.speed import default_path
+    assert default_path('int8', 'inductor') == 'int8_compiled_t018'
+    assert default_path('int8', 'inductor', torchao='0.17') == 'int8_compiled'
+    new, old = (predict('h100', 'flux.1-dev', 'int8', intervals=False, compile='cudagraphs', torchao=v)[0]
+                for v in (None, '0.6-era nightly'))
+    # torchao 0.18 under inductor: int8 no faster than bf16 on Hopper (the H200's lone Linears); the 2024 path ~1.3x
+    assert new['speedup'] < 1 < 1.2 < old['speedup'] and new['path'] == 'int8_compiled_t018'
