@@ -71,7 +71,7 @@ def test_a_run_takes_the_paths_of_its_torchao():
     from diffq_lab.speed import default_path
     assert default_path('int8', 'inductor') == 'int8_compiled_t018'
     assert default_path('int8', 'inductor', torchao='0.17') == 'int8_compiled'
-    new, old = (predict('h100', 'flux.1-dev', 'int8', intervals=False, compile='cudagraphs', torchao=v)[0]
+    new, old = (predict('h100', 'z-image', 'int8', intervals=False, compile='cudagraphs', torchao=v)[0]
                 for v in (None, '0.6-era nightly'))
     # torchao 0.18 under inductor: int8 no faster than bf16 on Hopper (the H200's lone Linears); the 2024 path ~1.3x
     assert new['speedup'] < 1 < 1.2 < old['speedup'] and new['path'] == 'int8_compiled_t018'
