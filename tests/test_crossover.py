@@ -214,7 +214,8 @@ def test_bench_compare_on_cpu(tiny_bench):
 
 def test_bench_follows_the_registry():
     "Every registered scheme is benched, beside a bare GEMM the bench can build (its Scheme.gemm), through its library's path."
-    assert cx.BENCH_SCHEMES == ('bf16', *SCHEMES)
+    # a snapshot of the registry when crossover was imported: a prefix of it now (a test may have built rank variants since)
+    assert cx.BENCH_SCHEMES == ('bf16', *tuple(SCHEMES)[:len(cx.BENCH_SCHEMES) - 1])
     for name in SCHEMES:
         s = get_scheme(name)
         assert s.gemm in ('', 'bf16', 'int8', 'fp8'), (name, s.gemm)
@@ -402,7 +403,10 @@ def test_calibration_never_reads_end_to_end_runs(monkeypatch):
     base = sp.calibrate()
     monkeypatch.setattr(sp, 'published_runs', lambda: (_ for _ in ()).throw(AssertionError('read a run')))
     assert sp.calibrate() == base
-    assert all(v['points'] >= 2 for v in base.values() if 'points' in v)   # nunchaku's FP4 GEMM borrows a fit: no points
+    # never more numbers than the kernel points they came from (eager_dispatch: one measured CPU time, one number);
+    # nunchaku's FP4 GEMM borrows a fit: no points
+    fitted = lambda v: sum(isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items() if k != 'points')
+    assert all(v['points'] >= max(1, fitted(v)) for v in base.values() if 'points' in v), base
     dropped = sp.calibrate(drop_sources=('torchao-inference-doc',))
     # with torchao's curve gone, its paths (and the FP4 GEMM nunchaku's paths borrow) are not fitted; the others stay
     assert not {'mxfp8_compiled', 'nvfp4_compiled', 'nvfp4_static_compiled', 'nvfp4_lr_fused'} & set(dropped)
