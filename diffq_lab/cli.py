@@ -4,7 +4,7 @@
 
 # %% ../nbs/17_cli.ipynb #f0d0de65
 from __future__ import annotations
-import argparse, contextlib, inspect, json, math, numbers, os, shutil, sys, tempfile, threading, time
+import argparse, contextlib, inspect, json, math, numbers, os, re, shutil, sys, tempfile, threading, time
 from pathlib import Path
 from types import SimpleNamespace
 from fastcore.docments import docments
@@ -320,6 +320,13 @@ def _te_scheme(value: str) -> str | None:
     if value.strip().lower() in ('bf16', 'dense', 'none'): return None
     return _one_scheme()(value)
 
+# %% ../nbs/17_cli.ipynb #c5d3e002
+def _torchao_version(value: str) -> str:
+    "An argparse type: a torchao version whose kernel paths the speed model times ('0.17', '0.18')."
+    if not re.fullmatch(r'\d+\.\d+(\.\d+)?', value.strip()):
+        raise argparse.ArgumentTypeError(f'{value!r}: a torchao version such as 0.17 or 0.18')
+    return value.strip()
+
 # %% ../nbs/17_cli.ipynb #33f52ba8
 @flag_group
 def speed_setting(
@@ -331,10 +338,11 @@ def speed_setting(
     compile_vae: bool = False, # the VAE decode compiled too (default: eager, as the published runs leave it)
     # a low-rank scheme's bf16 branch (nvfp4_lr, int4_lr): nunchaku's fused kernels, or two GEMMs of its own
     lowrank: Param(choices=('fused', 'unfused')) = 'fused',
+    torchao: _torchao_version = None, # the torchao whose kernel paths are timed ('0.17'; default: the newest, 0.18)
 ) -> SimpleNamespace:
     "How the modelled pipeline is quantised, loaded, attends and compiles (the speed and memory model's settings)."
     return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention,
-                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae, lowrank=lowrank)
+                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae, lowrank=lowrank, torchao=torchao)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4
 @command
@@ -662,7 +670,7 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
     w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention, te_scheme=how.te_scheme,
                  fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae, lowrank=how.lowrank)
-    recs = _predict(gpu, fam, tuple(schemes), w, load=how.load)
+    recs = _predict(gpu, fam, tuple(schemes), w, load=how.load, torchao=how.torchao)
     print(strict_json(recs) if json else format_predictions(recs))
     return 0
 
@@ -803,7 +811,7 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['predict', '--load', 'lazy'], "choose from 'after-load', 'at-load', 'saved'"),
     (['predict', '--attention', 'flash'], 'invalid choice'), (['predict', '--height', '1000'], 'a multiple of 16'),
     (['predict', '--te-scheme', 'fp7'], 'unknown scheme'), (['predict', '--fuse-qkv', 'yes'], 'unrecognized arguments'),
-    (['predict', '--lowrank', 'half'], "choose from 'fused', 'unfused'"),
+    (['predict', '--lowrank', 'half'], "choose from 'fused', 'unfused'"), (['predict', '--torchao', 'latest'], 'such as 0.17'),
     (['predict', '--frames', '5'], 'not a video model'), (['predict', '--family', 'wan', '--frames', '6'], '4k+1'),
 )
 
