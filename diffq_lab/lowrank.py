@@ -13,8 +13,8 @@ from torch import nn
 from .core import fidelity, record_tables
 from .stats import summarise
 from .schemes import LOWRANK_RANK, SMOOTH_ALPHA, get_scheme, lowrank_bytes
-from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmetric, lowrank_variant, nvfp4,
-                               svdquant_linear, svdquant_weight)
+from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmetric, lowrank_split, lowrank_variant,
+                               nvfp4, smooth_scales, svdquant_linear, svdquant_weight)
 
 # %% auto #0
 __all__ = ['E2M1_GRID', 'ABLATION', 'CALIBRATION_PROMPTS', 'FINDINGS_RANKS', 'np_int4', 'np_nvfp4', 'numpy_svdquant',
@@ -227,12 +227,18 @@ def error_split_table(model: nn.Module, # a transformers encoder (dense)
         ref, ch = x @ w.T, x.abs().amax(0)
         err = lambda y: ((y - ref).norm() / ref.norm()).item()
         row = dict(linear=f, kind=f.rsplit('.', 1)[-1], K=w.shape[1], N=w.shape[0], x_peak=(ch.max() / ch.median()).item())
+        # svdquant_weight's maths in fp32, each SVD (of W, of W*s) done once for both formats: the costly part
+        s = {a: smooth_scales(amax, w, a) if a else torch.ones(w.shape[1]) for a in (None, SMOOTH_ALPHA)}
+        split = {a: lowrank_split(w * s[a], rank) for a in s}
+        nil = lowrank_split(w, 0)
         for fmt, q in (('nvfp4', nvfp4), ('int4', int4_symmetric)):
-            _, up, down, qr = svdquant_weight(w, None, rank, q, None)
-            arms = {v: err(svdquant_linear(x, *svdquant_weight(w, amax if a else None, rank if r is None else r, q, a), q))
-                    for v, r, a in ABLATION}
+            def arm(r, a):
+                up, down = split[a] if r else nil
+                return svdquant_linear(x, s[a], up, down, q(w * s[a] - up @ down), q)
+            up, down = split[None]
             rows.append(dict(row, format=fmt, act=err(q(x) @ w.T), weight=err(x @ q(w).T),
-                             weight_svd=err(x @ (qr + up @ down).T), **arms))
+                             weight_svd=err(x @ (q(w - up @ down) + up @ down).T),
+                             **{v: err(arm(rank if r is None else r, a)) for v, r, a in ABLATION}))
     return pd.DataFrame(rows)
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0052
