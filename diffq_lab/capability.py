@@ -403,6 +403,7 @@ REPORT_COLS = ('scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_rank
 def _kernel(scheme: Scheme) -> str:
     try: cfg = scheme.make_config()
     except Exception as e: return f'no config ({_describe(e, 60)})'  # noqa: BLE001 -- the report still gets its row
+    if scheme.library not in ('torchao', 'diffusers'): return f'{scheme.library} (its kernel; the lab emulates it)'
     return 'diffusers apply_layerwise_casting' if cfg is None else f'torchao {type(cfg).__name__}'
 
 # %% ../nbs/03_capability.ipynb #a507edbc
