@@ -63,21 +63,24 @@ def transformer_bench_tiny():
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0,
                              schemes=('int8', 'fp8wo', 'nvfp4wo', 'mxfp8'), runs=8, compile=True)
 
+def _smollm2_lowrank(record):
+    "Call a low-rank `record(model, inputs, calib, name)` on SmolLM2 with the measured and calibration prompts."
+    from diffq_lab import block_select, lowrank, text_encoder
+    m, t = text_encoder.real_encoder('smollm2-135m')
+    return record(m, block_select.encoder_inputs(t, block_select.load_prompts()),
+                  block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
+
 @recorder
 def lowrank_smollm2():
     "lowrank_encoder + lowrank_ablation: SmolLM2's fidelity per low-rank scheme and rank, and the ablation."
-    from diffq_lab import block_select, lowrank, text_encoder
-    m, t = text_encoder.real_encoder('smollm2-135m')
-    lowrank.record_lowrank(m, block_select.encoder_inputs(t, block_select.load_prompts()),
-                           block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
+    from diffq_lab.lowrank import record_lowrank
+    _smollm2_lowrank(record_lowrank)
 
 @recorder
 def lowrank_error_split_smollm2():
     "lowrank_error_split: SmolLM2's W4A4 error per Linear, the activations' and the weight's apart, and the ablation's arms."
-    from diffq_lab import block_select, lowrank, text_encoder
-    m, t = text_encoder.real_encoder('smollm2-135m')
-    lowrank.record_error_split(m, block_select.encoder_inputs(t, block_select.load_prompts()),
-                               block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
+    from diffq_lab.lowrank import record_error_split
+    _smollm2_lowrank(record_error_split)
 
 @recorder
 def full_study():
