@@ -13,6 +13,8 @@
 #   GPU_COMMAND=2 GPU_LIMIT_S=400 bash tools/gpu_check.sh   # ... when the device has less left (its budget_left_s - 20)
 #   bash tools/gpu_check.sh --dry-run    # every stage in one command on a CPU at tiny dims (`make gpu-rehearsal`)
 #   GPU_STAGES="headline trained" GPU_BUDGET_headline=300 bash tools/gpu_check.sh   # a rerun of some stages, more time
+#   GPU_GEMM_EXTRA=1 GPU_STAGES="probe gemm_eager gemm_compiled" bash tools/gpu_check.sh  # GEMMs only, with the small
+#     cubes and the weight-only kernels (int8wo, fp8wo, int4wo)
 # Bring the rows home with `make gpu-import TARBALL=<the returned results.tar.gz>` (once per command).
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -281,9 +281,15 @@ def _gemm(dry: bool, compile: bool):
     stamp = {'run': os.environ.get('GPU_RUN_ID') or f"{fingerprint(device)['utc']}-gemm", **fingerprint(device)}
     # the Z-Image DiT's Linears at 1024 px (4096 image + 128 text tokens; dim 3840, FFN 10240) and the 8192^3 cube
     real = tuple(s for s in GPU_SHAPES if s == (8192,) * 3 or 3840 in s[1:])
-    shapes = ((128, 256, 256), (256, 512, 1024))[:1 if compile else 2] if dry else real
-    for shape in shapes:
-        df = gemm_bench(device=device, shapes=(shape,), schemes=('bf16', 'int8', 'fp8'), compile=compile,
+    act, wo = ('bf16', 'int8', 'fp8'), ('bf16', 'int8wo', 'fp8wo', 'int4wo')
+    items = [((128, 256, 256), act), ((256, 512, 1024), act)][:1 if compile else 2] if dry else [(s, act) for s in real]
+    if os.environ.get('GPU_GEMM_EXTRA'):  # a run given the time (GPU_STAGES without the later stages): the small
+        # cubes (launch and quantisation-pass overheads) and the weight-only kernels at 4096^3 and the FFN up shape
+        small = tuple(s for s in GPU_SHAPES if s[0] == s[1] == s[2] and s[0] < 8192)
+        items += [(s, act) for s in ((256, 256, 256),) if dry] + [(s, act) for s in small if not dry]
+        items += [(s, wo) for s in (((256, 512, 1024),) if dry else ((4096,) * 3, (4224, 3840, 10240)))]
+    for shape, schemes in items:
+        df = gemm_bench(device=device, shapes=(shape,), schemes=schemes, compile=compile,
                         emulated=False, repeats=3 if dry else 20, warmup=1 if dry else 5)
         append_rows('gemm_bench', [{**stamp, **r} for r in df.to_dict('records')], device=device)  # stamped: kept as is
         print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
