@@ -12,6 +12,7 @@ if 'gpu_import' not in sys.modules:
     sys.modules['gpu_import'] = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(sys.modules['gpu_import'])
 gi = sys.modules['gpu_import']
+gs = sys.modules['gpu_stages']  # imported by gpu_import
 
 PROV = dict(dry_run=False, python='3.12.3', executable='/usr/bin/python3', host='gpu', device='cuda',
             device_name='NVIDIA H200', capability='9.0', torch_cuda='13.0', gpu_count=1, gpu_memory_GiB=139.8,
@@ -274,6 +275,9 @@ def test_status_lines(tmp_path, store, capsys, status, says):
 def test_table_columns_and_cells(tmp_path, store, capsys):
     wide = _csv([[*_row(), 'x']], [*COLS, 'evil'])
     _refused(tmp_path, store, capsys, _members(table=wide), says="columns the capability table does not: ['evil']")
+    # a stage's declared new columns are taken beside its table's own, and only for that table
+    assert set(gs.NEW_COLS['transformer_bench']) <= gi.allowed_columns('transformer_bench')
+    assert not set(gs.NEW_COLS['transformer_bench']) & gi.allowed_columns('capability')
     for bad, says in (('a\0b', 'holds a NUL byte'), ('a\x1b[31m', "control character '\\x1b'"),
                       ('gpu\u202eok', "control character '\\u202e'"),
                       ('x' * 5000, 'over 4096 characters')):

@@ -28,7 +28,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 TOOLS = REPO/'tools'
 if str(TOOLS) not in sys.path: sys.path.insert(0, str(TOOLS))
-from gpu_stages import RUN_STAGES, TABLES  # noqa: E402 -- the stages and the tables each one writes
+from gpu_stages import NEW_COLS, RUN_STAGES, TABLES  # noqa: E402 -- the stages, the tables each writes
 
 # Caps, read at call time (tests lower them). A real run's tarball is well under a MiB: the transfer holds 64 MiB.
 MAX_TARBALL = 64 * 2**20   # the .tar.gz file itself
@@ -328,7 +328,7 @@ def _header(csv_path: Path) -> list:
 def allowed_columns(kind: str, have_columns=(), path='tarball') -> set | None:
     "The columns a `kind` row may have: its data/results header and the target's; None: any (a new GPU stage kind)."
     if kind == 'gpu_runs': raise BadTarball(f'{path}: results/gpu_runs.csv: that table is the import\'s own')
-    known = set(_header(REPO/'data'/'results'/f'{kind}.csv')) | set(have_columns)
+    known = set(_header(REPO/'data'/'results'/f'{kind}.csv')) | set(have_columns) | set(NEW_COLS.get(kind, ()))
     if known: return known
     if not any(kind in kinds for kinds in TABLES.values()):
         raise BadTarball(f'{path}: results/{kind}.csv: neither data/results nor a GPU stage has a {kind!r} table '

@@ -56,6 +56,8 @@ HEADLINE_SCHEMES = ('fp8', 'int8')  # one pair with dense each, in this order: f
 TABLES = dict(probe=('capability',), headline=('transformer_bench',), gemm_eager=('gemm_bench',),
               gemm_compiled=('gemm_bench',), emulation=('agreement', 'numerics'), text_encoder=('te_bench',),
               trained=('trained_schemes',))
+# columns a stage's rows bring that its committed table has not had yet (the import takes these beside the table's own)
+NEW_COLS = dict(transformer_bench=('pair', 'build_s', 'weights', 'st_lpips_unavailable'))
 SUMMARY_COLS = dict(
     capability=['scheme', 'gate_ok', 'probe_ok', 'rel_err', 'runs_as', 'auto_pick'],
     transformer_bench=['pair', 'config', 'dims', 'size', 'steps', 'backend', 'compile', 'quantized', 'median_s',
