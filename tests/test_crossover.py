@@ -508,9 +508,12 @@ def test_predict_bad_inputs(kw, match):
 
 
 def test_recorded_validation_covers_the_runs_and_meets_its_bounds():
-    v, runs = sp.validation_table(), sp.published_runs()
+    v, runs = sp.validation_table(), pd.concat([sp.published_runs(), sp.lab_runs()])
     assert set(v.run) == set(runs.run[runs.use != 'excluded'])
     q = v[(v.use == 'validate') & (v.scheme != 'bf16')]
+    # int4 weight-only: tinygemm's own seconds within the 25% (the H100 run's speedup misses by its bf16 baseline)
+    i4 = q[q['mode'] == 'int4wo']
+    assert len(i4) and i4.seconds_err.abs().max() < 0.25
     comp, eager = q[q['mode'] == 'compiled'], q[q['mode'] == 'eager']
     assert comp.speedup_err.abs().median() < 0.10 and eager.speedup_err.abs().max() < 0.30
     assert comp.speedup_err.abs().max() < 0.20                      # the bound on every compiled run
