@@ -34,8 +34,8 @@ __all__ = ['READ_LAST', 'TAIL_Q', 'PROMPT_FILES', 'MEASURED', 'EMPTY_PROMPT', 'W
            'record_real_encoder_findings', 'real_encoder_headline', 'PromptPath', 'prompt_path', 'path_inputs',
            'path_read_layer', 'name_worst', 'encoder_tails', 'linear_input_absmax', 'find_keep_linears',
            'smoothquant_cast', 'Calibration', 'calibration_absmax', 'smoothquant_plan', 'choose_remedy', 'remedy_plan',
-           'remedy_verdict', 'calibration_spread', 'measure_encoder_tails', 'record_encoder_tails', 'cli_blocks',
-           'deepened', 'measure_block_selection', 'record_block_selection']
+           'remedy_verdict', 'calibration_spread', 'measure_encoder_tails', 'record_encoder_tails', 'encoder_remedy',
+           'cli_blocks', 'deepened', 'measure_block_selection', 'record_block_selection']
 
 # %% ../nbs/07_block_select.ipynb #d5752bc9
 def block_stacks(model: nn.Module) -> dict[str, nn.ModuleList]:
@@ -1410,14 +1410,33 @@ def _report(title: str, ks: KeepSchedule) -> str:
 # SmolLM2's worst token spans 0.986-0.990 with 128, 0.956-0.989 with 8: real_smoothquant_calibration)
 N_CALIB = 128
 
+def encoder_remedy(model: nn.Module, # a transformers encoder
+                   tokenizer, # its tokenizer
+                   scheme='int8', # a concrete scheme
+                   bar: float = 0.99, # the mean cosine to clear
+                   *,
+                   worst_bar: float | None = None, # the worst token to clear (default: `WORST_BAR`, at most `bar`)
+                   prompts=None, # the prompts measured (default: the committed and adversarial sets, `prompt_set()`)
+                   read_layer=REAL_READ_LAYER, # where the cosine is read
+                   policy: QuantPolicy | None = None, # min_features (None: every Linear) and backend
+                   n_calib: int = N_CALIB, # SmoothQuant's calibration: the first N of calibration_prompts.txt
+                  ) -> pd.DataFrame:
+    "`choose_remedy` as `blocks` runs it: `prompts` tokenised raw, SmoothQuant (alpha 0.5) on `n_calib` calibration prompts."
+    if isinstance(n_calib, bool) or not isinstance(n_calib, int) or n_calib < 1:
+        raise ValueError(f'n_calib must be an int >= 1 (the first n calibration prompts), got {n_calib!r}')
+    policy, dev = as_policy(policy), module_device(model)
+    prompts = prompt_set()[0] if prompts is None else list(prompts)
+    cal, cdig = prompt_set('calibration')
+    c = Calibration(encoder_inputs(tokenizer, cal[:n_calib], device=dev), (0.5,),
+                    f'the first {n_calib} of {cdig[:40]}...')
+    return choose_remedy(model, encoder_inputs(tokenizer, prompts, device=dev), scheme, bar, worst_bar=worst_bar,
+                         calib=c, read_layer=read_layer, policy=replace(policy, min_features=policy.min_features or 0))
+
 def _remedy_blocks(model, tok, name: str, what: str, prompts, scheme, bar, worst_bar, rl, policy, n_calib) -> str:
     "`cli_blocks` on a transformers encoder: the remedy chosen under both bars, the candidates, the block search."
-    dev = module_device(model)
-    inp = encoder_inputs(tok, prompts, device=dev)
-    cal, cdig = prompt_set('calibration')
-    c = Calibration(encoder_inputs(tok, cal[:n_calib], device=dev), (0.5,), f'the first {n_calib} of {cdig[:40]}...')
-    df = choose_remedy(model, inp, scheme, bar, worst_bar=worst_bar, calib=c, read_layer=rl,
-                       policy=replace(policy, min_features=policy.min_features or 0))
+    df = encoder_remedy(model, tok, scheme, bar, worst_bar=worst_bar, prompts=prompts, read_layer=rl, policy=policy,
+                        n_calib=n_calib)
+    inp = encoder_inputs(tok, prompts, device=module_device(model))
     top = ', '.join(f'{f} {v:.4g}' for f, v in list(linear_input_absmax(model, inp).items())[:4])
     head = (f'# diffq-lab blocks: {name} ({type(model).__name__}{what}), {len(prompts)} prompts, '
             f'read {check_read_layer(rl)!r}, min_features {policy.min_features}')

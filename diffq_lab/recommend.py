@@ -6,19 +6,20 @@
 from __future__ import annotations
 import copy, math
 from collections import Counter, defaultdict
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Callable
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
 from .core import resolve_device
-from .schemes import get_scheme, make_filter_fn
+from .schemes import get_scheme, make_filter_fn, normalize_scheme
 from .plan import (ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, lab_only_schemes,
                             plan_linears)
-from .pipelines import family_of, render
-from .text_encoder import plan_text_encoders
-from .block_select import capture_calls
+from .pipelines import family_of, render, text_encoders
+from .text_encoder import block_lists, plan_text_encoders
+from .block_select import (N_CALIB, capture_calls, encoder_remedy, family_read_layer, remedy_plan,
+                                    remedy_verdict)
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
 from .gpus import gpu_spec, gpu_schemes
@@ -28,10 +29,10 @@ from .speed import (GEMM_COL, Workload, calibrate, default_path, denoiser_calls,
                              memory_fit, pipeline_time, residual_bands)
 
 # %% auto #0
-__all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget',
-           'sampled_calls', 'linear_sensitivity', 'pattern_times', 'linear_times', 'real_plan', 'plan_chain',
-           'predicted', 'measure_plan', 'resolution', 'distinguishable', 'settle', 'Recommendation', 'recommend_plan',
-           'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+__all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget', 'EncoderBar',
+           'recommend_encoders', 'sampled_calls', 'linear_sensitivity', 'pattern_times', 'linear_times', 'real_plan',
+           'plan_chain', 'predicted', 'measure_plan', 'resolution', 'distinguishable', 'settle', 'Recommendation',
+           'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -81,6 +82,57 @@ class RealTarget:
     "The real model a plan is for, as the speed model times it: `family` running the speed model's `Workload`."
     family: str | None = None  # the family whose real shapes are timed (default: the measured pipeline's)
     work: Workload = field(default_factory=Workload)  # one call: size, batch, steps x forwards, execution mode
+
+# %% ../nbs/16_recommend.ipynb #te000001
+@dataclass(frozen=True)
+class EncoderBar:
+    "What a text encoder's plan clears, as `diffq-lab blocks` measures it: the mean and the worst token vs dense."
+    bar: float = 0.99                # the mean token cosine over the prompts
+    worst_bar: float | None = None   # the worst token (default: `block_select.WORST_BAR`, at most `bar`)
+    prompts: tuple | None = None     # the prompts measured (default: the committed and adversarial sets, as `blocks`)
+    read_layer: object = None        # where the cosine is read (default: where the family's pipeline reads)
+    n_calib: int = N_CALIB           # SmoothQuant's calibration: the first N of calibration_prompts.txt
+
+# %% ../nbs/16_recommend.ipynb #te000002
+def _check_te_bar(te_bar):
+    if te_bar is not None and not isinstance(te_bar, EncoderBar):
+        raise ValueError(f"te_bar must be an EncoderBar (the encoder remedy's bars) or None (the family's rules), "
+                         f'got {type(te_bar).__name__}')
+
+def recommend_encoders(pipe, # a pipeline with text encoders (and their tokenizers)
+                       te_scheme, # 'auto', a scheme or None (dense)
+                       te_bar: EncoderBar | None = EncoderBar(), # the bars; None: the family's rules (its hand schedule)
+                       *,
+                       family=None, # its family (default: found from `pipe`)
+                       policy: QuantPolicy | None = None, # min_features (None: every Linear, as `blocks`) and backend
+                       device=None, # where the encoders run
+                      ) -> tuple[QuantPlan, dict[str, pd.DataFrame]]:
+    "The encoders' plan: per encoder cast by torchao, `blocks`'s chosen remedy (bf16 if none clears); each one's candidates."
+    _check_te_bar(te_bar)
+    policy = as_policy(policy)
+    req = normalize_scheme(te_scheme)
+    rules = lambda: plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=policy)
+    if te_bar is None or req is None or (req != 'auto' and get_scheme(req).library != 'torchao'): return rules(), {}
+    # a scheme asked for by name is searched as it is: the remedy stands in for a family rule's swap (int8 with no hand
+    # schedule -> fp8_layerwise); 'auto' is searched as the rules resolve it
+    te = rules() if req == 'auto' else None
+    fam, comps, tables = family or family_of(pipe), {}, {}
+    for attr, enc in text_encoders(pipe).items():
+        s = req if te is None else te.components[attr].scheme
+        if s in (None, 'mixed') or get_scheme(s).library != 'torchao':  # dense, or a cast the remedies do not search
+            comps[attr] = te.components[attr]; continue
+        rl = te_bar.read_layer
+        if rl is None: rl = family_read_layer(fam, attr, max(block_lists(enc).values(), default=0))
+        df = encoder_remedy(enc, getattr(pipe, attr.replace('text_encoder', 'tokenizer')), s, te_bar.bar,
+                            worst_bar=te_bar.worst_bar, prompts=te_bar.prompts, read_layer=rl, policy=policy,
+                            n_calib=te_bar.n_calib)
+        tables[attr] = df
+        if df.chosen.any(): comps[attr] = remedy_plan(enc, df, component=attr).components[attr]
+        else:  # nothing clears both bars: the encoder stays bf16, and its plan says why
+            p = remedy_plan(enc, df, row=0, component=attr).components[attr]
+            comps[attr] = replace(p, linears={f: replace(l, scheme=None, backend=None, reason='no remedy clears the bars')
+                                              for f, l in p.linears.items()}, note=remedy_verdict(df))
+    return QuantPlan(comps), tables
 
 # %% ../nbs/16_recommend.ipynb #r0000011
 def _tensors(x) -> list[torch.Tensor]:
@@ -278,6 +330,7 @@ class Recommendation:
     sensitivity: pd.DataFrame = field(repr=False, default=None)  # per Linear and format, the output's error
     note: str = ''        # why the plan was chosen over a faster-looking one, if it was
     memory: dict = field(repr=False, default=None)  # the real pipeline's predicted GiB under the plan: `memory_fit`
+    te_remedies: dict = field(repr=False, default_factory=dict)  # per encoder, `encoder_remedy`'s candidates
 
     @property
     def best(self) -> pd.Series: return self.table[self.table.recommended.astype(bool)].iloc[0]
@@ -296,7 +349,11 @@ class Recommendation:
         return (f"{self.gpu}: {', '.join(f'{k} {v}' for k, v in n.most_common())}; predicted {self.predicted_s:.3f} s "
                 f"for the whole pipeline (prediction){fit}; measured PSNR {self.psnr:.2f} dB "
                 f"{'>=' if self.clears else '<'} bar {self.bar} dB ({self.source})" + (f'; {self.note}' if self.note else '')
-                + self.kernels_note())
+                + self.kernels_note() + self.encoders_note())
+
+    def encoders_note(self) -> str:
+        "Per text encoder whose remedy was chosen under `EncoderBar`: what `blocks` would say of it."
+        return ''.join(f'; {a}: {remedy_verdict(df)}' for a, df in self.te_remedies.items())
 
     def kernels_note(self) -> str:
         "Whose kernels the predicted time assumes where no library the lab calls runs them ('' when torchao's do)."
@@ -340,6 +397,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                    renders: RenderWork | None = None, # what is rendered to measure (default: `RenderWork()`)
                    target: RealTarget | None = None, # the real model the speed model times (default: `RealTarget()`)
                    te_scheme=None, # the text encoders' scheme (default: dense)
+                   te_bar: EncoderBar | None = EncoderBar(), # their remedy's bars, as `blocks`; None: the family's rules
                    policy: QuantPolicy | None = None, # the width floor (default: every Linear) and the backend
                    simplest: bool = True, # a uniform plan the speed model cannot tell from a faster-looking one wins
                    ranks=RECOMMEND_RANKS, # the low-rank schemes' branch ranks offered per Linear (() for none)
@@ -348,7 +406,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                   ) -> Recommendation:
     "The per-Linear denoiser plan for `gpu` fastest by whole-pipeline time whose measured PSNR vs dense is >= `bar` dB."
     w, t, policy = renders or RenderWork(), target or RealTarget(), as_policy(policy, **settings)
-    _check_bar(bar)
+    _check_bar(bar); _check_te_bar(te_bar)
     spec, formats = gpu_spec(gpu), gpu_formats(gpu, ranks)
     if not formats:
         raise ValueError(f"{spec['gpu']} has no low-precision format in the roofline ({RECOMMEND_SCHEMES}): "
@@ -363,8 +421,8 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
                      ignore_index=True)
     opts = _options(sens, linear_times(tr, pattern_times(fam, spec, t.work, policy)))
     whole = _whole_time(spec, fam, t, policy)
-    te = (plan_text_encoders(pipe, te_scheme, family=fam, backend=policy.backend, device=device) if te_scheme
-          else QuantPlan())
+    te, te_rem = (recommend_encoders(pipe, te_scheme, te_bar, family=fam, policy=policy, device=device) if te_scheme
+                  else (QuantPlan(), {}))
     full = lambda choice: QuantPlan({**te.components, 'transformer': _plan_for(tr, choice, policy, device)})
     refs = {k: render(pipe, k[1], steps=w.steps, size=w.size, seed=k[0], **w.render_kw) for k in w.pairs}
     rows, seen, note = [], {}, ''
@@ -394,7 +452,7 @@ def recommend_plan(pipe, # the pipeline measured (one denoiser, its `transformer
     final = measure(best, best_src)  # a plan measured before under another name is that row
     table = pd.DataFrame([{**r, 'recommended': r is final} for r in rows]).sort_values('time_s').reset_index(drop=True)
     memory = memory_fit(spec, fam, real_plan(best, denoiser_calls(fam, t.work)[0].fqn), t.work, policy=policy)
-    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note, memory)
+    return Recommendation(spec['gpu'], float(bar), full(best), best, table, sens, note, memory, te_rem)
 
 # %% ../nbs/16_recommend.ipynb #r0000027
 def recommend_on_trained(gpus=('b200', 'h200', 'rtx5090', 'rtx4090'), # the GPUs to plan for

@@ -27,8 +27,8 @@ __all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_C
            'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
            'checks', 'adherence', 'evaluate', 'record_trained', 'seed_spread', 'record_seed_spread', 'spread_summary',
            'sampling_table', 'record_sampling', 'render_set', 'adherence_by_scheme', 'record_adherence_by_scheme',
-           'encoder_keep_table', 'record_encoder_keep', 'lowrank_calibration_captions', 'lowrank_trained_table',
-           'record_lowrank_trained']
+           'trained_encoder_remedy', 'encoder_keep_table', 'record_encoder_keep', 'lowrank_calibration_captions',
+           'lowrank_trained_table', 'record_lowrank_trained']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
@@ -759,6 +759,50 @@ def _vs(imgs: dict, base: dict, ref: dict) -> dict:
                 adherence_gain=a.mean, adherence_gain_lo=a.lo, adherence_gain_hi=a.hi)
 
 # %% ../nbs/14_trained.ipynb #525adfeb
+def trained_encoder_remedy(bar: float = 0.99, # the mean token cosine to clear (as `diffq-lab blocks`)
+                           worst_bar: float | None = None, # the worst token's (default: `block_select.WORST_BAR`)
+                           n_calib: int = 128, # SmoothQuant's calibration: the first N calibration prompts, templated
+                           prompts=None, # the prompts measured (default: the committed and adversarial sets)
+                          ) -> tuple[pd.DataFrame, dict]:
+    "int8's remedies on the trained pipeline's encoder, encoded as the pipeline encodes; the plans of 3 rows: base, chosen, keeps."
+    from diffq_lab.block_select import (Calibration, choose_remedy, path_inputs, path_read_layer, prompt_path,
+                                        prompt_set, remedy_plan)
+    pipe = load_trained_pipeline()
+    enc, tok, path = pipe.text_encoder, pipe.tokenizer, prompt_path(TEXT_ENCODER, 'pipeline')  # its template, layer -2
+    prompts = prompt_set()[0] if prompts is None else list(prompts)
+    cal, cdig = prompt_set('calibration')
+    c = Calibration(path_inputs(tok, cal[:n_calib], path), (0.5,), f'the first {n_calib} of {cdig}, templated')
+    df = choose_remedy(enc, path_inputs(tok, prompts, path), 'int8', bar, worst_bar=worst_bar, calib=c,
+                       read_layer=path_read_layer(enc, path))
+    # every Linear int8 (the remedies' base, paired against), the chosen remedy, and the keep-Linears candidate
+    rows = dict.fromkeys([0, *df.index[df.chosen], *df.index[df.remedy == 'keep linears']])
+    return df, {_remedy_label(df, r): remedy_plan(enc, df, r, component='text_encoder') for r in rows}
+
+def _remedy_label(df: pd.DataFrame, r) -> str:
+    "A remedy row's label in the table (`te_keep`): what it is, how many Linears it leaves in int8, whether chosen."
+    return f'{df.remedy[r]} ({df.n_low[r]}/{df.n_linear[r]} int8)' + (' chosen' if df.chosen[r] else '')
+
+def _plan_rows(plans: dict, ref: dict, steps: int, policy: QuantPolicy) -> pd.DataFrame:
+    "Each encoder plan of `plans` (label -> QuantPlan) on the trained pipeline, paired against the first one's renders."
+    from diffq_lab.harness import Experiment
+    from diffq_lab.loader import load_pipeline_quantized
+    pairs = list(ref)
+    ref_adh, imgs = [adherence(ref[k], k[0]) for k in pairs], {}
+    def one(arm):
+        pipe, st = load_pipeline_quantized(load_trained_pipeline(), te_quant=plans[arm.name], family='z-image',
+                                           device='cpu', policy=replace(policy, compile=False))
+        imgs[arm.name] = got = render_set(pipe, pairs, steps)
+        te, tr = st['quant_plan'].components['text_encoder'], st['quant_plan'].components.get('transformer')
+        return st['quant_plan'], dict(target='text_encoder', te_keep=arm.name, transformer=st['path'],
+                                      te_quantized=f'{te.n_quantized}/{te.n_linear}',
+                                      transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None,
+                                      **_compare(got, ref, ref_adh))
+    ex, base = Experiment('trained_encoder_keep'), next(iter(plans))
+    rows = ex.run([type('Arm', (), dict(name=k))() for k in plans], one)  # an arm is named by its label
+    for r in rows:  # what each repairs of the first plan's loss, over the same renders
+        if r['status'] == 'ok' and base in imgs: r.update(_vs(imgs[r['requested']], imgs[base], ref))
+    return ex.frame(rows)
+
 def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) encoder blocks kept bf16, one row each
                        scheme='int8', # the encoder's scheme (the DiT stays dense)
                        prompts=None, # the prompts (default: the 36 held-out ones)
@@ -766,9 +810,10 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
                        policy: QuantPolicy | None = None, # the rest of the policy (its `keep` is each of `keeps`)
                        reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
                        steps: int = TRAINED_STEPS, # sampling steps of every render (`reference`'s too)
+                       remedies: dict | None = None, # encoder plans by label (`trained_encoder_remedy`), rows after
                        **settings, # QuantPolicy fields laid over `policy`
                       ) -> pd.DataFrame:
-    "`scheme` on the encoder under each keep-bf16 schedule, each paired against the first (`keeps[0]`: none kept)."
+    "`scheme` on the encoder per keep-bf16 schedule, paired vs the first (none kept); `remedies` each paired vs the first of them."
     from diffq_lab.harness import concat_frames
     policy = as_policy(policy, **settings)
     prompts = heldout_prompts() if prompts is None else list(prompts)
@@ -786,14 +831,21 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
         if im is not None and imgs[0] is not None:
             for col, v in _vs(im, imgs[0], ref).items(): f[col] = v
         rows.append(f)
+    if remedies: rows.append(_plan_rows(remedies, ref, steps, policy))  # the first: every Linear int8, their base
     return concat_frames(rows)
 
 # %% ../nbs/14_trained.ipynb #49f135b8
-def record_encoder_keep(root=None, **kw) -> pd.DataFrame:
-    "Run `encoder_keep_table` and append its rows to the `trained_encoder_keep` table."
+def record_encoder_keep(root=None, remedy: bool = False, **kw) -> pd.DataFrame:
+    "Run `encoder_keep_table` (`remedy`: with `trained_encoder_remedy`'s rows after) and append them to `trained_encoder_keep`."
     from diffq_lab.harness import record_frame
+    if remedy: rem, kw['remedies'] = trained_encoder_remedy()
     df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
                                          guidance=TRAINED_GUIDANCE)
+    if remedy:  # each remedy row with the encoder fidelity it was chosen by (the measured prompts, the pipeline's path)
+        by = {_remedy_label(rem, r): rem.loc[r] for r in rem.index}
+        for c in ('cosine', 'cosine_p01', 'cosine_min', 'detail'):
+            df['te_' + c] = [by[k][c] if k in by else None for k in df.te_keep]
+        df['te_bars'] = [f"mean >= {by[k].bar:g}, worst >= {by[k].worst_bar:g}" if k in by else None for k in df.te_keep]
     return record_frame('trained_encoder_keep', df, root=root)
 
 # %% ../nbs/14_trained.ipynb #lrt00002

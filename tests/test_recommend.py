@@ -1,5 +1,5 @@
 """recommend_plan: the plan (rank variants in it) clears its bar re-measured in a fresh process; never predicted slower than a uniform plan that clears
-it; planted sensitivity stays dense or 8-bit; the plan exports to diffusers; bad input refused."""
+it; planted sensitivity stays dense or 8-bit; the plan exports to diffusers; its text encoder gets the remedy `blocks` chooses; bad input refused."""
 import json, os, subprocess, sys, textwrap
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
@@ -8,7 +8,8 @@ from diffq_lab.gpus import gpu_spec
 from diffq_lab.speed import Workload
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.plan import to_pipeline_config
-from diffq_lab.recommend import RealTarget, RenderWork, gpu_formats, plan_chain, recommend_plan, resolution, settle
+from diffq_lab.recommend import (EncoderBar, RealTarget, RenderWork, gpu_formats, plan_chain, recommend_encoders,
+                                 recommend_plan, resolution, settle)
 
 PAIRS = [(0, 'a photo of a cat'), (1, 'a red circle')]
 PLANT = '''
@@ -114,3 +115,40 @@ def test_a_low_rank_plan_only_where_it_beats_8_bit_beyond_the_resolution():
     u = {'int8': row(1.0, 45.0), 'nvfp4_lr16': row(1.0 / r ** 0.5, 48.0)}   # better-rendering, faster inside the resolution
     assert settle(1.0 / r ** 0.9, u) == 'int8' and settle(0.9 / r, u) is None
     assert settle(0.99, {**u, 'nvfp4_lr16': row(0.9 / r, 41.0)}) == 'nvfp4_lr16'
+
+
+# strict bars on the tiny encoder (random weights: its int8 error is small), where all cast fails and the candidates differ
+ENC_BAR = (0.99995, 0.9999)
+
+
+def _kept(comp):
+    return sorted(f for f, r in comp.skipped.items() if r == 'kept bf16 by the remedy')
+
+
+def test_recommend_and_blocks_choose_the_same_encoder_remedy(pipes, tmp_path):
+    "The same encoder, prompts and bars: recommend's encoder plan is the remedy `diffq-lab blocks` prints as chosen."
+    from diffq_lab.block_select import cli_blocks, prompt_set, remedy_verdict
+    pipe, (bar, wb) = pipes['z-image'], ENC_BAR
+    plan, tabs = recommend_encoders(pipe, 'int8', EncoderBar(bar, wb, tuple(prompt_set()[0][:6]), -2, n_calib=8))
+    df, comp = tabs['text_encoder'], plan.components['text_encoder']
+    assert df.n_low.nunique() > 1 and not df.clears.iloc[0]  # all cast fails: the choice is not trivial
+    pipe.text_encoder.save_pretrained(tmp_path/'enc'); pipe.tokenizer.save_pretrained(tmp_path/'enc')
+    txt = cli_blocks(str(tmp_path/'enc'), 'int8', bar, worst_bar=wb, read_layer='-2', n_prompts=6, n_calib=8)
+    chosen = df[df.chosen].iloc[0]
+    assert remedy_verdict(df) in txt.splitlines() and f'clears with {chosen.n_low} of 14' in txt
+    assert comp.n_quantized == chosen.n_low and len(_kept(comp)) == 14 - chosen.n_low
+    assert (comp.smoothing is not None) == chosen.remedy.startswith('smoothquant')
+
+
+def test_recommend_plan_carries_the_encoder_remedy(planted_rec):
+    "recommend_plan with te_scheme: the encoder's plan is `recommend_encoders`' and its summary says what blocks would."
+    from diffq_lab.block_select import prompt_set, remedy_verdict
+    pipe, _, rec = planted_rec
+    eb = EncoderBar(*ENC_BAR, tuple(prompt_set()[0][:6]), -2, n_calib=8)
+    got = recommend_plan(pipe, 'h200', 20.0, RenderWork(PAIRS[:1], steps=1, device='cpu'), te_scheme='int8', te_bar=eb,
+                         ranks=(), sensitivity=rec.sensitivity)  # the DiT's errors measured already: renders only
+    df, te = got.te_remedies['text_encoder'], got.plan.components['text_encoder']
+    chosen = df[df.chosen].iloc[0]
+    assert te.n_quantized == chosen.n_low < 14 and len(_kept(te)) == 14 - chosen.n_low  # the chosen remedy, not the rules'
+    assert f'text_encoder: {remedy_verdict(df)}' in got.summary() and not df.clears.iloc[0]
+    with pytest.raises(ValueError, match='EncoderBar'): recommend_plan(pipe, 'h200', 20.0, te_scheme='int8', te_bar=0.99)
