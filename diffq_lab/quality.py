@@ -21,7 +21,7 @@ log = logging.getLogger(__name__)
 # %% auto #0
 __all__ = ['log', 'LPIPS_NETS', 'ST_LPIPS_NETS', 'ST_LPIPS_PACKAGE', 'QUALITY_PROMPTS', 'as_frames', 'psnr', 'ssim_map', 'ssim',
            'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance', 'st_lpips_weights', 'STLPIPS',
-           'st_lpips', 'quality_metrics', 'quality_table', 'quality_pairs', 'record_quality']
+           'st_lpips', 'quality_metrics', 'quality_table', 'quality_pairs']
 
 # %% ../nbs/11_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:
@@ -337,11 +337,3 @@ def quality_pairs(family: str = 'z-image', # the tiny family rendered
     rows = compare(lambda: tiny_pipeline(family).to(device), [(sd, p) for p in prompts for sd in seeds], schemes,
                    lambda pipe, s: quantize_text_encoders(pipe, s, family=family), produce, metrics, ex, per_pair=True)
     return ex.frame(dict(r, family=family, size=size, steps=steps) for r in rows)
-
-# %% ../nbs/11_quality.ipynb #7b054f0f
-def record_quality(root=None, **kwargs) -> pd.DataFrame:
-    "Measure `quality_pairs` and append it to the 'quality_pairs' results table."
-    from diffq_lab.harness import record_frame  # an earlier notebook's module, imported here: the metrics stay light
-    table = quality_pairs(**kwargs)
-    record_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
-    return table

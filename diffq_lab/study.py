@@ -21,7 +21,7 @@ from .emulate import outlier_channels
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, QuantPolicy, as_policy, quantize, restoring
-from .harness import Experiment, Shared, record_frame, summary_columns
+from .harness import Experiment, Shared, summary_columns
 from .pipelines import (tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders,
                                  weights_digest, remember_encodings)
 from .transformer import denoisers, compile_stats
@@ -38,7 +38,7 @@ from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_
 __all__ = ['STUDY_PROMPTS', 'STUDY_COLS', 'REPORT_CSS', 'WIDTH', 'REPORT_FILES', 'BENCH_COLS', 'probe_block', 'probe_tokens',
            'scheme_numerics', 'Renders', 'run_study', 'blank_reason', 'blank_notes', 'html_table', 'write_report',
            'numerics_summary', 'short_table', 'short_capability', 'changed_files', 'recorded_note', 'default_study',
-           'image_quality', 'transformer_bench', 'record_transformer_bench']
+           'image_quality', 'transformer_bench']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -705,9 +705,3 @@ def transformer_bench(pipe_or_family='z-image', # a family (its tiny or real-dim
     out = pd.concat([df, q], axis=1)
     out.attrs['plans'] = Shared(ex.plans)
     return out
-
-# %% ../nbs/15_study.ipynb #edfbd729
-def record_transformer_bench(root=None, allow_dirty: bool = False, **kwargs) -> pd.DataFrame:
-    "Run `transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' results table."
-    df = transformer_bench(**{'progress': True, **kwargs})
-    return record_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)

@@ -6,10 +6,11 @@ import torch
 from torch import nn
 from diffq_lab import capability as cap
 from diffq_lab.capability import (arch_name, as_capability, auto_ladder, classify_gpu, is_consumer_gpu, hardware_gate,
-                                  smoke_probe, select_scheme, capability_report, format_report, record_capability,
+                                  smoke_probe, select_scheme, capability_report, format_report,
                                   probe_cache_path, probe_key, clear_probe_cache, SchemeUnavailableError,
                                   KNOWN_GPUS, PROBE_TOL)
 from diffq_lab.core import device_name, load_table
+from diffq_lab.lab import record_capability
 from diffq_lab.schemes import REGISTRY, SCHEMES, FakeQuantLinear
 
 CPU = device_name('cpu')

@@ -11,8 +11,9 @@ from torch import nn
 import diffq_lab.emulate as E
 from diffq_lab.emulate import (AGREEMENT_SHAPES, AMAX_FLOOR, DISTRIBUTIONS, EMULATIONS, EmulatedLinear, agreement_table,
                                e2m1_round, fp8_rowwise, fp8_tensorwise, get_emulation, int8_rowwise, make_activations,
-                               mxfp8, nvfp4, record_agreement, record_numerics, reference_for)
+                               mxfp8, nvfp4, reference_for)
 from diffq_lab.core import load_table
+from diffq_lab.lab import record_agreement, record_numerics
 from diffq_lab.plan import quantize
 from diffq_lab.schemes import REGISTRY, SCHEMES, fp8_gate_bypassed, make_config, make_filter_fn
 

@@ -61,13 +61,31 @@ def test_no_module_imports_a_later_notebook():
            for d in _package_imports(PKG/f'{m}.py') if d != m and (d not in order or order[d] >= order[m])]
     assert not bad, bad
 
-def test_the_library_never_imports_the_lab():
-    "The lab's experiments (20_lab) sit above the library: no other module imports them, by statement or by name."
+LAB_FROM = (20, '')  # notebooks 20 on are the lab wing: the experiments and their recorders; below them, the library
+
+def _wings() -> tuple[set, set]:
+    "(library modules, lab modules) by the number of the notebook that exports each."
     order = _notebook_order()
-    assert 'lab' in order and order['lab'] == max(order.values()), order
-    bad = [m for m in order if m != 'lab' and ('lab' in _package_imports(PKG/f'{m}.py')
-                                               or 'diffq_lab.lab' in (PKG/f'{m}.py').read_text())]
-    assert not bad, bad
+    return {m for m, o in order.items() if o < LAB_FROM}, {m for m, o in order.items() if o >= LAB_FROM}
+
+def test_the_library_never_imports_the_lab():
+    "The lab (20_lab and the notebooks after it) sits above the library: no library module imports it, by statement or by name."
+    lib, lab = _wings()
+    assert 'lab' in lab and len(lib) >= 15, (lib, lab)
+    bad = {m: sorted((_package_imports(PKG/f'{m}.py') & lab) | {l for l in lab if f'diffq_lab.{l}' in (PKG/f'{m}.py').read_text()})
+           for m in lib}
+    assert not any(bad.values()), {m: d for m, d in bad.items() if d}
+
+# library modules that still define a `record_*` (issue 39 moves each recorder into the lab): this set only shrinks.
+# core.record_tables and harness.record_frame are the library's appenders, not recorders, yet the issue's grep lists them.
+_RECORDERS_LEFT = {'block_select', 'crossover', 'lowrank', 'recommend', 'speed', 'text_encoder', 'trained',
+                   'core', 'harness'}
+
+def test_recorders_live_in_the_lab():
+    "A results table's recorder (`def record_...`) is defined in the lab wing, not in a library module."
+    lib, _ = _wings()
+    has = {m for m in lib if re.search(r'^\s*def record_', (PKG/f'{m}.py').read_text(), re.M)}
+    assert has <= _RECORDERS_LEFT, f'record_* defined in library modules {sorted(has - _RECORDERS_LEFT)}: move it to the lab'
 
 def test_notebook_numbers_are_unique():
     nums = [p.name.split('_')[0] for p in NBS if p.name[0].isdigit()]

@@ -7,6 +7,7 @@ import torch
 
 import diffq_lab.quality as Q
 from diffq_lab.core import load_table
+from diffq_lab.lab import record_quality
 
 G = torch.Generator().manual_seed(0)
 
@@ -216,7 +217,7 @@ def test_statistics_and_timing_are_reexported_from_stats():
 # ---- the measured pairs -------------------------------------------------------------------------------------------
 
 def test_record_quality_into_tmp_root(tmp_path):
-    t = Q.record_quality(root=tmp_path, schemes=('fp8wo', 'nvfp4wo'), seeds=(0, 1), prompts=Q.QUALITY_PROMPTS[:1])
+    t = record_quality(root=tmp_path, schemes=('fp8wo', 'nvfp4wo'), seeds=(0, 1), prompts=Q.QUALITY_PROMPTS[:1])
     assert len(t) == 4 and set(t.scheme) == {'fp8wo', 'nvfp4wo'} and t.finite.all()
     assert ((t.ssim > 0.9) & (t.ssim < 1)).all() and (t.psnr > 20).all()
     assert t[t.scheme == 'fp8wo'].ssim.mean() > t[t.scheme == 'nvfp4wo'].ssim.mean()  # 8 bits beat 4

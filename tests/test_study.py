@@ -6,6 +6,7 @@ import pytest
 
 import diffq_lab.study as S
 from diffq_lab.core import load_table
+from diffq_lab.lab import record_transformer_bench
 from diffq_lab.gguf import write_gguf
 from diffq_lab.pipelines import tiny_pipeline
 from diffq_lab.transformer import denoisers, plan_transformer
@@ -18,7 +19,7 @@ def n_planned(pipe, scheme, min_features=0):
 
 
 def test_bench_rows_and_record(tmp_path):
-    df = S.record_transformer_bench(root=tmp_path, pipe_or_family='flux.1-schnell', schemes=('int8', 'nvfp4'), runs=1, min_features=0)
+    df = record_transformer_bench(root=tmp_path, pipe_or_family='flux.1-schnell', schemes=('int8', 'nvfp4'), runs=1, min_features=0)
     table = load_table('transformer_bench', tmp_path)
     assert len(table) == 4 and list(table.config) == ['gguf-Q8_0', 'dense', 'int8', 'nvfp4']
     assert {'device_name', 'torch', 'torchao', 'run'} <= set(table.columns)

@@ -246,7 +246,8 @@ def stage_probe(dry: bool):
     _say(f"device {prov.get('device_name')} (capability {prov.get('capability')}), torch {prov['packages']['torch']}, "
          f"torchao {prov['packages']['torchao']}, diffusers {prov['packages']['diffusers']}, git {prov['git_sha']}")
     if bad: raise SystemExit(f'imports failed: {bad}')
-    from diffq_lab.capability import record_capability, format_report
+    from diffq_lab.capability import format_report
+    from diffq_lab.lab import record_capability
     print(format_report(record_capability(device=device)))
 
 
@@ -309,7 +310,7 @@ def stage_gemm_compiled(dry: bool):
 
 def stage_emulation(dry: bool):
     "d. The lab's emulated numerics against the real kernels of this device, and the numerics table."
-    from diffq_lab.emulate import record_agreement, record_numerics
+    from diffq_lab.lab import record_agreement, record_numerics
     device = _device(dry)
     agr = record_agreement(device=device, schemes=('int8', 'int8wo', 'fp8', 'fp8wo'))
     print(agr.to_markdown(index=False, floatfmt='.4g'))
