@@ -279,3 +279,23 @@ def test_record_writes_only_where_told(tmp_path):
     assert set(table.weights) == {'trained', 'trained, spiked', 'trained, repeated, spiked', 'random', 'synthetic'}
     assert len(load_table('block_sensitivity', tmp_path)) == len(sens) > 0
     assert {p.name: p.stat().st_mtime for p in committed.glob('*.csv')} == before
+
+
+def test_blocks_never_says_clears_below_the_worst_bar(tmp_path):
+    "A bar the all-cast encoder clears on the mean but misses on the worst token: no row, verdict or schedule says it clears."
+    pipe = tiny_pipeline('z-image')
+    pipe.text_encoder.save_pretrained(tmp_path/'enc'); pipe.tokenizer.save_pretrained(tmp_path/'enc')
+    kw = dict(prompts=bs.prompt_set()[0][:6], read_layer=-2, n_calib=8)
+    full = bs.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', 0.5, worst_bar=-1, **kw).iloc[0]  # all cast
+    bar, wb = float(full.cosine) - 1e-6, (float(full.cosine_min) + 1) / 2  # the mean clears, the worst token does not
+    df = bs.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', bar, worst_bar=wb, **kw)
+    assert df.cosine.iloc[0] >= bar and not df.clears.iloc[0]
+    assert (df.clears == ((df.cosine >= bar) & (df.cosine_min >= wb))).all() and (df[df.chosen].cosine_min >= wb).all()
+    ks = df.attrs['keep_schedule']
+    assert ks.keep != (0, 0) and (not ks.ok or ks.cosine_min >= wb)  # the block search: both bars too
+    txt = bs.cli_blocks(str(tmp_path/'enc'), 'int8', bar, worst_bar=wb, read_layer='-2', n_prompts=6, n_calib=8)
+    verdict = txt.splitlines()[2]
+    assert verdict == bs.remedy_verdict(df) and not verdict.split(': ', 2)[-1].startswith('all cast')
+    for r in df.itertuples():  # each printed candidate says clears exactly where both bars hold
+        line = next(l for l in txt.splitlines() if l.startswith(f'| {r.remedy} '))
+        assert [c.strip() for c in line.split('|')][7] == str(bool(r.cosine >= bar and r.cosine_min >= wb))

@@ -62,6 +62,13 @@ def test_smoothquant_is_torchaos_own(smol):
         a = q(**inp, output_hidden_states=True).hidden_states[-2]
         b = ref(**inp, output_hidden_states=True).hidden_states[-2]
     assert plan.n_quantized == 3 * 7 and torch.equal(a, b)
+    # the plan path (`smoothquant_plan` -> JSON -> `apply_plan` on a fresh copy: the calibration travels as absmax) too
+    from diffq_lab.plan import QuantPlan, apply_plan
+    sp = bs.smoothquant_plan(model, bs.Calibration(cal, (0.5,), 'calibration_prompts.txt[0:4]'), 'int8', 0.5)
+    fresh = copy.deepcopy(model)
+    apply_plan(fresh, QuantPlan.from_json(sp.to_json()))
+    with torch.no_grad(): c = fresh(**inp, output_hidden_states=True).hidden_states[-2]
+    assert sp.components[''].n_quantized == 3 * 7 and torch.equal(c, b)
 
 
 def test_measured_and_calibration_prompts_are_disjoint():
