@@ -10,8 +10,9 @@ from typing import Callable
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
-           'record_agreement', 'record_numerics', 'record_tiny_pipelines', 'record_quality', 'record_transformer_bench',
-           'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
+           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_quality',
+           'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2',
+           'full_study', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -85,12 +86,37 @@ def record_numerics(root=None, device=None, schemes=None):
     append_rows('numerics', table.to_dict('records'), root=root, device=resolve_device(device))
     return table
 
+# %% ../nbs/20_lab.ipynb #lab00027
+def measure_tiny_pipeline(family, repeats: int = 3, dtype=None) -> dict:
+    "Build + render timings of one tiny family (median of `repeats` after a warm-up; bf16 unless `dtype`) and its sizes."
+    import os, torch
+    from diffq_lab.pipelines import get_family, render, text_encoders, tiny_pipeline
+    fam, dtype = get_family(family), torch.bfloat16 if dtype is None else dtype
+    tiny_pipeline(fam.name, dtype); render(tiny_pipeline(fam.name, dtype))  # warm-up: lazy imports, first-call caches
+    builds, runs = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter(); pipe = tiny_pipeline(fam.name, dtype); t1 = time.perf_counter()
+        x = render(pipe); t2 = time.perf_counter()
+        builds.append(t1 - t0); runs.append(t2 - t1)
+    encs = text_encoders(pipe)
+    med = lambda v: sorted(v)[len(v)//2]
+    n_linears = lambda m: sum(isinstance(l, torch.nn.Linear) for l in m.modules())
+    return dict(family=fam.name, pipeline=fam.pipeline, dtype=str(dtype).removeprefix('torch.'), steps=2, size=32,
+                # a shared CPU's timings need its load
+                threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),
+                build_s=round(med(builds), 4), render_s=round(med(runs), 4), total_s=round(med(builds) + med(runs), 4),
+                finite=bool(torch.isfinite(x).all()), encoders=len(encs),
+                encoder_linears=sum(n_linears(m) for m in encs.values()),
+                encoder_params=sum(p.numel() for m in encs.values() for p in m.parameters()),
+                pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module)
+                                    for p in c.parameters()))
+
 # %% ../nbs/20_lab.ipynb #lab00024
 @recorder
 def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
     "Measure every tiny family (default `pipelines.TINY_FAMILIES`) and append the rows to the `tiny_pipelines` table."
     from diffq_lab.core import append_rows
-    from diffq_lab.pipelines import TINY_FAMILIES, measure_tiny_pipeline
+    from diffq_lab.pipelines import TINY_FAMILIES
     rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
     return append_rows('tiny_pipelines', rows, root=root, device='cpu')
 

@@ -4,26 +4,26 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import hashlib, inspect, json, logging, os, re, time, warnings, weakref
-from contextlib import contextmanager
+import hashlib, inspect, json, re, weakref
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import as_dtype, compute_dtype, repo_root, resolve_device
+from .core import as_dtype, compute_dtype, resolve_device
 from .schemes import SCHEMES
+# each family's tiny builder, and the cast a real load applies (load_tokenizer: for the notebooks that import it here)
+from .parts import (cast_as_loaded, load_tokenizer, tiny_flux1, tiny_flux2, tiny_flux2_klein, tiny_qwen_image,
+                             tiny_sana, tiny_sd3, tiny_sdxl, tiny_wan, tiny_z_image)
 # diffusers and transformers take seconds to import: they are imported inside the functions that build or
 # load pipelines, so reading the registry stays cheap.
 
 # %% auto #0
 __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FLUX_VAE', 'FAMILIES', 'ALIASES', 'TINY_FAMILIES',
-           'TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
-           'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family',
-           'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tokenizer_dir', 'build_tokenizer',
-           'load_tokenizer', 'cast_as_loaded', 'tiny_pipeline', 'weights_digest', 'render', 'Encodings',
-           'remember_encodings', 'check_folder', 'load_pipeline', 'measure_tiny_pipeline']
+           'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family', 'families_table', 'families_for_class',
+           'family_of', 'text_encoders', 'tiny_pipeline', 'weights_digest', 'render', 'Encodings', 'remember_encodings',
+           'check_folder', 'load_pipeline']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -143,18 +143,18 @@ _FAMILY_LIST = [
                         '(dim 3840, 30 + 2 x 2 refiner layers, 6.15B, 276 Linears)'),
            real_dims=dict(text_encoder=('transformers', 'Qwen3Model', QWEN3_4B),
                           vae=('diffusers', 'AutoencoderKL', FLUX_VAE), tokenizer='qwen'),
-           tiny=lambda **k: _tiny_z_image(**k)),
+           tiny=lambda **k: tiny_z_image(**k)),
     Family('flux.1-dev', 'FluxPipeline', 'black-forest-labs/FLUX.1-dev', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux.1', 'flux1', 'flux', 'flux-dev'),
            note='CLIP-L pooled + T5-XXL', denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M,
            denoiser_dims={'guidance_embeds': True}, nominal_params=12e9,
            dims_source=f'{_FLUX1_DIMS} + guidance embedding = FLUX.1-dev, 11.9B', real_dims=_FLUX1_REAL,
-           tiny=lambda **k: _tiny_flux1(**k)),
+           tiny=lambda **k: tiny_flux1(**k)),
     Family('flux.1-schnell', 'FluxPipeline', 'black-forest-labs/FLUX.1-schnell', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux1-schnell', 'flux-schnell'), note='no guidance embedding',
            denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': False},
            nominal_params=12e9, dims_source=f'{_FLUX1_DIMS}, no guidance embedding = FLUX.1-schnell, 11.9B',
-           real_dims=_FLUX1_REAL, tiny=lambda **k: _tiny_flux1(schnell=True, **k)),
+           real_dims=_FLUX1_REAL, tiny=lambda **k: tiny_flux1(schnell=True, **k)),
     Family('flux.2-dev', 'Flux2Pipeline', 'black-forest-labs/FLUX.2-dev', ('text_encoder',),
            ('Mistral3ForConditionalGeneration',), keep_bf16=(3, 0), keep_bf16_cosine=0.98,
            aliases=('flux.2', 'flux2', 'flux2-dev'),
@@ -164,11 +164,11 @@ _FAMILY_LIST = [
            denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)},
            denoiser_dims={},
            dims_source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)',
-           tiny=lambda **k: _tiny_flux2(**k)),
+           tiny=lambda **k: tiny_flux2(**k)),
     Family('flux.2-klein', 'Flux2KleinPipeline', 'black-forest-labs/FLUX.2-klein-4B', ('text_encoder',),
            ('Qwen3ForCausalLM',), aliases=('flux2-klein', 'klein', 'flux.2-klein-4b'),
            note='Qwen3-4B with tied lm_head/embed_tokens; layers 9, 18, 27', denoiser='Flux2Transformer2DModel',
-           tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: _tiny_flux2_klein(**k)),
+           tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: tiny_flux2_klein(**k)),
     Family('qwen-image', 'QwenImagePipeline', 'Qwen/Qwen-Image', ('text_encoder',),
            ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
            aliases=('qwenimage', 'qwen_image'), call_kwargs={'negative_prompt': ' '}, sources={'keep_bf16': _QWEN_KEEP},
@@ -177,7 +177,7 @@ _FAMILY_LIST = [
            dims_source='diffusers defaults = Qwen-Image (60 blocks, 3072 wide, 20B)',
            real_dims=dict(text_encoder=('transformers', 'Qwen2_5_VLForConditionalGeneration', QWEN25_VL_7B),
                           vae=('diffusers', 'AutoencoderKLQwenImage', {}), tokenizer='qwen'),
-           tiny=lambda **k: _tiny_qwen_image(**k)),
+           tiny=lambda **k: tiny_qwen_image(**k)),
     Family('qwen-image-edit', 'QwenImageEditPipeline', 'Qwen/Qwen-Image-Edit', ('text_encoder',),
            ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
            aliases=('qwenimage-edit',), call_kwargs={'negative_prompt': ' '},
@@ -190,7 +190,7 @@ _FAMILY_LIST = [
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
            aliases=('sd3-medium', 'stable-diffusion-3'), note='CLIP-L + CLIP-G + T5-XXL',
            denoiser='SD3Transformer2DModel', tiny_m=_SD3_M, read_layers={'text_encoder': -2, 'text_encoder_2': -2},
-           tiny=lambda **k: _tiny_sd3(**k)),
+           tiny=lambda **k: tiny_sd3(**k)),
     Family('sd3.5', 'StableDiffusion3Pipeline', 'stabilityai/stable-diffusion-3.5-large',
            ('text_encoder', 'text_encoder_2', 'text_encoder_3'),
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
@@ -201,28 +201,28 @@ _FAMILY_LIST = [
            text_tokens=333,
            dims_source=('stabilityai/stable-diffusion-3.5-large transformer config (38 layers, 2432 wide, 8.1B); '
                                          'diffusers defaults are the 2B-class SD3'),
-           tiny=lambda **k: _tiny_sd3(qk_norm='rms_norm', **k)),
+           tiny=lambda **k: tiny_sd3(qk_norm='rms_norm', **k)),
     Family('sdxl', 'StableDiffusionXLPipeline', 'stabilityai/stable-diffusion-xl-base-1.0',
            ('text_encoder', 'text_encoder_2'), ('CLIPTextModel', 'CLIPTextModelWithProjection'),
            aliases=('sd-xl', 'stable-diffusion-xl'),
            note='UNet, not a DiT; the second CLIP has a Linear with an all-zero weight row (per-row fp8 hazard)',
            denoiser='UNet2DConditionModel', tiny_m=(('time_embedding', 'add_embedding'), ('time_emb_proj',)),
-           read_layers={'text_encoder': -2, 'text_encoder_2': -2}, tiny=lambda **k: _tiny_sdxl(**k)),
+           read_layers={'text_encoder': -2, 'text_encoder_2': -2}, tiny=lambda **k: tiny_sdxl(**k)),
     Family('sana', 'SanaPipeline', 'Efficient-Large-Model/Sana_1600M_1024px_diffusers', ('text_encoder',),
            ('Gemma2Model',), aliases=('sana-1600m',), call_kwargs={'use_resolution_binning': False},
            note='Gemma-2-2B-it encoder', denoiser='SanaTransformer2DModel',
-           tiny_m=(('time_embed.emb',), ('time_embed.linear',)), tiny=lambda **k: _tiny_sana(**k)),
+           tiny_m=(('time_embed.emb',), ('time_embed.linear',)), tiny=lambda **k: tiny_sana(**k)),
     Family('wan2.1', 'WanPipeline', 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
            aliases=('wan', 'wan2.x', 'wan2.1-t2v-1.3b'), call_kwargs={'num_frames': 1}, video=True,
            note='UMT5-XXL encoder', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
            denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), frames=81,
            dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)',
-           tiny=lambda **k: _tiny_wan(**k)),
+           tiny=lambda **k: tiny_wan(**k)),
     Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',),
            ('UMT5EncoderModel',), auto_dense=True, sources={'auto_dense': _WAN_DENSE},
            aliases=('wan2.2', 'wan2.2-a14b'), call_kwargs={'num_frames': 1}, video=True,
            note='two experts (transformer, transformer_2)', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
-           denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: _tiny_wan(two_experts=True, **k)),
+           denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: tiny_wan(two_experts=True, **k)),
     Family('wan2.2-ti2v-5b', 'WanPipeline', 'Wan-AI/Wan2.2-TI2V-5B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
            aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True,
            denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
@@ -319,364 +319,6 @@ def text_encoders(pipe) -> dict:
     names = sorted((n for n in getattr(pipe, 'components', {}) if _ENCODER_ATTR.fullmatch(n)),
                    key=lambda n: (len(n), n))
     return {n: getattr(pipe, n) for n in names if getattr(pipe, n, None) is not None}
-
-# %% ../nbs/05_pipelines.ipynb #264905de
-TOKENIZER_NAME = 'diffq-bpe'
-# a multiple of 32 (the encoders' embedding and lm_head dims stay quantisable); BPE runs out of merges first
-TOKENIZER_VOCAB = 1024
-
-SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<pad>', '<s>', '</s>', '<unk>', '<bos>', '<eos>',
-                  '<|startoftext|>', '<think>', '</think>', '[INST]', '[/INST]', '[SYSTEM_PROMPT]', '[/SYSTEM_PROMPT]',
-                  '[IMG]', '<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>')
-
-CORPUS = (
-    'A photo of a cat sitting on a red sofa.', 'A painting of a squirrel eating a burger.',
-    'A small cactus with a happy face in the Sahara desert.', 'An astronaut riding a horse on the moon.',
-    'A bowl of ramen on a wooden table, steam rising, soft morning light.',
-    'A lighthouse on a rocky coast at sunset, waves crashing below.', 'A red fox in deep snow, looking at the camera.',
-    'A city street at night in the rain, neon signs reflected in puddles.',
-    'A watercolor of a mountain lake with pine trees.', 'A close-up portrait of an old fisherman with a grey beard.',
-    'A cup of coffee next to an open book by the window.', 'Two dogs playing with a ball in a green park.',
-    'A sailboat on a calm blue sea under white clouds.', 'A bicycle leaning against a yellow wall.',
-    'A plate of fresh fruit: apples, oranges, grapes and a banana.', 'A robot reading a newspaper in a quiet library.',
-    'A field of sunflowers under a bright summer sky.', 'A wooden cabin in a snowy forest with smoke from the chimney.',
-    'The text "HELLO" written in large gold letters.', 'A glass of water on a white marble counter.',
-    'A child flying a kite on a windy beach.', 'A medieval castle on a hill surrounded by fog.',
-    'A hummingbird drinking from a pink flower.', 'A steaming loaf of bread on a kitchen table.',
-    'A vintage car parked in front of a diner.', 'dance monkey', 'a dog is dancing',
-    'bad quality, blurry, low resolution, deformed hands, watermark',
-    'high quality, detailed, sharp focus, realistic lighting, 4k',
-    'Describe the image by detailing the color, shape, size, texture, quantity, text, '
-    'spatial relationships of the objects and background:',
-    'You are an AI that reasons about image descriptions. You give structured responses focusing on object '
-    'relationships, object attribution and actions without speculation.',
-    'Given a user prompt, generate an enhanced prompt that provides more visual detail.',
-    'system\nYou are an assistant that writes image captions.\nuser\nA red fox in deep snow.\n'
-    'assistant\nA fox in the snow.',
-    'The quick brown fox jumps over the lazy dog.',
-    'Numbers 0 1 2 3 4 5 6 7 8 9 and symbols , . : ; ! ? ( ) [ ] - + = / " \' appear in prompts too.',
-)
-
-CHAT_TEMPLATE = (  # Qwen-style: <|im_start|>role\ncontent<|im_end|>; string or [{'type': 'text', ...}] content
-    "{%- for message in messages -%}{{- '<|im_start|>' + message['role'] + '\\n' -}}"
-    "{%- if message['content'] is string -%}{{- message['content'] -}}{%- else -%}"
-    "{%- for part in message['content'] -%}"
-    "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}{%- endfor -%}{%- endif -%}"
-    "{{- '<|im_end|>\\n' -}}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}"
-    "{%- if enable_thinking is defined and enable_thinking is false -%}"
-    "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
-    "{%- endif -%}")
-
-MISTRAL_CHAT_TEMPLATE = (  # Mistral-Small-style: <s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT][INST]..[/INST]
-    "{{- bos_token -}}{%- for message in messages -%}{%- if message['content'] is string -%}"
-    "{%- set text = message['content'] -%}{%- else -%}"
-    "{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
-    "{%- endif -%}{%- if message['role'] == 'system' -%}{{- '[SYSTEM_PROMPT]' + text + '[/SYSTEM_PROMPT]' -}}"
-    "{%- elif message['role'] == 'user' -%}{{- '[INST]' + text + '[/INST]' -}}{%- else -%}{{- text + eos_token -}}"
-    "{%- endif -%}{%- endfor -%}")
-
-# %% ../nbs/05_pipelines.ipynb #3534a3cc
-def tokenizer_dir(root=None) -> Path:
-    "Where the committed tokenizer lives: `data/tokenizers/diffq-bpe` of this checkout (or of `root`)."
-    return Path(root or repo_root())/'data'/'tokenizers'/TOKENIZER_NAME
-
-# %% ../nbs/05_pipelines.ipynb #ec88be54
-def _train_bpe():
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
-    return tok
-
-# %% ../nbs/05_pipelines.ipynb #1ac8ccf7
-def build_tokenizer(path=None):
-    "Train the byte-level BPE on `CORPUS`, wrap it Qwen-style (chat template), and save it to `path` when given."
-    from transformers import PreTrainedTokenizerFast
-    tok = PreTrainedTokenizerFast(tokenizer_object=_train_bpe(), eos_token='<|im_end|>', pad_token='<|endoftext|>',
-                                  chat_template=CHAT_TEMPLATE, model_max_length=32768)
-    if path is not None: tok.save_pretrained(str(path))
-    return tok
-
-# %% ../nbs/05_pipelines.ipynb #2d16ad25
-TOKENIZER_FLAVOURS = ('qwen', 'mistral', 'clip', 't5', 'gemma')
-
-def load_tokenizer(flavour: str = 'qwen', root=None):
-    "The committed BPE with the special-token conventions of `flavour` ('qwen', 'mistral', 'clip', 't5' or 'gemma')."
-    from tokenizers import Tokenizer, processors
-    from transformers import PreTrainedTokenizerFast
-    if flavour not in TOKENIZER_FLAVOURS:
-        raise ValueError(f'unknown tokenizer flavour {flavour!r}; choose one of {TOKENIZER_FLAVOURS}')
-    path = tokenizer_dir(root)/'tokenizer.json'
-    if path.exists(): tok = Tokenizer.from_file(str(path))
-    else:  # an install without data/: the rebuild is deterministic and takes milliseconds, but say so
-        warnings.warn(f'{path} not found: rebuilding the tokenizer in memory '
-                      '(run build_tokenizer(tokenizer_dir()) to commit it)')
-        tok = _train_bpe()
-    wrap = lambda template, *specials: processors.TemplateProcessing(
-        single=template, special_tokens=[(s, tok.token_to_id(s)) for s in specials])
-    if flavour == 'qwen':
-        kw = dict(eos_token='<|im_end|>', pad_token='<|endoftext|>', chat_template=CHAT_TEMPLATE,
-                  model_max_length=32768)
-    elif flavour == 'mistral':
-        kw = dict(bos_token='<s>', eos_token='</s>', pad_token='<pad>', unk_token='<unk>',
-                  chat_template=MISTRAL_CHAT_TEMPLATE, model_max_length=32768)
-    elif flavour == 'clip':
-        tok.post_processor = wrap('<|startoftext|> $A <|endoftext|>', '<|startoftext|>', '<|endoftext|>')
-        kw = dict(bos_token='<|startoftext|>', eos_token='<|endoftext|>', pad_token='<|endoftext|>',
-                  unk_token='<|endoftext|>', model_max_length=77)
-    elif flavour == 't5':
-        tok.post_processor = wrap('$A </s>', '</s>')
-        kw = dict(eos_token='</s>', pad_token='<pad>', unk_token='<unk>', model_max_length=512)
-    else:
-        tok.post_processor = wrap('<bos> $A', '<bos>')
-        kw = dict(bos_token='<bos>', eos_token='<eos>', pad_token='<pad>', unk_token='<unk>', model_max_length=8192)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, **kw)
-
-# %% ../nbs/05_pipelines.ipynb #56a2b35f
-TINY_HIDDEN = 64  # text hidden size of the tiny encoders (CLIP: 32)
-
-def _qwen3(causal: bool, layers: int, tok):
-    import transformers as T
-    cfg = T.Qwen3Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
-                        num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                        max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
-                        eos_token_id=tok.eos_token_id)
-    return (T.Qwen3ForCausalLM if causal else T.Qwen3Model)(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #06315229
-def _clip(projection: bool, layers: int, tok):
-    import transformers as T
-    cfg = T.CLIPTextConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
-                           num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
-                           hidden_act='quick_gelu', bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                           pad_token_id=tok.pad_token_id)
-    return (T.CLIPTextModelWithProjection if projection else T.CLIPTextModel)(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #cc7f8077
-def _t5(umt5: bool, layers: int, tok):
-    import transformers as T
-    C, M = (T.UMT5Config, T.UMT5EncoderModel) if umt5 else (T.T5Config, T.T5EncoderModel)
-    cfg = C(vocab_size=TOKENIZER_VOCAB, d_model=TINY_HIDDEN, d_kv=32, d_ff=2*TINY_HIDDEN, num_layers=layers,
-            num_heads=2, relative_attention_num_buckets=32, feed_forward_proj='gated-gelu', is_encoder_decoder=False,
-            pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
-    return M(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #9cad1cf2
-def _mistral3(layers: int, tok):
-    import transformers as T
-    text = dict(model_type='mistral', vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN,
-                intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
-                head_dim=32, max_position_embeddings=1024, sliding_window=None, bos_token_id=tok.bos_token_id,
-                eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    vision = dict(model_type='pixtral', hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-                  num_attention_heads=1, image_size=32, patch_size=8)
-    cfg = T.Mistral3Config(text_config=text, vision_config=vision, image_token_index=tok.convert_tokens_to_ids('[IMG]'),
-                           spatial_merge_size=2, tie_word_embeddings=False)
-    return T.Mistral3ForConditionalGeneration(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #eec28455
-def _qwen25vl(layers: int, tok):
-    import transformers as T
-    ids = tok.convert_tokens_to_ids
-    text = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
-                num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
-                bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-                # sums to head_dim/2
-                rope_parameters=dict(rope_type='default', rope_theta=1e6, mrope_section=[4, 6, 6]))
-    vision = dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=1, out_hidden_size=TINY_HIDDEN,
-                  fullatt_block_indexes=[0])
-    cfg = T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, image_token_id=ids('<|image_pad|>'),
-                             video_token_id=ids('<|video_pad|>'), vision_start_token_id=ids('<|vision_start|>'),
-                             vision_end_token_id=ids('<|vision_end|>'))
-    return T.Qwen2_5_VLForConditionalGeneration(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #08520e4f
-def _gemma2(layers: int, tok):
-    import transformers as T
-    cfg = T.Gemma2Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
-                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
-                         query_pre_attn_scalar=32, sliding_window=256, max_position_embeddings=2048,
-                         tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                         pad_token_id=tok.pad_token_id)
-    return T.Gemma2Model(cfg)
-
-# %% ../nbs/05_pipelines.ipynb #792b92b0
-def _kl_vae(block_out_channels, latent_channels, norm_num_groups, **kw):
-    from diffusers import AutoencoderKL
-    n = len(block_out_channels)
-    return AutoencoderKL(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*n,
-                         up_block_types=('UpDecoderBlock2D',)*n, block_out_channels=tuple(block_out_channels),
-                         layers_per_block=1, latent_channels=latent_channels, norm_num_groups=norm_num_groups,
-                         sample_size=32, **kw)
-
-# %% ../nbs/05_pipelines.ipynb #aa13c678
-def _tiny_z_image(layers, **_):
-    import diffusers as D
-    tr = D.ZImageTransformer2DModel(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=2,
-                                    n_refiner_layers=1, n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True,
-                                    cap_feat_dim=TINY_HIDDEN, rope_theta=256.0, t_scale=1000.0, axes_dims=[8, 4, 4],
-                                    axes_lens=[256, 32, 32])
-    with torch.no_grad():  # both pad tokens start as torch.empty: uninitialised memory, sometimes NaN
-        tr.x_pad_token.normal_(std=0.02); tr.cap_pad_token.normal_(std=0.02)
-    vae = _kl_vae((32, 32), 16, 32, scaling_factor=0.3611, shift_factor=0.1159)
-    tok = load_tokenizer('qwen')
-    return D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                            text_encoder=_qwen3(False, layers, tok), tokenizer=tok, transformer=tr)
-
-# %% ../nbs/05_pipelines.ipynb #b250c65e
-def _tiny_flux1(layers, schnell=False, **_):
-    import diffusers as D
-    tr = D.FluxTransformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1, attention_head_dim=16,
-                                  num_attention_heads=2, joint_attention_dim=TINY_HIDDEN, pooled_projection_dim=32,
-                                  axes_dims_rope=[4, 4, 8], guidance_embeds=not schnell)
-    vae = _kl_vae((4,), 1, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
-                  scaling_factor=1.5035)
-    clip_tok, t5_tok = load_tokenizer('clip'), load_tokenizer('t5')
-    return D.FluxPipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                          text_encoder=_clip(False, layers, clip_tok), tokenizer=clip_tok,
-                          text_encoder_2=_t5(False, layers, t5_tok), tokenizer_2=t5_tok, transformer=tr)
-
-# %% ../nbs/05_pipelines.ipynb #b6f977c1
-def _flux2_parts(klein: bool, n_stacked: int):
-    import diffusers as D
-    tr = D.Flux2Transformer2DModel(patch_size=1, in_channels=4, num_layers=1, num_single_layers=1,
-                                   attention_head_dim=16, num_attention_heads=2,
-                                   joint_attention_dim=n_stacked*TINY_HIDDEN, timestep_guidance_channels=256,
-                                   axes_dims_rope=[4, 4, 4, 4], guidance_embeds=not klein)
-    vae = D.AutoencoderKLFlux2(sample_size=32, in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',),
-                               up_block_types=('UpDecoderBlock2D',), block_out_channels=(4,), layers_per_block=1,
-                               latent_channels=1, norm_num_groups=1, use_quant_conv=False, use_post_quant_conv=False)
-    return tr, vae, D.FlowMatchEulerDiscreteScheduler()
-
-# %% ../nbs/05_pipelines.ipynb #a2b9cdff
-def _tiny_flux2(layers, **_):
-    import diffusers as D
-    tr, vae, sched = _flux2_parts(False, min(3, layers))  # the real one stacks 3 encoder layers
-    tok = load_tokenizer('mistral')
-    return D.Flux2Pipeline(scheduler=sched, vae=vae, text_encoder=_mistral3(layers, tok), tokenizer=tok, transformer=tr)
-
-# %% ../nbs/05_pipelines.ipynb #abc17649
-def _tiny_flux2_klein(layers, **_):
-    import diffusers as D
-    tr, vae, sched = _flux2_parts(True, min(3, layers))
-    tok = load_tokenizer('qwen')
-    return D.Flux2KleinPipeline(scheduler=sched, vae=vae, text_encoder=_qwen3(True, layers, tok), tokenizer=tok,
-                                transformer=tr)
-
-# %% ../nbs/05_pipelines.ipynb #53b3947d
-def _tiny_qwen_image(layers, **_):
-    import diffusers as D
-    tr = D.QwenImageTransformer2DModel(patch_size=2, in_channels=16, out_channels=4, num_layers=2,
-                                       attention_head_dim=16, num_attention_heads=2, joint_attention_dim=TINY_HIDDEN,
-                                       guidance_embeds=False, axes_dims_rope=(8, 4, 4))
-    vae = D.AutoencoderKLQwenImage(base_dim=24, z_dim=4, dim_mult=[1, 2, 4], num_res_blocks=1,
-                                   temperal_downsample=[False, True], latents_mean=[0.0]*4, latents_std=[1.0]*4)
-    tok = load_tokenizer('qwen')
-    return D.QwenImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                               text_encoder=_qwen25vl(layers, tok), tokenizer=tok, transformer=tr)
-
-# %% ../nbs/05_pipelines.ipynb #7e9ac4b4
-def _tiny_sd3(layers, qk_norm=None, **_):
-    import diffusers as D
-    # CLIP-L and CLIP-G embeddings are concatenated (32 + 32) and zero-padded to the T5 width (64)
-    tr = D.SD3Transformer2DModel(sample_size=32, patch_size=1, in_channels=4, num_layers=1, attention_head_dim=8,
-                                 num_attention_heads=4, caption_projection_dim=32, joint_attention_dim=TINY_HIDDEN,
-                                 pooled_projection_dim=64, out_channels=4, qk_norm=qk_norm)
-    vae = _kl_vae((4,), 4, 1, use_quant_conv=False, use_post_quant_conv=False, shift_factor=0.0609,
-                  scaling_factor=1.5035)
-    clip_tok, t5_tok = load_tokenizer('clip'), load_tokenizer('t5')
-    return D.StableDiffusion3Pipeline(transformer=tr, scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae,
-                                      text_encoder=_clip(True, layers, clip_tok), tokenizer=clip_tok,
-                                      text_encoder_2=_clip(True, layers, clip_tok), tokenizer_2=load_tokenizer('clip'),
-                                      text_encoder_3=_t5(False, layers, t5_tok), tokenizer_3=t5_tok)
-
-# %% ../nbs/05_pipelines.ipynb #b6764b2d
-def _tiny_sdxl(layers, **_):
-    import diffusers as D
-    unet = D.UNet2DConditionModel(block_out_channels=(32, 64), layers_per_block=1, sample_size=32, in_channels=4,
-                                  out_channels=4, down_block_types=('DownBlock2D', 'CrossAttnDownBlock2D'),
-                                  up_block_types=('CrossAttnUpBlock2D', 'UpBlock2D'), attention_head_dim=(2, 4),
-                                  use_linear_projection=True, addition_embed_type='text_time',
-                                  addition_time_embed_dim=8, transformer_layers_per_block=(1, 1),
-                                  cross_attention_dim=64, projection_class_embeddings_input_dim=6*8 + 32,
-                                  norm_num_groups=8)
-    vae = _kl_vae((32, 32), 4, 8, scaling_factor=0.13025)
-    tok = load_tokenizer('clip')
-    sched = D.EulerDiscreteScheduler(beta_start=0.00085, beta_end=0.012, beta_schedule='scaled_linear',
-                                     timestep_spacing='leading', steps_offset=1)
-    return D.StableDiffusionXLPipeline(vae=vae, text_encoder=_clip(False, layers, tok),
-                                       text_encoder_2=_clip(True, layers, tok), tokenizer=tok,
-                                       tokenizer_2=load_tokenizer('clip'), unet=unet, scheduler=sched)
-
-# %% ../nbs/05_pipelines.ipynb #c4c62a3a
-def _tiny_sana(layers, **_):
-    import diffusers as D
-    tr = D.SanaTransformer2DModel(patch_size=1, in_channels=4, out_channels=4, num_layers=1, num_attention_heads=2,
-                                  attention_head_dim=4, num_cross_attention_heads=2, cross_attention_head_dim=4,
-                                  cross_attention_dim=8, caption_channels=TINY_HIDDEN, sample_size=32)
-    vae = D.AutoencoderDC(in_channels=3, latent_channels=4, attention_head_dim=2,
-                          encoder_block_types=('ResBlock', 'EfficientViTBlock'),
-                          decoder_block_types=('ResBlock', 'EfficientViTBlock'), encoder_block_out_channels=(8, 8),
-                          decoder_block_out_channels=(8, 8), encoder_qkv_multiscales=((), (5,)),
-                          decoder_qkv_multiscales=((), (5,)), encoder_layers_per_block=(1, 1),
-                          decoder_layers_per_block=(1, 1), downsample_block_type='conv',
-                          upsample_block_type='interpolate', decoder_norm_types='rms_norm', decoder_act_fns='silu',
-                          scaling_factor=0.41407)
-    tok = load_tokenizer('gemma')
-    return D.SanaPipeline(tokenizer=tok, text_encoder=_gemma2(layers, tok), vae=vae, transformer=tr,
-                          scheduler=D.FlowMatchEulerDiscreteScheduler(shift=7.0))
-
-# %% ../nbs/05_pipelines.ipynb #d77f7219
-def _tiny_wan(layers, two_experts=False, **_):
-    import diffusers as D
-    vae = D.AutoencoderKLWan(base_dim=3, z_dim=16, dim_mult=[1, 1, 1, 1], num_res_blocks=1,
-                             temperal_downsample=[False, True, True])
-    dit = lambda: D.WanTransformer3DModel(patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12,
-                                          in_channels=16, out_channels=16, text_dim=TINY_HIDDEN, freq_dim=256,
-                                          ffn_dim=32, num_layers=2, cross_attn_norm=True,
-                                          qk_norm='rms_norm_across_heads', rope_max_seq_len=32)
-    tok = load_tokenizer('t5')
-    extra = dict(transformer_2=dit(), boundary_ratio=0.875) if two_experts else {}
-    return D.WanPipeline(tokenizer=tok, text_encoder=_t5(True, layers, tok), vae=vae, transformer=dit(),
-                         scheduler=D.FlowMatchEulerDiscreteScheduler(shift=7.0), **extra)
-
-# %% ../nbs/05_pipelines.ipynb #142b2d33
-def _fp32_modules(model, dtype) -> set[str]:
-    "Names of submodules `from_pretrained` would keep in fp32 when loading `model` in `dtype`."
-    keep = set(getattr(model, '_keep_in_fp32_modules', None) or ())
-    if type(model).__module__.startswith('transformers'):
-        strict = set(getattr(model, '_keep_in_fp32_modules_strict', None) or ())
-        return ((keep if dtype == torch.float16 else set())
-                | (strict if dtype in (torch.float16, torch.bfloat16) else set()))
-    return keep
-
-# %% ../nbs/05_pipelines.ipynb #cf903b7e
-@contextmanager
-def _quiet(*names):
-    "Silence the named library loggers below ERROR (diffusers warns at each `.to(dtype)` of a model with fp32 keeps)."
-    loggers = [logging.getLogger(n) for n in names]
-    levels = [lg.level for lg in loggers]
-    for lg in loggers: lg.setLevel(logging.ERROR)
-    try: yield
-    finally:
-        for lg, lv in zip(loggers, levels): lg.setLevel(lv)
-
-# %% ../nbs/05_pipelines.ipynb #ec6bfe99
-def cast_as_loaded(model: torch.nn.Module, dtype) -> torch.nn.Module:
-    "Cast `model` in place to `dtype` as `from_pretrained(dtype=...)` would load it (fp32 keep-lists, unsaved buffers)."
-    dtype = as_dtype(dtype)
-    keep = _fp32_modules(model, dtype)
-    if not keep and not type(model).__module__.startswith('transformers'):
-        with _quiet('diffusers'): return model.to(dtype)  # diffusers ends its load with model.to(dtype)
-    saved = set(model.state_dict())
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        if name in saved and t.is_floating_point():
-            t.data = t.data.to(torch.float32 if keep & set(name.split('.')) else dtype)
-    return model
 
 # %% ../nbs/05_pipelines.ipynb #0069a182
 def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_layers: int = 2):
@@ -882,29 +524,3 @@ def load_pipeline(model, family=None, dtype=None, device=None, **kwargs):
     pipe = cls.from_pretrained(str(model), dtype=dtype, **kwargs).to(device)
     pipe._diffq_family = fam.name if fam else family_of(pipe)
     return pipe
-
-# %% ../nbs/05_pipelines.ipynb #8ac90d34
-def _linears(module) -> list:
-    return [m for m in module.modules() if isinstance(m, torch.nn.Linear)]
-
-# %% ../nbs/05_pipelines.ipynb #30b932d7
-def measure_tiny_pipeline(family, repeats: int = 3, dtype=torch.bfloat16) -> dict:
-    "Build + render timings of one tiny family (median of `repeats` after a warm-up) and the size of its encoders."
-    fam = get_family(family)
-    tiny_pipeline(fam.name, dtype); render(tiny_pipeline(fam.name, dtype))  # warm-up: lazy imports, first-call caches
-    builds, runs = [], []
-    for _ in range(repeats):
-        t0 = time.perf_counter(); pipe = tiny_pipeline(fam.name, dtype); t1 = time.perf_counter()
-        x = render(pipe); t2 = time.perf_counter()
-        builds.append(t1 - t0); runs.append(t2 - t1)
-    encs = text_encoders(pipe)
-    med = lambda v: sorted(v)[len(v)//2]
-    return dict(family=fam.name, pipeline=fam.pipeline, dtype=str(dtype).removeprefix('torch.'), steps=2, size=32,
-                # a shared CPU's timings need its load
-                threads=torch.get_num_threads(), load_avg_1m=round(os.getloadavg()[0], 2),
-                build_s=round(med(builds), 4), render_s=round(med(runs), 4), total_s=round(med(builds) + med(runs), 4),
-                finite=bool(torch.isfinite(x).all()), encoders=len(encs),
-                encoder_linears=sum(len(_linears(m)) for m in encs.values()),
-                encoder_params=sum(p.numel() for m in encs.values() for p in m.parameters()),
-                pipeline_params=sum(p.numel() for c in pipe.components.values() if isinstance(c, torch.nn.Module)
-                                    for p in c.parameters()))

@@ -1,11 +1,12 @@
-"Integration, property and bad-input tests of diffq_lab.pipelines: the families registry, tiny pipelines, the tokenizer, the loader."
+"Integration, property and bad-input tests of diffq_lab.pipelines (and its parts): the families registry, tiny pipelines, the tokenizer, the loader."
 import json, os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
-from diffq_lab import pipelines as P
+from diffq_lab import parts, pipelines as P
+from diffq_lab.parts import load_tokenizer
 from diffq_lab.pipelines import (FAMILIES, TINY_FAMILIES, Family, families_table, family_of, get_family, load_pipeline,
-                                 load_tokenizer, render, text_encoders, tiny_pipeline)
+                                 render, text_encoders, tiny_pipeline)
 
 # --- the registry ------------------------------------------------------------------------------
 
@@ -149,7 +150,7 @@ def test_dtype_and_layers():
     assert torch.isfinite(render(pipe)).all()
     deep = tiny_pipeline('flux.2-dev', text_layers=5)
     assert P._derived_kwargs(deep) == {'text_encoder_out_layers': (3, 4, 5)}
-    assert deep.transformer.config.joint_attention_dim == 3 * P.TINY_HIDDEN
+    assert deep.transformer.config.joint_attention_dim == 3 * parts.TINY_HIDDEN
     assert torch.isfinite(render(deep)).all()
 
 def test_video_family_renders_frames():
@@ -165,16 +166,16 @@ def test_render_passes_overrides_through():
 # --- the tokenizer -----------------------------------------------------------------------------
 
 def test_committed_tokenizer_equals_a_rebuild(tmp_path):
-    P.build_tokenizer(tmp_path)
-    committed = json.loads((P.tokenizer_dir()/'tokenizer.json').read_text())
+    parts.build_tokenizer(tmp_path)
+    committed = json.loads((parts.tokenizer_dir()/'tokenizer.json').read_text())
     rebuilt = json.loads((tmp_path/'tokenizer.json').read_text())
     assert rebuilt['model']['vocab'] == committed['model']['vocab']
     assert rebuilt['model']['merges'] == committed['model']['merges']
-    assert [t['content'] for t in rebuilt['added_tokens']] == list(P.SPECIAL_TOKENS)
-    assert (P.tokenizer_dir()/'chat_template.jinja').read_text().strip() == P.CHAT_TEMPLATE.strip()
+    assert [t['content'] for t in rebuilt['added_tokens']] == list(parts.SPECIAL_TOKENS)
+    assert (parts.tokenizer_dir()/'chat_template.jinja').read_text().strip() == parts.CHAT_TEMPLATE.strip()
 
 def test_committed_tokenizer_stays_small():
-    assert sum(p.stat().st_size for p in P.tokenizer_dir().iterdir()) < 200_000
+    assert sum(p.stat().st_size for p in parts.tokenizer_dir().iterdir()) < 200_000
 
 def test_tokenizer_flavours():
     q = load_tokenizer('qwen')
