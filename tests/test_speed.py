@@ -78,3 +78,28 @@ def test_a_run_takes_the_paths_of_its_torchao():
                 for v in (None, '0.6-era nightly'))
     # torchao 0.18 under inductor: int8 no faster than bf16 on Hopper (the H200's lone Linears); the 2024 path ~1.3x
     assert new['speedup'] < 1 < 1.2 < old['speedup'] and new['path'] == 'int8_compiled_t018'
+
+
+def test_a_quantised_row_is_paired_with_the_bf16_row_timed_before_it():
+    "gemm_bench's 4096^3 eager rows hold two bf16 arms (the cubes', the weight-only kernels'): each kernel takes its own."
+    from diffq_lab.core import repo_root
+    from diffq_lab.speed import measured_kernel_points
+    b = pd.read_csv(repo_root()/'data'/'results'/'gemm_bench.csv')
+    b = b[b.device.eq('cuda') & b.M.eq(4096) & b.K.eq(4096) & ~b.compiled.astype(bool)]
+    b = b[b.run.eq(b[b.scheme.eq('int8wo')].run.iloc[0])]
+    bf = b[b.scheme.eq('bf16')]
+    assert len(bf) == 2 and bf.median_s.nunique() == 2
+    got = measured_kernel_points(b).set_index('path')
+    wo = b[b.scheme.eq('int8wo')].iloc[0]
+    assert got.loc['int8wo_eager_t018'].value == wo.median_s - bf.median_s.iloc[1]
+    i8 = b[b.scheme.eq('int8')].iloc[0]
+    assert got.query("kind == 'gemm_speedup_noquant'").loc['int8_eager_t018'].value == bf.gemm_only_s.iloc[0] / i8.gemm_only_s
+
+
+def test_the_labs_own_runs_are_validation_rows_that_name_their_source():
+    "lab_runs: the H200 headline in published_runs' columns, with the bench's call (CFG: 2 forwards a step)."
+    from diffq_lab.speed import lab_runs, published_runs
+    l = lab_runs()
+    assert list(l.columns) == list(published_runs().columns) and {'bf16', 'fp8'} <= set(l.scheme)
+    assert l.source.eq('lab-h200-transformer-bench').all() and l.url.str.contains('transformer_bench.csv').all()
+    assert (l.forwards_per_step == 2).all() and l.use.eq('validate').all()
