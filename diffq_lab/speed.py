@@ -642,7 +642,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
     cb = float(casts.mean()) if len(casts) else None
     out = {}
     for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path'):
-        # a flat-rate kernel's share differs per architecture (tinygemm: 0.10 of an A6000's bf16 peak, ~0.03 of an H200's):
+        # a flat-rate kernel's rate differs per architecture (tinygemm per SM: 0.19 TFLOPS on the A6000, 0.22 on the H200):
         # the lab's own GPU rows fit `path@arch`, the published figures `path` for every other architecture
         arch = g.gpu.map(lambda x: gpu_spec(x).get('arch'))
         lab = g.source.str.startswith('lab-')
