@@ -60,6 +60,10 @@ class Family:
     frames: int = 1                           # frames of a typical video render (the crossover's default)
     # builds the tiny pipeline: tiny(layers=n)
     tiny: Callable | None = field(default=None, hash=False, compare=False, repr=False)
+    # pipe -> call kwargs read off its structure, which `render` passes (FLUX.2: a shallow encoder's stacked layers)
+    structure_kwargs: Callable | None = field(default=None, hash=False, compare=False, repr=False)
+    # pipe -> whether a pipeline of the class this family shares with others is this one (told apart by structure)
+    matches: Callable | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.encoders) != len(self.encoder_arch):
@@ -127,6 +131,26 @@ _FLUX1_REAL = dict(text_encoder=('transformers', 'CLIPTextModel', CLIP_L),
 _FLUX1_DIMS = 'diffusers defaults (19 double + 38 single blocks, 3072 wide)'
 _WAN14_DIMS = 'diffusers defaults = Wan 14B dims (40 layers, 5120 wide): one of the two A14B experts'
 
+# %% ../nbs/05_pipelines.ipynb #pipe0501
+def _flux2_out_layers(pipe) -> dict:
+    "FLUX.2's `text_encoder_out_layers` where its encoder is too shallow for the fixed layers (a tiny one): its last k."
+    # FLUX.2 stacks the hidden states of fixed encoder layers (10, 20, 30 / 9, 18, 27): an encoder too shallow
+    # for those stacks its last k layers, k being what the DiT's joint_attention_dim expects.
+    default = inspect.signature(type(pipe).__call__).parameters['text_encoder_out_layers'].default
+    cfg = pipe.text_encoder.config
+    cfg = getattr(cfg, 'text_config', None) or cfg
+    n = cfg.num_hidden_layers
+    if max(default) <= n: return {}
+    k = pipe.transformer.config.joint_attention_dim // cfg.hidden_size
+    return {'text_encoder_out_layers': tuple(range(n - k + 1, n + 1))}
+
+def _dit_says(flag: str, value: bool = True):
+    "`Family.matches`: the pipeline's transformer config has `flag` truthy (`value`) or falsy (not `value`)."
+    def matches(pipe) -> bool:
+        cfg = getattr(getattr(pipe, 'transformer', None), 'config', None)
+        return cfg is not None and bool(getattr(cfg, flag, None)) == value
+    return matches
+
 # %% ../nbs/05_pipelines.ipynb #d6bbfa31
 _SEED = 'unsloth studio seed (diffusion_precision.py, its Phase-8 PR), GPU-measured there, quoted, not re-measured here'
 _QWEN_KEEP = f'int8 Qwen2.5-VL-7B, first+last 6 blocks bf16 -> prompt-embedding cosine ~0.997 vs bf16; {_SEED}'
@@ -149,12 +173,13 @@ _FAMILY_LIST = [
            note='CLIP-L pooled + T5-XXL', denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M,
            denoiser_dims={'guidance_embeds': True}, nominal_params=12e9,
            dims_source=f'{_FLUX1_DIMS} + guidance embedding = FLUX.1-dev, 11.9B', real_dims=_FLUX1_REAL,
-           tiny=lambda **k: tiny_flux1(**k)),
+           tiny=lambda **k: tiny_flux1(**k), matches=_dit_says('guidance_embeds')),
     Family('flux.1-schnell', 'FluxPipeline', 'black-forest-labs/FLUX.1-schnell', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux1-schnell', 'flux-schnell'), note='no guidance embedding',
            denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': False},
            nominal_params=12e9, dims_source=f'{_FLUX1_DIMS}, no guidance embedding = FLUX.1-schnell, 11.9B',
-           real_dims=_FLUX1_REAL, tiny=lambda **k: tiny_flux1(schnell=True, **k)),
+           real_dims=_FLUX1_REAL, tiny=lambda **k: tiny_flux1(schnell=True, **k),
+           matches=_dit_says('guidance_embeds', False)),
     Family('flux.2-dev', 'Flux2Pipeline', 'black-forest-labs/FLUX.2-dev', ('text_encoder',),
            ('Mistral3ForConditionalGeneration',), keep_bf16=(3, 0), keep_bf16_cosine=0.98,
            aliases=('flux.2', 'flux2', 'flux2-dev'),
@@ -164,11 +189,12 @@ _FAMILY_LIST = [
            denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)},
            denoiser_dims={},
            dims_source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)',
-           tiny=lambda **k: tiny_flux2(**k)),
+           tiny=lambda **k: tiny_flux2(**k), structure_kwargs=_flux2_out_layers),
     Family('flux.2-klein', 'Flux2KleinPipeline', 'black-forest-labs/FLUX.2-klein-4B', ('text_encoder',),
            ('Qwen3ForCausalLM',), aliases=('flux2-klein', 'klein', 'flux.2-klein-4b'),
            note='Qwen3-4B with tied lm_head/embed_tokens; layers 9, 18, 27', denoiser='Flux2Transformer2DModel',
-           tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: tiny_flux2_klein(**k)),
+           tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: tiny_flux2_klein(**k),
+           structure_kwargs=_flux2_out_layers),
     Family('qwen-image', 'QwenImagePipeline', 'Qwen/Qwen-Image', ('text_encoder',),
            ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
            aliases=('qwenimage', 'qwen_image'), call_kwargs={'negative_prompt': ' '}, sources={'keep_bf16': _QWEN_KEEP},
@@ -190,7 +216,7 @@ _FAMILY_LIST = [
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
            aliases=('sd3-medium', 'stable-diffusion-3'), note='CLIP-L + CLIP-G + T5-XXL',
            denoiser='SD3Transformer2DModel', tiny_m=_SD3_M, read_layers={'text_encoder': -2, 'text_encoder_2': -2},
-           tiny=lambda **k: tiny_sd3(**k)),
+           tiny=lambda **k: tiny_sd3(**k), matches=_dit_says('qk_norm', False)),
     Family('sd3.5', 'StableDiffusion3Pipeline', 'stabilityai/stable-diffusion-3.5-large',
            ('text_encoder', 'text_encoder_2', 'text_encoder_3'),
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
@@ -201,7 +227,7 @@ _FAMILY_LIST = [
            text_tokens=333,
            dims_source=('stabilityai/stable-diffusion-3.5-large transformer config (38 layers, 2432 wide, 8.1B); '
                                          'diffusers defaults are the 2B-class SD3'),
-           tiny=lambda **k: tiny_sd3(qk_norm='rms_norm', **k)),
+           tiny=lambda **k: tiny_sd3(qk_norm='rms_norm', **k), matches=_dit_says('qk_norm')),
     Family('sdxl', 'StableDiffusionXLPipeline', 'stabilityai/stable-diffusion-xl-base-1.0',
            ('text_encoder', 'text_encoder_2'), ('CLIPTextModel', 'CLIPTextModelWithProjection'),
            aliases=('sd-xl', 'stable-diffusion-xl'),
@@ -217,12 +243,13 @@ _FAMILY_LIST = [
            note='UMT5-XXL encoder', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
            denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), frames=81,
            dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)',
-           tiny=lambda **k: tiny_wan(**k)),
+           tiny=lambda **k: tiny_wan(**k), matches=lambda pipe: getattr(pipe, 'transformer_2', None) is None),
     Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',),
            ('UMT5EncoderModel',), auto_dense=True, sources={'auto_dense': _WAN_DENSE},
            aliases=('wan2.2', 'wan2.2-a14b'), call_kwargs={'num_frames': 1}, video=True,
            note='two experts (transformer, transformer_2)', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
-           denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: tiny_wan(two_experts=True, **k)),
+           denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: tiny_wan(two_experts=True, **k),
+           matches=lambda pipe: getattr(pipe, 'transformer_2', None) is not None),
     Family('wan2.2-ti2v-5b', 'WanPipeline', 'Wan-AI/Wan2.2-TI2V-5B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
            aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True,
            denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
@@ -278,18 +305,6 @@ def families_table() -> pd.DataFrame:
                          sources=' | '.join(f'{k}: {v}' for k, v in f.sources.items())))
     return pd.DataFrame(rows)
 
-# %% ../nbs/05_pipelines.ipynb #8905688b
-def _disambiguate(pipe, cls_name: str) -> str | None:
-    "Families that share a pipeline class, told apart by structure."
-    cfg = lambda m: getattr(getattr(pipe, m, None), 'config', None)
-    if cls_name == 'FluxPipeline' and cfg('transformer') is not None:
-        return 'flux.1-dev' if cfg('transformer').guidance_embeds else 'flux.1-schnell'
-    if cls_name == 'StableDiffusion3Pipeline' and cfg('transformer') is not None:
-        return 'sd3.5' if cfg('transformer').qk_norm else 'sd3'
-    if cls_name == 'WanPipeline':
-        return 'wan2.2-t2v-a14b' if getattr(pipe, 'transformer_2', None) is not None else 'wan2.1'
-    return None
-
 # %% ../nbs/05_pipelines.ipynb #587aacc6
 def families_for_class(cls_name: str) -> list[str]:
     "The families whose pipeline class is `cls_name` (several when they share one, e.g. FLUX.1 dev and schnell)."
@@ -309,7 +324,8 @@ def family_of(pipe) -> str:
         known = sorted({f.pipeline for f in FAMILIES.values()})
         raise ValueError(f'no known family uses {cls_name}; known pipeline classes: {", ".join(known)} '
                          '(or pass family=)')
-    return names[0] if len(names) == 1 else (_disambiguate(pipe, cls_name) or names[0])
+    # families sharing a class are told apart by their records' `matches` (FLUX.1 dev/schnell, SD3/3.5, Wan 2.1/2.2)
+    return next((n for n in names if FAMILIES[n].matches and FAMILIES[n].matches(pipe)), names[0])
 
 _ENCODER_ATTR = re.compile(r'text_encoder(_\d+)?')
 
@@ -389,18 +405,9 @@ def weights_digest(model) -> str:
 
 # %% ../nbs/05_pipelines.ipynb #1ac41228
 def _derived_kwargs(pipe) -> dict:
-    "Call kwargs that depend on the pipeline's structure rather than its family."
-    params = inspect.signature(type(pipe).__call__).parameters
-    if 'text_encoder_out_layers' not in params: return {}
-    # FLUX.2 stacks the hidden states of fixed encoder layers (10, 20, 30 / 9, 18, 27): an encoder too shallow
-    # for those (a tiny one) stacks its last k layers, k being what the DiT's joint_attention_dim expects.
-    default = params['text_encoder_out_layers'].default
-    cfg = pipe.text_encoder.config
-    cfg = getattr(cfg, 'text_config', None) or cfg
-    n = cfg.num_hidden_layers
-    if max(default) <= n: return {}
-    k = pipe.transformer.config.joint_attention_dim // cfg.hidden_size
-    return {'text_encoder_out_layers': tuple(range(n - k + 1, n + 1))}
+    "Call kwargs read off the pipeline's structure, by its family's rule (`Family.structure_kwargs`; most have none)."
+    rule = get_family(family_of(pipe)).structure_kwargs
+    return rule(pipe) if rule else {}
 
 # %% ../nbs/05_pipelines.ipynb #53354dd9
 def render(pipe, # a diffusers pipeline of a known family (tiny or real)

@@ -237,3 +237,14 @@ def test_fp16_cast_matches_the_loader(tmp_path):
     for comp in ('transformer', 'text_encoder', 'text_encoder_3', 'vae'):
         loaded = dict(getattr(back, comp).named_parameters())
         assert {n: p.dtype for n, p in getattr(pipe, comp).named_parameters()} == {n: p.dtype for n, p in loaded.items()}, comp
+
+
+def test_families_sharing_a_class_are_told_apart_by_their_records(monkeypatch):
+    "A throwaway family sharing FluxPipeline is recognised by its record's `matches` alone (issue 39: no branch elsewhere)."
+    toy = Family('flux-toy', 'FluxPipeline', 'toy/flux-toy', ('text_encoder',), ('CLIPTextModel',),
+                 matches=lambda pipe: getattr(pipe, 'toy', False))
+    monkeypatch.setitem(P.FAMILIES, toy.name, toy)
+    flux = lambda **attrs: type('FluxPipeline', (), {'transformer': None, **attrs})()
+    assert family_of(flux(toy=True)) == 'flux-toy'
+    assert family_of(flux()) == 'flux.1-dev'  # no record matches: the first family of the class, as before
+    assert P._derived_kwargs(flux(toy=True)) == {}  # no structure rule in its record: render passes nothing more
