@@ -1003,8 +1003,10 @@ def predict(gpu, # a GPU name or spec dict
     work, rest = as_workload(work, **settings)
     policy = as_policy(policy, **rest)
     spec, m = gpu_spec(gpu), speed_family(model)
-    band = residual_bands().get(work.mode, (1.0, 1.0, 1.0, 1.0)) if intervals else (1.0, 1.0, 1.0, 1.0)
-    out = [_record(spec, m, s, work, policy, load, band, torchao) for s in dict.fromkeys(schemes)]
+    bands = residual_bands() if intervals else {}
+    # int4 weight-only is validated apart (its own residuals, `validate`'s 'int4wo' mode); every other scheme by its mode
+    band = lambda s: bands.get('int4wo' if s == 'int4wo' and 'int4wo' in bands else work.mode, (1.0, 1.0, 1.0, 1.0))
+    out = [_record(spec, m, s, work, policy, load, band(s), torchao) for s in dict.fromkeys(schemes)]
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
 
