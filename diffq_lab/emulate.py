@@ -4,185 +4,27 @@
 
 # %% ../nbs/02_emulate.ipynb #1e599729
 from __future__ import annotations
-import contextlib, copy, dataclasses, functools, math, re
+import contextlib, copy, dataclasses, re
 from dataclasses import dataclass
 from typing import Callable
 import pandas as pd
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from .core import fidelity, resolve_device
+from .core import resolve_device
 from .schemes import (REGISTRY, SMOOTH_ALPHA, FakeQuantLinear, Scheme, fp8_gate_bypassed, get_scheme,
-                               lowrank_bytes, make_config, register_scheme, register_scheme_factory)
+                               lowrank_bytes, register_scheme, register_scheme_factory)
+# each format's tensor numerics (the codes helpers are the package's own; NVFP4_BLOCK, lowrank_split and smooth_scales
+# also for 02a_lowrank, which imports them from here)
+from .fakequant import (AMAX_FLOOR, E4M3_MAX, E4M3_TINY, GRANULARITIES, INT4_GROUP, INT4_W4A4_GROUP, INT8_EPS,
+                                 NVFP4_BLOCK, _fp8_codes, _int8_codes, fp8_cast, fp8_rowwise, fp8_tensorwise, fp8_to,
+                                 int4_groupwise, int4_symmetric, lowrank_split, mxfp8, nvfp4, smooth_scales,
+                                 svdquant_linear, svdquant_weight, torchao_mx_scaling)
 
 # %% auto #0
-__all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'EMULATIONS', 'NVFP4_STARVED', 'INT4_GROUP', 'INT4_W4A4_GROUP', 'LOWRANK_SCHEMES',
-           'AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'int8_rowwise',
-           'int8_tensorwise', 'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8',
-           'torchao_mx_scaling', 'nvfp4', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
+__all__ = ['EMULATIONS', 'NVFP4_STARVED', 'LOWRANK_SCHEMES', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
            'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning',
-           'nvfp4_scale_hazard', 'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split',
-           'svdquant_weight', 'svdquant_linear', 'lowrank_variant', 'lowrank_calibration', 'compare_outputs',
-           'agreement_tolerance', 'agreement_table', 'outlier_channels', 'make_activations', 'numerics_table']
-
-# %% ../nbs/02_emulate.ipynb #3222a119
-E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
-E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny     # 2**-6: torchao's E4M3_EPS floor for NVFP4 block scales
-E2M1_MAX = 6.0                                        # F4_E2M1_MAX
-INT8_EPS = torch.finfo(torch.float32).eps             # the eps Int8Tensor.from_hp passes to choose_qparams_affine
-AMAX_FLOOR = 1e-12                                    # fp8 activation_value_lb; also floors weights and NVFP4 tensors
-MX_BLOCK, NVFP4_BLOCK = 32, 16
-GRANULARITIES = ('row', 'tensor')
-
-# %% ../nbs/02_emulate.ipynb #6ab2a3b2
-def _amax(x: torch.Tensor, rowwise: bool) -> torch.Tensor:
-    "max |x| per row (keepdim) or over the whole tensor (with x's number of dims), in x's dtype (exact)."
-    return x.abs().amax(-1, keepdim=True) if rowwise else x.abs().amax().reshape([1] * x.ndim)
-
-# %% ../nbs/02_emulate.ipynb #fa9661fb
-def _fp32(x: torch.Tensor) -> torch.Tensor:
-    "A private fp32 copy of `x` that the recipes may modify in place."
-    return x.to(torch.float32, copy=True)
-
-# %% ../nbs/02_emulate.ipynb #97c15558
-def _int8_codes(x: torch.Tensor, rowwise: bool = True):
-    "int8 symmetric codes (as fp32), fp32 scales: as `Int8Tensor.from_hp` (`choose_qparams_affine`, `quantize_affine`)."
-    # choose_qparams_affine(SYMMETRIC): max/((qmax-qmin)/2) = amax/127.5 in the input dtype, clamped at fp32 eps,
-    # then fp32
-    scale = (_amax(x, rowwise) / 127.5).clamp(min=INT8_EPS).float()
-    # quantize_affine: x * (1/scale) in fp32, half to even, clamp
-    q = _fp32(x).mul_(1.0 / scale).round_().clamp_(-128, 127)
-    return q, scale
-
-# %% ../nbs/02_emulate.ipynb #b1420914
-def int8_rowwise(x: torch.Tensor) -> torch.Tensor:
-    "Fake-quant `x` to int8 with one symmetric scale per row (per token / output channel), as torchao's int8 configs."
-    q, scale = _int8_codes(x)
-    return q.mul_(scale).to(x.dtype)  # dequantize_affine
-
-# %% ../nbs/02_emulate.ipynb #0175e6b7
-def int8_tensorwise(x: torch.Tensor) -> torch.Tensor:
-    "Fake-quant `x` to int8 with one symmetric scale for the whole tensor (torchao `PerTensor()`)."
-    q, scale = _int8_codes(x, rowwise=False)
-    return q.mul_(scale).to(x.dtype)
-
-# %% ../nbs/02_emulate.ipynb #ba33a4a8
-def fp8_to(q: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    "`q.to(dtype)` for a float8_e4m3fn tensor through a 256-entry table: the same values, without CPUs' slow fp8 casts."
-    # 256 casts: cheap
-    table = torch.arange(256, dtype=torch.uint8, device=q.device).view(torch.float8_e4m3fn).to(dtype)
-    return table.index_select(0, q.reshape(-1).view(torch.uint8).to(torch.int32)).view(q.shape)
-
-# %% ../nbs/02_emulate.ipynb #4ea51d17
-def _fp8_codes(x: torch.Tensor, rowwise: bool = True, floor: float | None = AMAX_FLOOR):
-    "float8_e4m3fn codes, fp32 scales: as `Float8Tensor.from_hp` (`_choose_scale_float8`, `_quantize_affine_float8`)."
-    amax = _amax(x, rowwise)
-    if floor is not None: amax = amax.clamp(min=floor)  # torchao: hp_value_lb (activations only; weights have none)
-    scale = (amax / E4M3_MAX).float()                   # amax/448 in the input dtype, then fp32, as torchao
-    # x.to(fp32) / scale; clamp before the cast as torchao does (eager fp8 casts saturate only from torch 2.12)
-    return _fp32(x).div_(scale).clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), scale
-
-# %% ../nbs/02_emulate.ipynb #1ddcf6e7
-def fp8_rowwise(x: torch.Tensor, floor: float | None = AMAX_FLOOR) -> torch.Tensor:
-    "Fake-quant `x` to fp8 e4m3 with a scale `amax/448` per row (torchao `PerRow()`), amax floored at `floor`."
-    q, scale = _fp8_codes(x, True, floor)
-    return fp8_to(q, torch.float32).mul_(scale).to(x.dtype)  # _dequantize_affine_float8
-
-# %% ../nbs/02_emulate.ipynb #62569eb7
-def fp8_tensorwise(x: torch.Tensor, floor: float | None = AMAX_FLOOR) -> torch.Tensor:
-    "Fake-quant `x` to fp8 e4m3 with one scale `amax/448` for the whole tensor (torchao `PerTensor()`)."
-    q, scale = _fp8_codes(x, False, floor)
-    return fp8_to(q, torch.float32).mul_(scale).to(x.dtype)
-
-# %% ../nbs/02_emulate.ipynb #cf210a6c
-def fp8_cast(x: torch.Tensor) -> torch.Tensor:
-    "Store `x` as fp8 e4m3 without any scale and read it back: diffusers' layerwise casting (saturating at 448)."
-    return fp8_to(x.clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), x.dtype)
-
-# %% ../nbs/02_emulate.ipynb #fd059f54
-def _blocks(x: torch.Tensor, block: int):
-    "`x` as (..., K/block, block), zero-padded along K when K is not a multiple of `block`."
-    pad = -x.shape[-1] % block
-    if pad: x = F.pad(x, (0, pad))
-    return x.reshape(*x.shape[:-1], x.shape[-1] // block, block)
-
-# %% ../nbs/02_emulate.ipynb #ccb3eca9
-def _unblock(xb: torch.Tensor, k: int) -> torch.Tensor:
-    return xb.reshape(*xb.shape[:-2], -1)[..., :k]
-
-# %% ../nbs/02_emulate.ipynb #b9d88aa8
-def _e2m1_round_(x: torch.Tensor) -> torch.Tensor:
-    "`e2m1_round`, in place on the fp32 tensor `x`."
-    # The e2m1 grid step is 0.5 below 2, 1 in [2, 4) and 2 from 4: 2**(e - 1) with e the exponent of |x| floored at 0.
-    # Adding then subtracting M = 1.5 * 2**23 * step makes the fp32 adder round x to a multiple of step, ties to
-    # even: the same rounding as torchao's f32_to_f4_unpacked (integer bit tricks) in five passes.
-    x.clamp_(-E2M1_MAX, E2M1_MAX)
-    m = (x.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=1.0).mul_(1.5 * 2.0 ** 22)
-    return x.add_(m).sub_(m)
-
-# %% ../nbs/02_emulate.ipynb #0b4d9cf0
-def e2m1_round(x: torch.Tensor) -> torch.Tensor:
-    "`x` rounded to the nearest fp4 e2m1 value (0, .5, 1, 1.5, 2, 3, 4, 6, negatives) in fp32: ties to even, 6 at most."
-    return _e2m1_round_(_fp32(x))
-
-# %% ../nbs/02_emulate.ipynb #c49a3bb4
-MX_SCALINGS = ('rceil', 'floor', 'ceil')  # torchao ScaleCalculationMode values the emulation implements
-
-def _mx_codes(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil'):
-    "MXFP8 e4m3 codes and biased e8m0 block exponents (as fp32): mirrors torchao's `to_mx(..., scaling_mode)`."
-    if scaling not in MX_SCALINGS: raise ValueError(f'unknown MX scaling {scaling!r}; choose one of {MX_SCALINGS}')
-    v = _fp32(_blocks(x, block))
-    amax = v.abs().amax(-1, keepdim=True)  # the same number as on x (a max is exact), faster on short fp32 rows
-    if scaling == 'rceil':
-        # _to_mx_rceil: exponent = ceil(log2(amax/448)) (a power of two >= the scale), biased by 127;
-        # a zero block gives 0
-        e = torch.clamp(torch.ceil(torch.log2(amax / E4M3_MAX)), min=-127, max=127) + 127
-        v.mul_(torch.where(e == 0, 1.0, torch.exp2(127 - e)))  # data_hp.to(fp32) * rcp
-    else:
-        # FLOOR (the OCP spec's rule) and CEIL: the exponent field of amax, i.e. floor(log2 amax), rounded up for CEIL
-        # when the mantissa is not zero, minus e4m3's largest exponent (8); the divisor is floored at 2**-126
-        # as torchao's
-        bits = amax.view(torch.int32)
-        pow2 = ((bits >> 23) & 0xFF) - 127
-        if scaling == 'ceil': pow2 = pow2 + ((bits & 0x7FFFFF) > 0).int()
-        e = (torch.clamp(pow2 - 8, min=-127, max=128) + 127).float()
-        v.div_(torch.exp2(e - 127).clamp(min=2.0 ** -126))
-    return v.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
-
-# %% ../nbs/02_emulate.ipynb #353701cf
-def mxfp8(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil') -> torch.Tensor:
-    "Fake-quant `x` to MXFP8: e4m3 values in blocks of `block` along K sharing a power-of-two (e8m0) scale."
-    q, e = _mx_codes(x, block, scaling)
-    # MXTensor.dequantize (to_dtype): the e4m3 value times the power of two, both exact in bf16, multiplied in bf16
-    return _unblock(fp8_to(q, x.dtype).mul_(torch.exp2(e - 127).to(x.dtype)), x.shape[-1])
-
-# %% ../nbs/02_emulate.ipynb #fa028f78
-@functools.cache
-def torchao_mx_scaling() -> str:
-    "The MX scale rule of the lab's mxfp8 config in the installed torchao ('rceil' in 0.18): the emulation follows it."
-    mode = getattr(make_config('mxfp8'), 'scaling_mode', None)
-    return 'floor' if mode is None else str(getattr(mode, 'value', mode)).lower()  # before the option: OCP's floor
-
-# %% ../nbs/02_emulate.ipynb #32063afb
-def _nvfp4_codes(x: torch.Tensor, block: int = NVFP4_BLOCK):
-    "NVFP4 e2m1 values (as fp32), e4m3 block scales and the fp32 per-tensor scale: mirrors `nvfp4_quantize`."
-    xb = _fp32(_blocks(x, block))  # nvfp4_quantize: data_hp.float() first
-    block_amax = xb.abs().amax(-1)
-    # per_tensor_amax_to_scale(max|x|): the max of the block maxima is that same (exact) number. torchao has no
-    # floor here: an all-zero tensor gives a zero scale and 0/0 = NaN
-    per_tensor = block_amax.max().clamp(min=AMAX_FLOOR) / (E4M3_MAX * E2M1_MAX)
-    # two-level scaling: the block scale (amax/6) relative to the per-tensor scale is stored in e4m3
-    s8 = (block_amax / E2M1_MAX / per_tensor).clamp(min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
-    # data * (1/per_tensor / s8) in fp32, clamped to +-6 and rounded to e2m1
-    q = _e2m1_round_(xb.mul_(((1.0 / per_tensor) / s8).unsqueeze(-1)))
-    return q, s8, per_tensor
-
-# %% ../nbs/02_emulate.ipynb #4ac5e3d2
-def nvfp4(x: torch.Tensor, block: int = NVFP4_BLOCK) -> torch.Tensor:
-    "Fake-quant `x` to NVFP4: e2m1 values in blocks of 16 along K with e4m3 block scales and an fp32 per-tensor scale."
-    q, s8, per_tensor = _nvfp4_codes(x, block)
-    return _unblock(q.mul_((per_tensor * s8).unsqueeze(-1)), x.shape[-1]).to(x.dtype)  # NVFP4Tensor.dequantize
+           'nvfp4_scale_hazard', 'lowrank_variant', 'lowrank_calibration']
 
 # %% ../nbs/02_emulate.ipynb #2866c7b2
 @dataclass(frozen=True)
@@ -535,18 +377,6 @@ def _fwd_mxfp8(m, x):
     # _addmm_mx_dispatch: activation MXTensor.to_mx(x, e4m3, 32, scaling_mode), then the MX GEMM
     return F.linear(mxfp8(x, scaling=torchao_mx_scaling()), _w(m, x), _b(m, x))
 
-# %% ../nbs/02_emulate.ipynb #2964d402
-INT4_GROUP = 128
-
-def int4_groupwise(w: torch.Tensor, group: int = INT4_GROUP) -> torch.Tensor:
-    "Fake-quant `w` to tinygemm's asymmetric uint4: groups of `group` along K with a scale and a float zero point each."
-    g = _blocks(w, group)  # zero-padded like torchao's K padding
-    lo, hi = g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
-    scale = ((hi - lo) / 15.0).clamp(min=torch.finfo(w.dtype).smallest_normal)
-    zero = lo + scale * 8.0
-    q = ((g - (zero - scale * 8.0)) / scale).round().clamp(0, 15)
-    return _unblock((q - 8.0).to(w.dtype) * scale + zero, w.shape[-1])
-
 # %% ../nbs/02_emulate.ipynb #0a6e8b83
 def _int4_tinygemm_primitives(scheme, device):
     "torchao's tinygemm quantise + dequantise primitives on the weight, then a bf16 matmul: where no int4 kernel runs."
@@ -566,74 +396,6 @@ register_emulation('int4wo', activation='bf16', weight='uint4 per group of 128 a
                    mirrors='Int4WeightOnlyConfig: Int4TilePackedTo4dTensor.from_hp + torch._weight_int4pack_mm',
                    quantize_weight=lambda w, rowwise: (int4_groupwise(w), None),
                    reference=real_or(_int4_tinygemm_primitives), needs_2d=False)(_fwd_linear)
-
-# %% ../nbs/02_emulate.ipynb #lr000002
-INT4_W4A4_GROUP = 64  # SVDQuant's INT4 group along K, for activations and weights
-
-def _int4_codes(x: torch.Tensor, group: int = INT4_W4A4_GROUP):
-    "int4 symmetric codes (as fp32) per group of `group` along K and fp32 scales: torchao's symmetric affine math."
-    xb = _blocks(x, group)  # zero-padded along K
-    # choose_qparams_affine(SYMMETRIC, -7, 7): amax / ((7 - -7) / 2) in the input dtype, clamped at eps, then fp32
-    scale = (xb.abs().amax(-1, keepdim=True) / 7.0).clamp(min=INT8_EPS).float()
-    return _fp32(xb).mul_(1.0 / scale).round_().clamp_(-7, 7), scale  # quantize_affine: half to even, clamp
-
-# %% ../nbs/02_emulate.ipynb #lr000003
-def int4_symmetric(x: torch.Tensor, group: int = INT4_W4A4_GROUP) -> torch.Tensor:
-    "Fake-quant `x` to int4 with one symmetric scale (amax/7, codes -7..7) per group of `group` along K."
-    q, scale = _int4_codes(x, group)
-    return _unblock(q.mul_(scale), x.shape[-1]).to(x.dtype)  # dequantize_affine: codes * scale in fp32
-
-# %% ../nbs/02_emulate.ipynb #lr000004
-def smooth_scales(x_amax: torch.Tensor, # (K,) max |x_j| per input channel, over the calibration tokens
-                  w: torch.Tensor, # the (N, K) weight
-                  alpha: float = SMOOTH_ALPHA, # migration strength: 0 leaves x alone, 1 moves all its range to W
-                 ) -> torch.Tensor:
-    "Per-input-channel smoothing factors `s_j = max|x_j|^alpha / max|W_:,j|^(1-alpha)` (fp32; 1 where undefined)."
-    xa, wa = x_amax.detach().float(), w.detach().abs().amax(0).float()
-    s = xa.pow(alpha) / wa.pow(1 - alpha)
-    # a dead channel (no activation or no weight) or an inf/NaN activation: leave that channel unscaled
-    return torch.where((xa > 0) & (wa > 0) & torch.isfinite(s) & (s > 0), s, torch.ones_like(s))
-
-# %% ../nbs/02_emulate.ipynb #lr000005
-def lowrank_split(w: torch.Tensor, # the (N, K) weight (smoothed)
-                  rank: int, # how many singular directions the branch keeps (0: none)
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    "`(up (N, r), down (r, K))` in fp32 with `up @ down` the best rank-r approximation of `w` (SVD in float64)."
-    n, k = w.shape
-    r = min(rank, n, k)
-    if r == 0: return w.new_zeros(n, 0, dtype=torch.float32), w.new_zeros(0, k, dtype=torch.float32)
-    u, sv, vh = torch.linalg.svd(w.detach().double(), full_matrices=False)
-    up, down = (u[:, :r] * sv[:r]).float(), vh[:r].float()
-    # an all-zero output row (input column) stays exactly zero in the branch: the SVD leaves rounding noise there
-    up[(w == 0).all(1)] = 0
-    down[:, (w == 0).all(0)] = 0
-    return up, down
-
-# %% ../nbs/02_emulate.ipynb #lr000006
-def svdquant_weight(w: torch.Tensor, # the (N, K) weight; the results come in its dtype
-                    x_amax: torch.Tensor | None, # (K,) activation absmax per input channel (None: no smoothing)
-                    rank: int, # the branch's rank (0: none)
-                    quantize: Callable, # the 4-bit fake-quant of the residual (`nvfp4`, `int4_symmetric`)
-                    alpha: float | None = SMOOTH_ALPHA, # smoothing strength (None: no smoothing)
-                   ) -> tuple[torch.Tensor, ...]:
-    "`(s, up, down, Q(R))`: smoothing factors, the rank-r branch of `W*s` and its quantised residual `R = W*s - up@down`."
-    smooth = x_amax is not None and alpha is not None
-    s = (smooth_scales(x_amax, w, alpha) if smooth else torch.ones(w.shape[1], device=w.device)).to(w.dtype)
-    ws = w.float() * s.float()  # s as stored: x/s at run time divides by the same number
-    up, down = (t.to(w.dtype) for t in lowrank_split(ws, rank))
-    # the residual against the stored (rounded) branch, so that Q(R) + up@down is W*s to 4 bits
-    return s, up, down, quantize((ws - up.float() @ down.float()).to(w.dtype))
-
-# %% ../nbs/02_emulate.ipynb #lr000007
-def svdquant_linear(x: torch.Tensor, # activations (..., K)
-                    s: torch.Tensor, up: torch.Tensor, down: torch.Tensor, qr: torch.Tensor, # `svdquant_weight`'s
-                    quantize: Callable, # the activations' 4-bit fake-quant (as the residual's)
-                    bias: torch.Tensor | None = None,
-                   ) -> torch.Tensor:
-    "`Q(x/s) Q(R)^T + ((x/s) down^T) up^T + bias`: the 4-bit GEMM on the residual beside the 16-bit branch."
-    xs = x / s
-    y = F.linear(quantize(xs), qr, bias)
-    return y + F.linear(F.linear(xs, down), up) if up.shape[1] else y
 
 # %% ../nbs/02_emulate.ipynb #lr000010
 def _lowrank_buffers(scheme: Scheme, w: torch.Tensor) -> dict:
@@ -759,105 +521,3 @@ def lowrank_calibration(model: nn.Module, # a module holding low-rank `EmulatedL
             # the first call calibrates on its input's absmax: a single row equal to the absmax over every call gives it
             if m in amax:
                 with torch.no_grad(): m(amax[m][None].to(m.qweight.dtype))
-
-# %% ../nbs/02_emulate.ipynb #d10f650f
-AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)
-AGREEMENT_MIN_COSINE = 0.9999
-GPU_MIN_ULPS = 8
-
-def _ulp(v: float, dtype=torch.bfloat16) -> float:
-    "The spacing of `dtype` at magnitude `v`."
-    return 2.0 ** math.floor(math.log2(max(v, torch.finfo(dtype).tiny))) * torch.finfo(dtype).eps
-
-# %% ../nbs/02_emulate.ipynb #77cbfd1e
-def compare_outputs(y: torch.Tensor, ref: torch.Tensor) -> dict:
-    "`core.fidelity` plus the error in bf16 ulps at the reference's largest magnitude and bit-exactness."
-    f = fidelity(y, ref)
-    return dict(f, ulps=f['max_abs'] / _ulp(ref.double().abs().max().item(), ref.dtype), bit_exact=torch.equal(y, ref))
-
-# %% ../nbs/02_emulate.ipynb #58d41cf1
-def agreement_tolerance(scheme, device=None) -> tuple[float, float]:
-    "(min cosine, max ulps) the emulation of `scheme` must meet against its reference on `device`."
-    ulps = get_emulation(scheme).ulps
-    return AGREEMENT_MIN_COSINE, (ulps if resolve_device(device).type == 'cpu' else max(ulps, GPU_MIN_ULPS))
-
-# %% ../nbs/02_emulate.ipynb #e45f50cc
-def agreement_table(device=None, schemes=None, shapes=AGREEMENT_SHAPES, seed: int = 0) -> pd.DataFrame:
-    "Emulated vs real outputs on identical bf16 inputs, one row per scheme and (M, K, N), with the tolerance verdict."
-    device = resolve_device(device)
-    rows = []
-    for scheme in (EMULATIONS if schemes is None else schemes):
-        ref_path = reference_for(scheme, device)
-        if ref_path is None: continue  # nothing real to compare with on this device (fp8 below sm_89)
-        kind, build, scheme = *ref_path, get_scheme(scheme).name
-        for M, K, N in shapes:
-            g = torch.Generator().manual_seed(seed)
-            lin = nn.utils.skip_init(nn.Linear, K, N, dtype=torch.bfloat16)  # set below, leaves the global RNG alone
-            with torch.no_grad():
-                lin.weight.copy_(torch.rand(N, K, generator=g) * 2 / math.sqrt(K) - 1 / math.sqrt(K))
-                lin.bias.copy_(torch.rand(N, generator=g) * 0.2 - 0.1)
-            lin = lin.to(device)
-            x = torch.randn(M, K, generator=g).to(device=device, dtype=torch.bfloat16)
-            with torch.no_grad():
-                ref = build(lin)(x)
-                y = EmulatedLinear.from_linear(lin, scheme)(x)
-            min_cos, max_ulps = agreement_tolerance(scheme, device)
-            r = compare_outputs(y, ref)
-            rows.append(dict(scheme=scheme, M=M, K=K, N=N, reference=kind, **r, tol_cosine=min_cos, tol_ulps=max_ulps,
-                             ok=r['finite'] and r['cosine'] >= min_cos and r['ulps'] <= max_ulps))
-    return pd.DataFrame(rows)
-
-# %% ../nbs/02_emulate.ipynb #4f86c157
-def outlier_channels(x: torch.Tensor, # activations (..., channels), scaled in place
-                     every: int, # one channel in `every` (at least one) becomes an outlier
-                     generator: torch.Generator | None = None, # which channels: a seeded draw
-                     scale: float = 50.0, # how much larger they are
-                    ) -> torch.Tensor:
-    "`x` with a random one-in-`every` of its channels `scale` times larger: as in real LLM activations."
-    x[..., torch.randperm(x.shape[-1], generator=generator)[:max(1, x.shape[-1] // every)]] *= scale
-    return x
-
-# %% ../nbs/02_emulate.ipynb #585add87
-DISTRIBUTIONS = ('gaussian', 'outliers', 'zero_rows')
-
-def make_activations(kind: str, M: int, K: int, generator: torch.Generator | None = None) -> torch.Tensor:
-    "fp32 activations of `kind` (one of DISTRIBUTIONS), shape (M, K)."
-    if kind not in DISTRIBUTIONS: raise ValueError(f'unknown distribution {kind!r}; choose one of {DISTRIBUTIONS}')
-    x = torch.randn(M, K, generator=generator)
-    if kind == 'outliers':
-        chi2 = (torch.randn(M, K, 3, generator=generator) ** 2).mean(-1)  # Student-t with 3 dof = z / sqrt(chi2_3 / 3)
-        x = x / chi2.sqrt()
-        x = outlier_channels(x, 256, generator)
-    if kind == 'zero_rows': x[::4] = 0
-    return x
-
-# %% ../nbs/02_emulate.ipynb #8bc6c691
-def numerics_table(device=None, # where the emulated Linears run (default: CUDA when present)
-                   schemes=None, # the schemes measured (default: every registered emulation)
-                   shape=(256, 1024, 1024), # (M, K, N): tokens, in_features, out_features
-                   per_tensor: bool = True, # also int8 and fp8 with one per-tensor scale
-                   seed: int = 0, # the activations' and weights' seed
-                  ) -> pd.DataFrame:
-    "Relative error and cosine of each scheme's emulated Linear output vs bf16, per activation distribution."
-    device = resolve_device(device)
-    M, K, N = shape
-    schemes = [get_scheme(s).name for s in (EMULATIONS if schemes is None else schemes)]
-    variants = [(s, 'row') for s in schemes]
-    if per_tensor: variants += [(s, 'tensor') for s in ('int8', 'fp8') if s in schemes]
-    rows = []
-    for dist in DISTRIBUTIONS:
-        g = torch.Generator().manual_seed(seed)
-        x = make_activations(dist, M, K, g).to(device, torch.bfloat16)
-        lin = nn.utils.skip_init(nn.Linear, K, N, dtype=torch.bfloat16)  # set below, leaves the global RNG alone
-        with torch.no_grad():
-            lin.weight.copy_(torch.randn(N, K, generator=g) / math.sqrt(K))
-            lin.bias.zero_()
-            if dist == 'zero_rows': lin.weight[::8] = 0
-        lin = lin.to(device)
-        with torch.no_grad(): ref = lin(x).double()
-        for scheme, gran in variants:
-            with torch.no_grad(): y = EmulatedLinear.from_linear(lin, scheme, granularity=gran)(x).double()
-            f = fidelity(y, ref)
-            rows.append(dict(scheme=scheme, granularity=gran, distribution=dist, M=M, K=K, N=N,
-                             rel_err=f['rel_err'], cosine=f['cosine'], finite=f['finite']))
-    return pd.DataFrame(rows)

@@ -69,9 +69,9 @@ def record_capability(root=None, device=None):
 # %% ../nbs/20_lab.ipynb #lab00022
 @recorder
 def record_agreement(root=None, device=None, schemes=None):
-    "Measure `emulate.agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
+    "Measure `agreement.agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
     from diffq_lab.core import append_rows, resolve_device
-    from diffq_lab.emulate import agreement_table
+    from diffq_lab.agreement import agreement_table
     table = agreement_table(device, schemes)
     append_rows('agreement', table.to_dict('records'), root=root, device=resolve_device(device))
     return table
@@ -79,9 +79,9 @@ def record_agreement(root=None, device=None, schemes=None):
 # %% ../nbs/20_lab.ipynb #lab00023
 @recorder
 def record_numerics(root=None, device=None, schemes=None):
-    "Measure `emulate.numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
+    "Measure `agreement.numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
     from diffq_lab.core import append_rows, resolve_device
-    from diffq_lab.emulate import numerics_table
+    from diffq_lab.agreement import numerics_table
     table = numerics_table(device, schemes)
     append_rows('numerics', table.to_dict('records'), root=root, device=resolve_device(device))
     return table

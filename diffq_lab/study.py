@@ -17,7 +17,7 @@ from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic
                             check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
                             fingerprint, provenance, TERM_WIDTH)
 from .core import fidelity
-from .emulate import outlier_channels
+from .agreement import outlier_channels
 from .capability import capability_report, format_report, real_path
 from .schemes import SCHEMES, normalize_scheme, scheme_choices, make_filter_fn
 from .plan import QuantPlan, QuantPolicy, as_policy, quantize, restoring

@@ -9,9 +9,10 @@ import torch
 from torch import nn
 
 import diffq_lab.emulate as E
-from diffq_lab.emulate import (AGREEMENT_SHAPES, AMAX_FLOOR, DISTRIBUTIONS, EMULATIONS, EmulatedLinear, agreement_table,
-                               e2m1_round, fp8_rowwise, fp8_tensorwise, get_emulation, int8_rowwise, make_activations,
-                               mxfp8, nvfp4, reference_for)
+import diffq_lab.fakequant as FQ
+from diffq_lab.agreement import AGREEMENT_SHAPES, DISTRIBUTIONS, agreement_table, make_activations
+from diffq_lab.emulate import EMULATIONS, EmulatedLinear, get_emulation, reference_for
+from diffq_lab.fakequant import AMAX_FLOOR, e2m1_round, fp8_rowwise, fp8_tensorwise, int8_rowwise, mxfp8, nvfp4
 from diffq_lab.core import load_table
 from diffq_lab.lab import record_agreement, record_numerics
 from diffq_lab.plan import quantize
@@ -34,7 +35,7 @@ def test_int8_codes_match_torchao(dtype):
     x = _x(48, 256, dtype=dtype) * torch.logspace(-3, 1, 48)[:, None].to(dtype)
     for gran, rowwise in ((PerRow(), True), (PerTensor(), False)):
         t = Int8Tensor.from_hp(x, granularity=gran)
-        q, s = E._int8_codes(x, rowwise)
+        q, s = FQ._int8_codes(x, rowwise)
         assert torch.equal(q.to(torch.int8), t.qdata)
         assert torch.equal(s, t.scale.float().reshape(s.shape))
     assert torch.equal(int8_rowwise(x), Int8Tensor.from_hp(x, granularity=PerRow()).dequantize())
@@ -46,14 +47,14 @@ def test_fp8_codes_match_torchao(floor):
     from torchao.quantization.quantize_.workflows import Float8Tensor
     x = _x(32, 512) * torch.logspace(-4, 2, 32)[:, None].to(BF16)
     t = Float8Tensor.from_hp(x, granularity=PerRow(), hp_value_lb=floor)
-    q, s = E._fp8_codes(x, True, floor)
+    q, s = FQ._fp8_codes(x, True, floor)
     assert torch.equal(q.view(torch.uint8), t.qdata.view(torch.uint8)) and torch.equal(s, t.scale)
     assert torch.equal(fp8_rowwise(x, floor), t.dequantize())
     t = Float8Tensor.from_hp(x, granularity=PerTensor(), hp_value_lb=floor)
     assert torch.equal(fp8_tensorwise(x, floor), t.dequantize())
 
 
-@pytest.mark.parametrize('scaling', E.MX_SCALINGS)
+@pytest.mark.parametrize('scaling', FQ.MX_SCALINGS)
 @pytest.mark.parametrize('kind', ['gaussian', 'outliers'])
 def test_mxfp8_matches_torchao_to_mx(kind, scaling):
     from torchao.prototype.mx_formats.config import ScaleCalculationMode
@@ -63,13 +64,13 @@ def test_mxfp8_matches_torchao_to_mx(kind, scaling):
     x[4, 32:64] = 2.0 ** -8  # a block whose amax is a power of two (floor and ceil agree there)
     t = MXTensor.to_mx(x, torch.float8_e4m3fn, block_size=32, scaling_mode=ScaleCalculationMode(scaling))
     assert torch.equal(mxfp8(x, scaling=scaling), t.dequantize(BF16))
-    q, e = E._mx_codes(x, scaling=scaling)
+    q, e = FQ._mx_codes(x, scaling=scaling)
     assert torch.equal(e.reshape(16, 8).to(torch.uint8), t.scale.view(torch.uint8).reshape(16, 8))
     assert torch.equal(q.reshape(16, 256).view(torch.uint8), t.qdata.view(torch.uint8))
 
 
 def test_emulated_mx_follows_the_installed_torchao():
-    assert E.torchao_mx_scaling() == make_config('mxfp8').scaling_mode.value
+    assert FQ.torchao_mx_scaling() == make_config('mxfp8').scaling_mode.value
 
 
 @pytest.mark.parametrize('dtype', [BF16, torch.float32])
@@ -147,7 +148,7 @@ def test_every_registered_scheme_has_an_emulation_and_a_cpu_reference():
     assert sorted(EMULATIONS) == sorted(SCHEMES)
     for name, e in EMULATIONS.items():
         assert e.scheme == name and get_emulation(REGISTRY[name]) is e and e.granularities[0] == 'row'
-        assert set(e.granularities) <= set(E.GRANULARITIES) and e.ulps >= 0
+        assert set(e.granularities) <= set(FQ.GRANULARITIES) and e.ulps >= 0
         assert reference_for(name, 'cpu') is not None, f'{name}: nothing real to check its emulation against on a CPU'
     assert make_config('fp8').activation_value_lb == AMAX_FLOOR  # the emulation's floor is the lab config's
 
@@ -260,7 +261,7 @@ def test_bad_input_names_the_choices():
     with pytest.raises(ValueError, match='no emulation registered'): get_emulation(None)
     with pytest.raises(ValueError, match='resolve it'): get_emulation('auto')
     with pytest.raises(ValueError, match='choose one of'): E.register_emulation('int4')
-    with pytest.raises(ValueError, match="choose one of"): E.mxfp8(torch.zeros(2, 32), scaling='nearest')
+    with pytest.raises(ValueError, match="choose one of"): FQ.mxfp8(torch.zeros(2, 32), scaling='nearest')
 
 
 def test_int4_tinygemm_primitives_still_where_the_reference_reads_them():
@@ -274,7 +275,7 @@ def test_int4_tinygemm_primitives_still_where_the_reference_reads_them():
 @pytest.mark.parametrize('scale', [1e-3, 0.05, 30.0])
 def test_int4_emulation_is_bit_exact_with_torchao_tinygemm(shape, scale):
     "Over shapes (a partial last group included) and magnitudes, the int4 recipe equals torchao's quantise + dequantise."
-    from diffq_lab.emulate import int4_groupwise, reference_for
+    from diffq_lab.fakequant import int4_groupwise
     g = torch.Generator().manual_seed(sum(shape))
     lin = nn.Linear(shape[1], shape[0], bias=False, dtype=torch.bfloat16)
     with torch.no_grad(): lin.weight.copy_(torch.randn(shape, generator=g) * scale)

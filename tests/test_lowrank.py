@@ -59,7 +59,7 @@ def test_the_probe_says_whose_kernel_it_is(scheme):
 
 
 def test_agreement_with_torchao_quantisers_is_bit_exact():
-    from diffq_lab.emulate import agreement_table
+    from diffq_lab.agreement import agreement_table
     t = agreement_table('cpu', schemes=LOWRANK, shapes=((16, 128, 64),))
     assert list(t.scheme) == list(LOWRANK) and t.bit_exact.all() and t.ok.all(), t
 
