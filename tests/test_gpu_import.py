@@ -115,6 +115,18 @@ def test_a_good_run_imports_once(tmp_path, store, capsys):
     assert gi.import_tarball(path, store) == {'capability': 0, 'plans': 1} and _snapshot(store) == before
 
 
+def test_the_stamped_commit_is_the_rows_source_when_the_code_matches(tmp_path, store):
+    "A device copy's stale .git says another sha (+dirty): the code digest matched the stamp, so the stamp's sha wins."
+    import pandas as pd
+    table = _csv([_row(git_sha='e887c3161a77+dirty'), _row('fp8', git_sha='e887c3161a77+dirty')])
+    gi.import_tarball(_pack(tmp_path/'run.tar.gz', _members(table=table)), store)
+    assert list(pd.read_csv(store/'capability.csv').git_sha.astype(str))[1:] == ['abc123def456'] * 2
+    other = {**PROV, 'code_matches_source': False}  # code not the stamp's: each row keeps what it says
+    gi.import_tarball(_pack(tmp_path/'run2.tar.gz', _members(prov=other, table=_csv([_row(run='r2', git_sha='f00')]))),
+                      store)
+    assert pd.read_csv(store/'capability.csv').git_sha.astype(str).iloc[-1] == 'f00'
+
+
 def test_leftovers_newlines_and_a_new_stage_kind(tmp_path, store):
     te = _csv([['r1', 'cuda', 'NVIDIA H200', '9.0', '2026-12-02T10:05:00Z', 'fp8', 'RuntimeError: CUDA error\n\tat x']],
               ['run', 'device', 'device_name', 'capability', 'utc', 'scheme', 'error'])

@@ -340,13 +340,17 @@ def _blank(s) -> bool: return s is None or (isinstance(s, float) and math.isnan(
 
 
 def _filled(df, prov: dict):
-    "`df` with its blank provenance cells (or missing columns) taken from provenance.json."
+    "`df` with its blank provenance cells (or missing columns) taken from provenance.json; the stamped commit's sha."
     df = df.copy()
     for col in FILL:
         v = prov.get(col)
         if v is None: continue
         if col not in df: df[col] = v
         else: df[col] = [v if _blank(x) else x for x in df[col]]
+    src = (prov.get('source') or {}).get('git_sha')
+    # the code that ran hashed to the stamped commit's: that commit is the rows' source, whatever the device's copy of
+    # .git said (the run tool's copy may carry a stale one: rows read "<the session's first sha>+dirty")
+    if prov.get('code_matches_source') and src: df['git_sha'] = src
     return df
 
 
