@@ -10,9 +10,9 @@ from typing import Callable
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
-           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_quality',
-           'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2',
-           'full_study', 'run_experiments']
+           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_te_cosine',
+           'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
+           'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -120,6 +120,16 @@ def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
     rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
     return append_rows('tiny_pipelines', rows, root=root, device='cpu')
 
+# %% ../nbs/20_lab.ipynb #lab00029
+@recorder
+def record_te_cosine(root=None, **kwargs):
+    "Measure `text_encoder.te_cosine_table(**kwargs)` (every tiny family x scheme) and append it to the 'te_cosine' table."
+    from diffq_lab.harness import record_frame
+    from diffq_lab.text_encoder import te_cosine_table
+    table = te_cosine_table(**kwargs)
+    record_frame('te_cosine', table, root=root, device='cpu')
+    return table
+
 # %% ../nbs/20_lab.ipynb #lab00025
 @recorder
 def record_quality(root=None, **kwargs):
@@ -180,7 +190,7 @@ for _e in (
     Experiment('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
     Experiment('numerics', 'record_numerics', ('numerics',), kwargs=dict(device='cpu')),
     Experiment('tiny_pipelines', 'record_tiny_pipelines', ('tiny_pipelines',)),
-    Experiment('te_cosine', 'text_encoder.record_te_cosine', ('te_cosine',)),
+    Experiment('te_cosine', 'record_te_cosine', ('te_cosine',)),
     Experiment('block_selection', 'block_select.record_block_selection', ('keep_schedules', 'block_sensitivity')),
     Experiment('real_encoder', 'block_select.record_real_encoder_findings',
                ('real_encoder_schemes', 'real_keep_schedules', 'real_block_sensitivity', 'real_encoder_tradeoff',

@@ -29,9 +29,9 @@ __all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'OFFLOAD_MODES', 'PRO
            'encoder_min_features', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder',
            'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
            'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings',
-           'token_cosines', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'record_te_cosine',
-           'pipeline_offload_report', 'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir',
-           'encoder_cache_problem', 'real_encoder', 'real_encoder_available']
+           'token_cosines', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'pipeline_offload_report',
+           'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'encoder_cache_problem',
+           'real_encoder', 'real_encoder_available']
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -478,13 +478,6 @@ def te_cosine_table(families=TINY_FAMILIES, # the tiny families measured
     dt = str(dtype).removeprefix('torch.')
     out = concat_frames(frames)
     return out.assign(text_layers=text_layers, dtype=dt)
-
-# %% ../nbs/06_text_encoders.ipynb #03e9a413
-def record_te_cosine(root=None, **kwargs) -> pd.DataFrame:
-    "Measure `te_cosine_table` (every tiny family x scheme) and append it to the 'te_cosine' results table."
-    table = te_cosine_table(**kwargs)
-    record_frame('te_cosine', table, root=root, device='cpu')
-    return table
 
 # %% ../nbs/06_text_encoders.ipynb #7932f61b
 def _enable_offload(pipe, mode, device):

@@ -288,8 +288,9 @@ def test_private_api_still_there():
 
 
 def test_record_te_cosine_writes_only_under_root(tmp_path):
-    t = te.record_te_cosine(root=tmp_path, families=('sana',), schemes=('int8', 'fp8_layerwise'), text_layers=2,
-                            backend='emulate')
+    from diffq_lab.lab import record_te_cosine  # the lab records the table (issue 39)
+    t = record_te_cosine(root=tmp_path, families=('sana',), schemes=('int8', 'fp8_layerwise'), text_layers=2,
+                         backend='emulate')
     assert (tmp_path/'te_cosine.csv').exists() and len(t) == 3  # two schemes + int8 without keep blocks
     from diffq_lab.core import load_table
     back = load_table('te_cosine', tmp_path)
