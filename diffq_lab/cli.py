@@ -332,7 +332,7 @@ def _torchao_version(value: str) -> str:
 def speed_setting(
     rules: Param(choices=('lab', 'all', 'flux-recipe')) = 'lab', # Linears quantised: the lab's, every one, torchao's FLUX recipe
     load: Param(choices=('after-load', 'at-load', 'saved')) = 'after-load', # quantised after a bf16 load, while loading, saved
-    attention: Param(choices=('sdpa', 'cudnn', 'fp8')) = 'sdpa', # torch SDPA's default kernel, its cuDNN backend, FA3 fp8
+    attention: Param(choices=('sdpa', 'cudnn', 'fp8', 'sage')) = 'sdpa', # torch SDPA's default kernel, its cuDNN backend, FA3 fp8, SageAttention
     te_scheme: _te_scheme = None, # the text encoders' scheme too (default: bf16), run eagerly
     fuse_qkv: bool = False, # each attention's q, k, v Linears fused into one (diffusers' fuse_qkv_projections)
     compile_vae: bool = False, # the VAE decode compiled too (default: eager, as the published runs leave it)
@@ -636,10 +636,11 @@ def crossover(
 # %% ../nbs/17_cli.ipynb #1698bf64
 def _scheme_or_dense(value: str) -> list[str]:
     "An argparse type: a comma list of schemes, 'bf16' (dense) among them, or 'all'."
-    from diffq_lab.speed import PREDICT_SCHEMES
+    from diffq_lab.speed import BACKENDS, PREDICT_SCHEMES
     if value.strip().lower() == 'all': return list(PREDICT_SCHEMES)
     parts = [v.strip() for v in value.split(',') if v.strip()]
-    out = ['bf16' if v.lower() in ('bf16', 'dense') else _one_scheme()(v) for v in parts]
+    # other backends' formats (gguf_q8_0, bnb_nf4, ...) have kernel paths but no lab scheme
+    out = ['bf16' if v.lower() in ('bf16', 'dense') else v.lower() if v.lower() in BACKENDS else _one_scheme()(v) for v in parts]
     if not out:
         raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
     return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it

@@ -22,21 +22,24 @@ from .gpus import gpu_spec, gpu_schemes
 from .crossover import model_linear_shapes, wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'TE_FAMILY', 'WEIGHT_ONLY', 'BENCH_CALL',
-           'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M', 'CAL_GRID', 'H200_SOURCES', 'KERNEL_CHECK_FILE', 'QKV_FUSED',
-           'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload', 'VideoDiT', 'speed_family',
-           'token_grid', 'denoiser_calls', 'kernel_points', 'measured_kernel_points', 'kernel_paths', 'launch_costs',
-           'cpu_per_kernel', 'published_runs', 'lab_runs', 'torchao_since', 'default_path', 'arch_efficiency',
-           'cpu_per_linear', 'linear_time', 'linear_kernels', 'calibrate', 'kernel_check', 'record_kernel_check',
-           'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'validate',
-           'error_summary', 'record_validation', 'validation_table', 'residual_bands', 'leave_one_source_out',
-           'leave_one_run_source_out', 'record_loso']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'TE_FAMILY', 'WEIGHT_ONLY',
+           'BENCH_CALL', 'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M', 'CAL_GRID', 'DEQUANT_LIKE', 'H200_SOURCES',
+           'KERNEL_CHECK_FILE', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload',
+           'VideoDiT', 'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'measured_kernel_points',
+           'kernel_paths', 'launch_costs', 'cpu_per_kernel', 'published_runs', 'lab_runs', 'torchao_since',
+           'default_path', 'arch_efficiency', 'cpu_per_linear', 'linear_time', 'linear_kernels', 'calibrate',
+           'kernel_check', 'record_kernel_check', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict',
+           'format_predictions', 'validate', 'error_summary', 'record_validation', 'validation_table', 'residual_bands',
+           'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
-ATTENTION = ('sdpa', 'cudnn', 'fp8')   # torch SDPA's default kernel; its cuDNN backend chosen explicitly; FA3 fp8
+ATTENTION = ('sdpa', 'cudnn', 'fp8', 'sage')   # torch SDPA's default kernel; its cuDNN backend; FA3 fp8; SageAttention INT8
+# other backends' weight formats (not torchao): each borrows a registered scheme's picks and memory as its stand-in
+BACKENDS = {'gguf_q8_0': 'int8wo', 'gguf_q4_0': 'int4wo', 'gguf_q4_1': 'int4wo', 'gguf_q4_k': 'int4wo', 'gguf_q2_k': 'int4wo',
+            'bnb_nf4': 'int4wo'}
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
-PREDICT_SCHEMES = ('bf16', *SCHEMES)   # dense, then every registered scheme (a snapshot: the checks read live)
+PREDICT_SCHEMES = ('bf16', *SCHEMES, *BACKENDS)   # dense, then every registered scheme (a snapshot: the checks read live)
 _DATA = lambda name: repo_root()/'data'/name
 
 # %% ../nbs/12a_speed.ipynb #1487826c
@@ -428,7 +431,9 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
         src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
         if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
     return dict(bf16=bf16, int4wo=bf16, fp8=fp8, int8=fp8, int4=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
-                attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5), elementwise=bw, source=src)
+                attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5),
+                # SageAttention's published speedup over FA2 (RTX 4090) on every architecture: no other kernel point
+                attention_sage=sdpa * (_point('sg1') or 1.0), elementwise=bw, source=src)
 
 # %% ../nbs/12a_speed.ipynb #e7318d21
 GEMM_COL = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
@@ -516,7 +521,9 @@ def linear_time(spec, # a GPU name or spec dict
     p, ge, cb, ovh, ws = _path_params(path, spec, cal)
     bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
     M, K, N = (np.asarray(v, dtype=float) for v in (M, K, N))
-    gemv = bool(p.dequant) & compiled & (M <= SMALL_M)
+    # another backend's dequantise (`dequant_bytes`): its own passes, fused into a GEMV only at its own `gemv_m` rows
+    own = _own_dequant(p)
+    gemv = (M <= float(p.gemv_m)) if own else bool(p.dequant) & compiled & (M <= SMALL_M)
     wb = np.where(gemv, p.w_bytes, 2.0) if p.dequant else p.w_bytes
     # tinygemm dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
     math_s = _gemm_math(spec, M, K, N, _peak(spec, p.gemm), ge, ws, p.gemm != 'int4wo')
@@ -526,7 +533,8 @@ def linear_time(spec, # a GPU name or spec dict
     mem = bw * np.minimum(ew, cb)
     t = t + ((2 * M * K / mem + floor) * p.amax_pass + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)) * quant
     # a weight-only path's dequantise is its quantisation pass: gone when the weight is taken as already bf16 (quant=False)
-    if p.dequant: t = t + np.where(gemv, 0.0, (p.w_bytes + 2) * N * K / mem + floor) * (1 if quant else 0)
+    deq = (float(p.dequant_bytes) * N * K / (bw * cb) + int(p.dequant_kernels) * floor) if own else (p.w_bytes + 2) * N * K / mem + floor
+    if p.dequant: t = t + np.where(gemv, 0.0, deq) * (1 if quant else 0)
     if isinstance(p.lowrank, str) and p.lowrank:   # an SVDQuant-style bf16 branch beside the W4A4 GEMM
         t = t + _branch_time(spec, M, K, N, get_scheme(p.scheme).rank if rank is None else rank, p.lowrank, cal, floor)
     return t
@@ -535,7 +543,12 @@ def linear_time(spec, # a GPU name or spec dict
 def linear_kernels(path: str) -> int:
     "Kernels one Linear of `path` launches (GEMM, cast, amax, epilogue, dequant; an unfused low-rank branch's two GEMMs)."
     p = _path_rows().loc[path]
-    return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + p.dequant + 2 * (p.lowrank == 'unfused'))
+    deq = int(p.dequant_kernels) if _own_dequant(p) else p.dequant
+    return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + deq + 2 * (p.lowrank == 'unfused'))
+
+def _own_dequant(p) -> bool:
+    "Whether a path row prices its dequantise by its own bytes and kernels (another backend's: GGUF, bitsandbytes)."
+    return 'dequant_bytes' in p and pd.notna(p.dequant_bytes) and float(p.dequant_bytes or 0) > 0
 
 # %% ../nbs/12a_speed.ipynb #6b6aeeb4
 CAL_GRID = dict(gemm_eff=np.round(np.arange(0.30, 0.991, 0.01), 2), overhead_s=np.round(np.arange(0, 30.01e-6, 0.5e-6), 9),
@@ -633,6 +646,9 @@ def _fit_lowrank(g) -> dict:
     return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
 
 # %% ../nbs/12a_speed.ipynb #3a61fe24
+# the GGUF types with no published chain-vs-kernel figure take their family's (Q4_1 unpacks nibbles as Q4_0; Q2_K is a K-quant)
+DEQUANT_LIKE = {'gguf_q4_1': 'gguf_q4_0', 'gguf_q2_k': 'gguf_q4_k'}
+
 def calibrate(points=None, drop_sources=()) -> dict:
     "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
     pts = kernel_points() if points is None else points
@@ -669,6 +685,14 @@ def calibrate(points=None, drop_sources=()) -> dict:
         i = np.unravel_index(np.argmin((err ** 2).mean(0)), ge.shape)
         out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
                          **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
+    # another backend's dequantise: one fused kernel's published bandwidth share, over its PyTorch chain's slowdown
+    if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
+        share, slow = float(dq.value.mean()), pts[pts.kind.eq('dequant_slowdown')]
+        by = {r.path: (float(r.value), r.source) for r in slow.itertuples()}
+        for q in kernel_paths().path[kernel_paths().dequant_bytes.notna()]:
+            s, src = by.get(q, by.get(DEQUANT_LIKE.get(q), (1.0, None)))
+            out[q] = dict(cast_bw=share / s, points=len(dq) + (src is not None),
+                          source=', '.join(sorted(set(dq.source) | ({src} if src else set()))))
     # nunchaku's FP4 GEMM has no kernel-level figure of its own: it takes the NVFP4 GEMM fitted on torchao's curve (not its casts)
     for q in kernel_paths().query('gemm == "nvfp4" and lowrank.notna()').path:
         if 'nvfp4_compiled' in out:
@@ -748,13 +772,17 @@ def _other_time(trace, spec, compiled, floor=2e-6) -> float:
 
 # %% ../nbs/12a_speed.ipynb #61b69d4d
 def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
-    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel ('sdpa', 'cudnn' or 'fp8')."
+    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel (`ATTENTION`)."
     a = trace.attention
     if a.empty: return 0.0
     eff, bw = arch_efficiency(spec), float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
     if attention == 'fp8':
         cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw                      # q, k, v read in bf16 and written in fp8
         t = a.flops.to_numpy(float) / (_peak(spec, 'fp8') * eff['attention_fp8']) + cast
+    elif attention == 'sage':
+        # SageAttention: q, k quantised to int8 per block (and k smoothed), v to fp8 or kept fp16, by passes of its own
+        cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw
+        t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * eff['attention_sage']) + cast
     else:
         share = eff['attention_cudnn' if attention == 'cudnn' else 'attention']
         t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * share)
@@ -793,10 +821,10 @@ def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPo
         plan = dict(scheme)
         if unknown := sorted(set(plan) - set(fqns)):
             raise ValueError(f'{m.name} has no Linear {unknown[0]!r}; its Linears: {", ".join(fqns.iloc[:3])}, ...')
-    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES}):  # `in` builds rank variants
+    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES and s not in BACKENDS}):  # `in` builds rank variants
         raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
     # a Linear the rules leave dense for its scheme stays dense, whatever the plan says: as `quantize_` would leave it
-    picked = {s: _picked(m.name, s, work.rules, feats) for s in set(plan.values()) - {'bf16'}}
+    picked = {s: _picked(m.name, BACKENDS.get(s, s), work.rules, feats) for s in set(plan.values()) - {'bf16'}}
     return np.array([s if s != 'bf16' and f in picked[s] else 'bf16' for f in fqns
                      for s in [plan.get(f, 'bf16')]], dtype=object)
 
@@ -843,7 +871,7 @@ def forward_time(gpu, # a GPU name or spec dict
     for s in sorted(set(assigned)):
         q = assigned == s
         p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile, work.lowrank, torchao))
-        rank = None if s == 'bf16' else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
+        rank = None if s == 'bf16' or s in BACKENDS else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
         lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled, rank=rank).sum())
         if s != 'bf16':
             paths.append(p)
@@ -904,6 +932,7 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy, torchao=None
 def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: str) -> dict:
     "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for `SPEED_FAMILIES`."
     load = 'saved' if load == 'none' else load
+    scheme = {k: BACKENDS.get(v, v) for k, v in scheme.items()} if isinstance(scheme, dict) else BACKENDS.get(scheme, scheme)
     feats = policy.features(tiny=False)
     if not isinstance(m, VideoDiT):
         w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
@@ -996,16 +1025,17 @@ def predict(gpu, # a GPU name or spec dict
            ) -> list[dict]:
     "Per scheme: predicted pipeline seconds, speedup vs bf16 in the same mode, resident and peak GiB, with intervals."
     if isinstance(schemes, str): schemes = tuple(s for s in schemes.split(',') if s)
-    bad = [s for s in schemes if s != 'bf16' and s not in SCHEMES]
+    bad = [s for s in schemes if s != 'bf16' and s not in SCHEMES and s not in BACKENDS]
     if bad or not schemes:
-        raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(("bf16", *SCHEMES))}')
+        raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(PREDICT_SCHEMES)}')
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
     work, rest = as_workload(work, **settings)
     policy = as_policy(policy, **rest)
     spec, m = gpu_spec(gpu), speed_family(model)
     bands = residual_bands() if intervals else {}
     # int4 weight-only is validated apart (its own residuals, `validate`'s 'int4wo' mode); every other scheme by its mode
-    band = lambda s: bands.get('int4wo' if s == 'int4wo' and 'int4wo' in bands else work.mode, (1.0, 1.0, 1.0, 1.0))
+    own = lambda s: 'int4wo' if s == 'int4wo' else 'backend' if s in BACKENDS else None
+    band = lambda s: bands.get(own(s) if own(s) in bands else work.mode, (1.0, 1.0, 1.0, 1.0))
     out = [_record(spec, m, s, work, policy, load, band(s), torchao) for s in dict.fromkeys(schemes)]
     # JSON-ready
     return [{k: float(v) if isinstance(v, (float, np.floating)) else v for k, v in r.items()} for r in out]
@@ -1086,7 +1116,7 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
                        published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
                        predicted_speedup=b_pred / p)
             if memory and pd.notna(r.resident_GiB) and r.resident_GiB != '':
-                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else r.scheme, size=int(r.size),
+                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
                                     batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
                 row.update(published_resident=float(r.resident_GiB), predicted_resident=e.resident_GiB,
                            published_peak=float(r.peak_GiB), predicted_peak=e.peak_GiB)
@@ -1097,7 +1127,9 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
     for c in ('resident', 'peak'):
         if f'published_{c}' in out: out[f'{c}_err'] = out[f'predicted_{c}'] / out[f'published_{c}'] - 1
     # int4 weight-only is judged apart (issue 37: within 25%): tinygemm at DiT M is a path of its own, ~5-10x slower than bf16
-    out['mode'] = np.select([out.scheme.eq('int4wo'), out['compile'].eq('none')], ['int4wo', 'eager'], 'compiled')
+    # other backends' formats (GGUF, bitsandbytes) likewise: priced from kernel figures on other GPUs, not yet trusted as eager's
+    out['mode'] = np.select([out.scheme.eq('int4wo'), out.scheme.isin(list(BACKENDS)), out['compile'].eq('none')],
+                            ['int4wo', 'backend', 'eager'], 'compiled')
     return out
 
 # %% ../nbs/12a_speed.ipynb #27a698a7

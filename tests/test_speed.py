@@ -103,3 +103,25 @@ def test_the_labs_own_runs_are_validation_rows_that_name_their_source():
     assert list(l.columns) == list(published_runs().columns) and {'bf16', 'fp8'} <= set(l.scheme)
     assert l.source.eq('lab-h200-transformer-bench').all() and l.url.str.contains('transformer_bench.csv').all()
     assert (l.forwards_per_step == 2).all() and l.use.eq('validate').all()
+
+
+def test_other_backends_dequantise_per_matmul_priced_from_their_bytes_and_kernel_figures():
+    "GGUF / bitsandbytes NF4 (issue 37): the dequantise pass costs stored + bf16 bytes at a kernel-fitted share, never end to end."
+    from diffq_lab.speed import BACKENDS, DEQUANT_LIKE, calibrate, kernel_points, linear_time
+    cal, pts = calibrate(), kernel_points().set_index('path')
+    share = float(pts.loc['dequant_kernel'].value)
+    for q in BACKENDS:                  # one fused kernel's share over the PyTorch chain's published slowdown (bnb: one kernel)
+        slow = pts.value.get(q, pts.value.get(DEQUANT_LIKE.get(q), 1.0))
+        assert cal[q]['cast_bw'] == pytest.approx(share / float(slow)), q
+    t = lambda path, M, **kw: float(linear_time('h100', M, 3072, 3072, path, cal, False, **kw))
+    extra = lambda q: t(q, 64) - t(q, 64, quant=False)     # the dequantise alone
+    assert extra('gguf_q8_0') > extra('gguf_q4_0') > 0      # more stored bytes, a slower chain
+    assert t('bnb_nf4', 1) < t('bf16', 1) < t('bnb_nf4', 64)  # bnb's 4-bit GEMV at one row; dequantise + bf16 GEMM above
+    with pytest.raises(ValueError, match='gguf_q8_0'): predict('h100', 'z-image', 'gguf_q9')
+
+
+def test_sage_attention_is_an_attention_path_of_its_own():
+    from diffq_lab.speed import arch_efficiency, kernel_points
+    e, x = arch_efficiency('rtx4090'), float(kernel_points().set_index('point').value['sg1'])
+    assert e['attention_sage'] == pytest.approx(x * e['attention']) and Workload(attention='sage').attention == 'sage'
+    with pytest.raises(ValueError, match='sage'): Workload(attention='int4')
