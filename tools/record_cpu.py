@@ -9,7 +9,11 @@ Commit the code first: each row carries the git sha it was measured with (`+dirt
 The lent GPU records its own stages (tools/gpu_check.sh; `make gpu-import` brings the rows home).
 """
 import os, sys, textwrap
+from pathlib import Path
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
+# this checkout's package first: run from a clean worktree, a script's own folder (tools/) would otherwise leave the
+# import to the editable install, i.e. another checkout's code and its data/results
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 if __name__ == '__main__':
     from diffq_lab.lab import EXPERIMENTS, run_experiments
