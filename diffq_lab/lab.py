@@ -68,24 +68,25 @@ def record_capability(root=None, device=None):
     return rep
 
 # %% ../nbs/20_lab.ipynb #lab00022
+def _append_measured(kind: str, measure, device, schemes, root):
+    "Measure `measure(device, schemes)` (an `agreement` table) and append it to results table `kind`; returns the new rows."
+    from diffq_lab.core import append_rows, resolve_device
+    table = measure(device, schemes)
+    append_rows(kind, table.to_dict('records'), root=root, device=resolve_device(device))
+    return table
+
 @recorder
 def record_agreement(root=None, device=None, schemes=None):
     "Measure `agreement.agreement_table` on `device` and append it to the results table 'agreement'; returns the new rows."
-    from diffq_lab.core import append_rows, resolve_device
     from diffq_lab.agreement import agreement_table
-    table = agreement_table(device, schemes)
-    append_rows('agreement', table.to_dict('records'), root=root, device=resolve_device(device))
-    return table
+    return _append_measured('agreement', agreement_table, device, schemes, root)
 
 # %% ../nbs/20_lab.ipynb #lab00023
 @recorder
 def record_numerics(root=None, device=None, schemes=None):
     "Measure `agreement.numerics_table` on `device` and append it to the results table 'numerics'; returns the new rows."
-    from diffq_lab.core import append_rows, resolve_device
     from diffq_lab.agreement import numerics_table
-    table = numerics_table(device, schemes)
-    append_rows('numerics', table.to_dict('records'), root=root, device=resolve_device(device))
-    return table
+    return _append_measured('numerics', numerics_table, device, schemes, root)
 
 # %% ../nbs/20_lab.ipynb #lab00027
 def measure_tiny_pipeline(family, repeats: int = 3, dtype=None) -> dict:

@@ -272,21 +272,21 @@ def measured_kernel_points(bench: pd.DataFrame, # `gemm_bench` rows of one GPU r
         for (run, T), g in te[te.status.eq('ok') & te.device.eq('cuda')].groupby(['run', 'tokens'], sort=False):
             b = g[g.scheme.eq('bf16')]
             if b.empty: continue
-            b, gpu = b.iloc[0], gpu_spec(str(g.device_name.iloc[0]))['gpu']
             if T != te[te.run.eq(run)].tokens.min(): continue      # the shortest prompts: the GPU work is a few us a Linear
+            b, gpu = b.iloc[0], gpu_spec(str(g.device_name.iloc[0]))['gpu']
+            common = dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu, M=T,
+                          K=np.nan, N=np.nan, rank=np.nan)
             if (fam := TE_FAMILY.get(b.encoder)):                   # dense eager: CPU-bound, one dispatch per traced kernel
                 k = pipeline_trace(fam, 1024, 1, None, int(T))['text_encoder'].eager_kernels
-                rows.append(dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu,
-                                 kind='eager_kernel_s', path='bf16', M=T, K=np.nan, N=np.nan, rank=np.nan,
-                                 value=b.median_s / k, unit='s per eager kernel', torch=b.torch, torchao=b.torchao,
+                rows.append(dict(common, kind='eager_kernel_s', path='bf16', value=b.median_s / k, unit='s per eager kernel',
+                                 torch=b.torch, torchao=b.torchao,
                                  note=f'{b.encoder} ({b.layers} layers) bf16 eager at {T} tokens: median / the {k} kernels '
                                       f'of the lab\'s trace of {fam}\'s encoder'))
             for q in g[g.scheme.isin(['int8', 'fp8'])].itertuples():
                 n = int(str(q.quantized).split('/')[0])
-                rows.append(dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu,
-                                 kind='eager_linear_s', path=_measured_path(q.scheme, False, q.torchao), M=T, K=np.nan,
-                                 N=np.nan, rank=np.nan, value=(q.median_s - b.median_s) / n, unit='s per quantised Linear',
-                                 torch=q.torch, torchao=q.torchao,
+                rows.append(dict(common, kind='eager_linear_s', path=_measured_path(q.scheme, False, q.torchao),
+                                 value=(q.median_s - b.median_s) / n, unit='s per quantised Linear', torch=q.torch,
+                                 torchao=q.torchao,
                                  note=f'{q.encoder} ({q.layers} layers) eager at {T} tokens: (median - bf16 median) / {n} Linears'))
     out = pd.DataFrame(rows)
     if out.empty: return out
