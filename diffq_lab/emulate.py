@@ -503,6 +503,7 @@ register_scheme_factory("<low-rank scheme><rank>[_nosmooth] ('nvfp4_lr16', 'int4
 # %% ../nbs/02_emulate.ipynb #lr000018
 @contextlib.contextmanager
 def lowrank_calibration(model: nn.Module, # a module holding low-rank `EmulatedLinear`s (a DiT, an encoder)
+                        calibrate: bool = True, # False: only run them dense inside, and leave them uncalibrated on exit
                        ):
     "Inside: uncalibrated low-rank Linears of `model` run dense and gather absmax over every call; on exit each calibrates on it."
     mods = [m for m in model.modules() if isinstance(m, EmulatedLinear) and m.scheme.rank is not None and not m.calibrated]
@@ -519,5 +520,5 @@ def lowrank_calibration(model: nn.Module, # a module holding low-rank `EmulatedL
         for m in mods:
             del m.forward
             # the first call calibrates on its input's absmax: a single row equal to the absmax over every call gives it
-            if m in amax:
+            if calibrate and m in amax:
                 with torch.no_grad(): m(amax[m][None].to(m.qweight.dtype))

@@ -4,13 +4,14 @@
 
 # %% ../nbs/10b_loader.ipynb #cafc6559
 from __future__ import annotations
-import logging, time
+import contextlib, logging, time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
+from .emulate import lowrank_calibration
 from .capability import SchemeUnavailableError, select_scheme
 from .plan import (ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan,
                             component_role, dense_plan, resolve_here)
@@ -140,7 +141,10 @@ def _validate(pipe, report: LoadReport, device):
     "Render one step at 32 px: a quantised kernel that fails in the real forward fails here, not in the user's render."
     if device.type == 'cuda': torch.cuda.reset_peak_memory_stats(device)
     try:
-        x = render(pipe, steps=1, size=32)  # as the user calls it: under the pipeline's no_grad, not inference_mode
+        with contextlib.ExitStack() as dense_branches:  # one step on a stock prompt must not choose a low-rank branch:
+            for m in pipe.components.values():         # those calibrate on the user's first render (or their prompts)
+                if isinstance(m, nn.Module): dense_branches.enter_context(lowrank_calibration(m, calibrate=False))
+            x = render(pipe, steps=1, size=32)  # as the user calls it: under the pipeline's no_grad, not inference_mode
         if not torch.isfinite(x).all(): raise FloatingPointError('the validation render is not finite')
     except Exception as e: raise _ForwardFailed(_describe(e)) from e
     if device.type == 'cuda': report.mem_gen_peak_bytes = torch.cuda.max_memory_allocated(device)

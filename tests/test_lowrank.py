@@ -135,3 +135,13 @@ def test_a_name_no_variant_spells_names_the_choices(name):
     with pytest.raises(ValueError, match=r"int4_lr, (?:\w+, )*<low-rank scheme><rank>\[_nosmooth\]"): normalize_scheme(name)
     bad = {'version': 1, 'components': {'': {'linears': {'0': [name, 'emulate', '', 128, 64]}}}}
     with pytest.raises(ValueError, match='nvfp4_lr16'): QuantPlan.from_dict(bad)
+
+
+def test_the_loaders_validation_render_leaves_the_branch_uncalibrated():
+    "validate=True renders one step on a stock prompt: that must not choose the branch the user's renders calibrate."
+    from diffq_lab.pipelines import tiny_pipeline
+    from diffq_lab.loader import load_pipeline_quantized
+    pipe, rep = load_pipeline_quantized(tiny_pipeline('z-image', seed=0), 'nvfp4_lr', device='cpu', backend='emulate',
+                                        min_features=0, validate=True)
+    lrs = [m for m in pipe.transformer.modules() if isinstance(m, EmulatedLinear) and m.scheme.rank is not None]
+    assert lrs and not any(bool(m.calibrated) for m in lrs), (len(lrs), rep)
