@@ -10,7 +10,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import append_rows, as_dtype, fidelity, markdown_table, module_device, record_tables, repo_root
+from .core import as_dtype, fidelity, markdown_table, module_device, repo_root
+from .store import append_rows, append_tables
 from .core import file_sha256, latest_run, load_table, resolve_device
 from .schemes import SCHEMES, make_config, normalize_scheme, quantized_linears
 from .capability import resolve_backend
@@ -965,7 +966,7 @@ def record_real_encoder_findings(name='smollm2-135m', root=None, allow_dirty: bo
     "Measure `measure_real_encoder` and record its tables in data/results as one recording (all or none)."
     tables = measure_real_encoder(name, **kwargs)
     device = kwargs.get('device') or 'cpu'
-    return record_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device=device,
+    return append_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device=device,
                          allow_dirty=allow_dirty)
 
 # %% ../nbs/07_block_select.ipynb #0ccb8afe
@@ -1391,7 +1392,7 @@ def measure_encoder_tails(names=TAILS_ENCODERS, # real encoders measured
 def record_encoder_tails(root=None, allow_dirty: bool = False, **kwargs) -> dict:
     "Measure `measure_encoder_tails` and record its three tables in data/results as one recording."
     tables = measure_encoder_tails(**kwargs)
-    return record_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device='cpu',
+    return append_tables({k: v.to_dict('records') for k, v in tables.items()}, root=root, device='cpu',
                          allow_dirty=allow_dirty)
 
 # %% ../nbs/07_block_select.ipynb #ee1bfaaa

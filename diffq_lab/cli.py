@@ -352,7 +352,8 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
          ) -> int:
     "Capability report: hardware gates and real-kernel smoke probes per scheme."
     from diffq_lab.capability import capability_report, format_report
-    from diffq_lab.core import TERM_WIDTH, append_rows, check_device, check_recordable
+    from diffq_lab.core import TERM_WIDTH, check_device
+    from diffq_lab.store import append_rows, check_recordable
     if record: check_recordable(('capability',))  # before any probe
     rep = capability_report(device, refresh=refresh or record)  # a recorded report re-runs its probes
     if record: append_rows('capability', rep.to_dict('records'), device=check_device(device))
@@ -380,7 +381,8 @@ def _check_out(out) -> Path:
 @contextlib.contextmanager
 def _staged_report(out):
     "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) when the run finished."
-    from diffq_lab.core import record_tables, recover_commits
+    from diffq_lab.core import recover_commits
+    from diffq_lab.store import append_tables
     from diffq_lab.study import REPORT_FILES
     out = _check_out(out)
     recover_commits(out.parent)  # finish (or drop) a report commit a kill cut short
@@ -389,7 +391,7 @@ def _staged_report(out):
     try:
         yield stage
         # a recording study moved the report in with its rows (one commit); otherwise it is committed alone
-        if stage.exists(): record_tables({}, report=(stage, out), report_files=REPORT_FILES)
+        if stage.exists(): append_tables({}, report=(stage, out), report_files=REPORT_FILES)
     finally: shutil.rmtree(stage, ignore_errors=True)
 
 # %% ../nbs/17_cli.ipynb #cbf86a74
@@ -425,7 +427,7 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
          ) -> int:
     "The study: every scheme on the text encoder and transformer, renders and quality against dense; rows and a report."
     print(_study_line(render, schemes, pipe), flush=True)  # at once: the imports below take seconds
-    from diffq_lab.core import check_recordable
+    from diffq_lab.store import check_recordable
     from diffq_lab.study import default_study
     out = _out_path(out); check_model(pipe.model); _check_out(out)
     if not rec.no_record: check_recordable(_STUDY_TABLES, allow_dirty=rec.allow_dirty)  # before any work
@@ -449,10 +451,10 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
           rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The transformer benchmark: dense against GGUF and each scheme, interleaved rounds, paired ratios with intervals."
-    from diffq_lab.core import check_recordable
+    from diffq_lab.store import check_recordable
     from diffq_lab.pipelines import load_pipeline
     from diffq_lab.plan import as_policy
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     from diffq_lab.study import BENCH_COLS, transformer_bench
     from diffq_lab.pipelines import get_family
     get_family(target.family); check_model(target.model); _check_gguf(gguf)  # names first: a typo costs no work
@@ -462,7 +464,7 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
     kw = dict(pipe_or_family=pipe, schemes=schemes, steps=times.steps, size=times.size, runs=times.runs,
               compile=quantise.compile, device=device, gguf=None if gguf.lower() == 'none' else gguf, dims=target.dims,
               min_features=floor)
-    df = transformer_bench(**kw) if rec.no_record else record_frame(
+    df = transformer_bench(**kw) if rec.no_record else append_frame(
         'transformer_bench', transformer_bench(progress=True, **kw), device=device, allow_dirty=rec.allow_dirty)
     print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return 0

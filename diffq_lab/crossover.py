@@ -11,7 +11,8 @@ import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from .core import TERM_WIDTH, append_rows, device_name, markdown_table, repo_root, resolve_device
+from .core import TERM_WIDTH, device_name, markdown_table, repo_root, resolve_device
+from .store import append_rows
 from .capability import gpu_capability, hardware_gate
 from .gpus import (COMPILER_SETTINGS, REQUIRED_GPUS, SPEC_COLS, gpu_schemes, gpu_spec, gpu_specs,
                             same_compiler_settings)   # they live in 11a_gpus; importable from here too

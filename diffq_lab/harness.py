@@ -10,13 +10,14 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from .core import append_rows, results_dir
+from .core import results_dir
+from .store import append_rows
 from .plan import QuantPlan
 from .schemes import normalize_scheme
 from .stats import summarise
 
 # %% auto #0
-__all__ = ['Shared', 'Experiment', 'forked_map', 'concat_frames', 'record_frame', 'summary_columns', 'compare']
+__all__ = ['Shared', 'Experiment', 'forked_map', 'concat_frames', 'append_frame', 'summary_columns', 'compare']
 
 # %% ../nbs/05a_harness.ipynb #62e1a03e
 _log = logging.getLogger(__name__)
@@ -122,8 +123,8 @@ def concat_frames(frames) -> pd.DataFrame:
     return out
 
 # %% ../nbs/05a_harness.ipynb #be472324
-def record_frame(kind: str, table: pd.DataFrame, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
-    "Record an experiment's `table` into results table `kind` with the plans its rows name; the whole table."
+def append_frame(kind: str, table: pd.DataFrame, root=None, device=None, allow_dirty: bool = False) -> pd.DataFrame:
+    "Append an experiment's `table` to results table `kind` with the plans its rows name; the whole table."
     plans = dict(table.attrs.get('plans', {}))
     return Experiment(kind, plans=plans).record(table, root=root, device=device, allow_dirty=allow_dirty)
 

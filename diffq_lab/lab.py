@@ -61,7 +61,8 @@ def recorder(fn: Callable) -> Callable:
 def record_capability(root=None, device=None):
     "Measure the capability report on `device` (probes re-run) and append it to the 'capability' results table."
     from diffq_lab.capability import capability_report
-    from diffq_lab.core import append_rows, check_device
+    from diffq_lab.core import check_device
+    from diffq_lab.store import append_rows
     device = check_device(device)
     rep = capability_report(device, refresh=True)
     append_rows('capability', rep.to_dict('records'), root=root, device=device)
@@ -70,7 +71,8 @@ def record_capability(root=None, device=None):
 # %% ../nbs/20_lab.ipynb #lab00022
 def _append_measured(kind: str, measure, device, schemes, root):
     "Measure `measure(device, schemes)` (an `agreement` table) and append it to results table `kind`; returns the new rows."
-    from diffq_lab.core import append_rows, resolve_device
+    from diffq_lab.core import resolve_device
+    from diffq_lab.store import append_rows
     table = measure(device, schemes)
     append_rows(kind, table.to_dict('records'), root=root, device=resolve_device(device))
     return table
@@ -117,7 +119,7 @@ def measure_tiny_pipeline(family, repeats: int = 3, dtype=None) -> dict:
 @recorder
 def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
     "Measure every tiny family (default `pipelines.TINY_FAMILIES`) and append the rows to the `tiny_pipelines` table."
-    from diffq_lab.core import append_rows
+    from diffq_lab.store import append_rows
     from diffq_lab.pipelines import TINY_FAMILIES
     rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
     return append_rows('tiny_pipelines', rows, root=root, device='cpu')
@@ -126,30 +128,30 @@ def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
 @recorder
 def record_te_cosine(root=None, **kwargs):
     "Measure `text_encoder.te_cosine_table(**kwargs)` (every tiny family x scheme) and append it to the 'te_cosine' table."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     from diffq_lab.text_encoder import te_cosine_table
     table = te_cosine_table(**kwargs)
-    record_frame('te_cosine', table, root=root, device='cpu')
+    append_frame('te_cosine', table, root=root, device='cpu')
     return table
 
 # %% ../nbs/20_lab.ipynb #lab00025
 @recorder
 def record_quality(root=None, **kwargs):
     "Measure `quality.quality_pairs(**kwargs)` and append it to the 'quality_pairs' results table."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     from diffq_lab.quality import quality_pairs
     table = quality_pairs(**kwargs)
-    record_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
+    append_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
     return table
 
 # %% ../nbs/20_lab.ipynb #lab00026
 @recorder
 def record_transformer_bench(root=None, allow_dirty: bool = False, **kwargs):
     "Run `study.transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' table."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     from diffq_lab.study import transformer_bench
     df = transformer_bench(**{'progress': True, **kwargs})
-    return record_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)
+    return append_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)
 
 # %% ../nbs/20_lab.ipynb #lab00009
 @recorder
@@ -163,10 +165,10 @@ def transformer_bench_tiny():
 def _smollm2_lowrank(tables):
     "Record `tables(model, inputs, calib)` ({table: frame}) on SmolLM2 with the measured and calibration prompts, as one run."
     from diffq_lab import block_select, lowrank, text_encoder
-    from diffq_lab.core import record_tables
+    from diffq_lab.store import append_tables
     m, t = text_encoder.real_encoder('smollm2-135m')
     inputs, calib = (block_select.encoder_inputs(t, ps) for ps in (block_select.load_prompts(), list(lowrank.CALIBRATION_PROMPTS)))
-    return record_tables({k: v.to_dict('records') for k, v in tables(m, inputs, calib).items()},
+    return append_tables({k: v.to_dict('records') for k, v in tables(m, inputs, calib).items()},
                          device=next(m.parameters()).device)
 
 @recorder

@@ -11,7 +11,8 @@ from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import atomic_write_text, record_tables, check_writable, module_device, resolve_device
+from .core import atomic_write_text, check_writable, module_device, resolve_device
+from .store import append_tables
 from .schemes import (Scheme, apply_kernel, get_scheme, is_quantized_linear, make_filter_fn, normalize_scheme,
                                quantized_linears, scheme_choices, skip_reasons)
 from .emulate import emulate_linears
@@ -713,6 +714,6 @@ def write_plan(plan: QuantPlan, # the plan to write
         (stage/out.name).write_text(plan.to_json(), encoding='utf-8')
         (stage/out.with_suffix('.py').name).write_text(snippet, encoding='utf-8')
         for f in stage.iterdir(): f.chmod(0o644)
-        record_tables({}, report=(stage, out.parent))  # the store's journal: one commit moves both files, or neither
+        append_tables({}, report=(stage, out.parent))  # the store's journal: one commit moves both files, or neither
     finally: shutil.rmtree(stage, ignore_errors=True)
     return snippet

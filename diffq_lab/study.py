@@ -13,9 +13,9 @@ from tqdm.auto import tqdm
 import torch
 import torch.nn.functional as F
 from torch import nn
-from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic_write_text, utc_now,
-                            check_recordable, check_writable, record_tables, memory_mark, peak_extra_bytes,
-                            fingerprint, provenance, TERM_WIDTH)
+from .core import (as_dtype, resolve_device, device_name, markdown_table, atomic_write_text, utc_now, check_writable,
+    memory_mark, peak_extra_bytes, fingerprint, provenance, TERM_WIDTH)
+from .store import check_recordable, append_tables
 from .core import fidelity
 from .agreement import outlier_channels
 from .capability import capability_report, format_report, real_path
@@ -550,7 +550,7 @@ def default_study(device=None, # where it runs (default: cuda if present)
         Experiment('study',
                    plans={**num.attrs['plans'], **study.attrs['plans']}).save_plans([*num.plan, *study.plan], root)
         # all three tables, and the report staged in `out` moved into `publish`, in one commit: all of it or none
-        record_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
+        append_tables({'capability': cap.to_dict('records'), 'study_numerics': num.to_dict('records'),
                        'study': study.to_dict('records')}, root=root, device=device, allow_dirty=allow_dirty,
                       report=(out, publish) if publish is not None and out is not None else None,
                       report_files=REPORT_FILES)

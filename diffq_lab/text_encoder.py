@@ -18,7 +18,7 @@ from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
 from .plan import ComponentPlan, QuantPlan, QuantPolicy, REAL_MIN_FEATURES, as_policy, apply_plan, plan_linears
 from .plan import quantize
-from .harness import Experiment, concat_frames, record_frame
+from .harness import Experiment, concat_frames, append_frame
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
 
 log = logging.getLogger(__name__)

@@ -10,7 +10,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
-from .core import append_rows, as_dtype, package_version, repo_root
+from .core import as_dtype, package_version, repo_root
+from .store import append_rows
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded, render, weights_digest
 from .text_encoder import get_real_encoder, real_encoder
@@ -735,13 +736,13 @@ def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after
 # %% ../nbs/14_trained.ipynb #4bc423ed
 def record_adherence_by_scheme(root=None, targets=TARGETS, **kw) -> pd.DataFrame:
     "`adherence_by_scheme` for each of `targets` (one dense reference), appended as one run to `trained_schemes`."
-    from diffq_lab.harness import concat_frames, record_frame
+    from diffq_lab.harness import concat_frames, append_frame
     prompts, seeds = kw.pop('prompts', None) or heldout_prompts(), kw.pop('seeds', (0, 1, 2, 3))
     steps = kw.pop('steps', TRAINED_STEPS)
     ref = kw.pop('reference', None) or render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds], steps)
     df = concat_frames(adherence_by_scheme(target=t, prompts=prompts, seeds=seeds, reference=ref, steps=steps, **kw)
                        for t in targets)
-    return record_frame('trained_schemes', df.assign(model='trained-z-image', steps=steps,
+    return append_frame('trained_schemes', df.assign(model='trained-z-image', steps=steps,
                                                      guidance=TRAINED_GUIDANCE), root=root)
 
 # %% ../nbs/14_trained.ipynb #df72d022
@@ -837,7 +838,7 @@ def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) e
 # %% ../nbs/14_trained.ipynb #49f135b8
 def record_encoder_keep(root=None, remedy: bool = False, **kw) -> pd.DataFrame:
     "Run `encoder_keep_table` (`remedy`: with `trained_encoder_remedy`'s rows after) and append them to `trained_encoder_keep`."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     if remedy: rem, kw['remedies'] = trained_encoder_remedy()
     df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
                                          guidance=TRAINED_GUIDANCE)
@@ -846,7 +847,7 @@ def record_encoder_keep(root=None, remedy: bool = False, **kw) -> pd.DataFrame:
         for c in ('cosine', 'cosine_p01', 'cosine_min', 'detail'):
             df['te_' + c] = [by[k][c] if k in by else None for k in df.te_keep]
         df['te_bars'] = [f"mean >= {by[k].bar:g}, worst >= {by[k].worst_bar:g}" if k in by else None for k in df.te_keep]
-    return record_frame('trained_encoder_keep', df, root=root)
+    return append_frame('trained_encoder_keep', df, root=root)
 
 # %% ../nbs/14_trained.ipynb #lrt00002
 LOWRANK_TRAINED_SCHEMES = ('int8', 'fp8', 'nvfp4', 'nvfp4_lr0', 'nvfp4_lr32_nosmooth', 'nvfp4_lr8', 'nvfp4_lr16', 'nvfp4_lr',
@@ -936,7 +937,7 @@ def record_lowrank_trained(root=None, # the results folder's parent (default: th
                            **kw, # `lowrank_trained_table`'s settings
                           ) -> pd.DataFrame:
     "`lowrank_trained_table` appended as one run to the `lowrank_trained` table."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     df = lowrank_trained_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
                                             guidance=TRAINED_GUIDANCE, seeds=len(kw.get('seeds', (0, 1, 2))))
-    return record_frame('lowrank_trained', df, root=root)
+    return append_frame('lowrank_trained', df, root=root)

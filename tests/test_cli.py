@@ -42,7 +42,7 @@ def test_study_on_a_saved_pipeline_folder(tmp_path, monkeypatch, capsys):
 def test_a_damaged_table_stops_the_study_before_any_work(tmp_path, monkeypatch, capsys):
     "A table cut mid-line: the recording run exits 2 naming it, and the file stays byte for byte as it was."
     monkeypatch.setenv('DIFFQ_LAB_RESULTS', str(tmp_path/'results'))
-    from diffq_lab.core import append_rows
+    from diffq_lab.store import append_rows
     append_rows('study', dict(scheme='int8', ssim=0.9983), device='cpu')
     path = tmp_path/'results'/'study.csv'
     path.write_text(path.read_text()[:-5])

@@ -3,8 +3,9 @@ import os, shutil, subprocess, sys
 from pathlib import Path
 import pandas as pd
 import pytest
-from diffq_lab import core
-from diffq_lab.core import append_rows, load_table, atomic_write_text, latest_run, fingerprint, as_dtype
+from diffq_lab import core, store
+from diffq_lab.core import load_table, atomic_write_text, latest_run, fingerprint, as_dtype
+from diffq_lab.store import append_rows
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -64,7 +65,7 @@ def test_sync_check_catches_hand_edit(lab_copy):
 
 _WRITER = """
 import sys
-from diffq_lab.core import append_rows
+from diffq_lab.store import append_rows
 for i in range(40): append_rows('shared', dict(writer=sys.argv[2], i=i), root=sys.argv[1], device='cpu')
 """
 
@@ -97,12 +98,12 @@ def test_a_table_that_is_a_folder_is_refused(tmp_path):
 
 
 def test_recording_into_the_checkout_from_a_dirty_tree_is_refused(monkeypatch):
-    monkeypatch.setattr(core, 'git_sha', lambda path=None: 'abc123+dirty')
+    monkeypatch.setattr(store, 'git_sha', lambda path=None: 'abc123+dirty')
     monkeypatch.delenv('DIFFQ_LAB_ALLOW_DIRTY', raising=False)
     monkeypatch.delenv('DIFFQ_LAB_RESULTS', raising=False)
-    with pytest.raises(ValueError, match='uncommitted changes'): core._check_clean_tree(None, allow_dirty=False)
-    core._check_clean_tree(None, allow_dirty=True)                      # asked for: allowed, and the rows say +dirty
-    monkeypatch.setenv('DIFFQ_LAB_ALLOW_DIRTY', '1'); core._check_clean_tree(None, allow_dirty=False)
+    with pytest.raises(ValueError, match='uncommitted changes'): store._check_clean_tree(None, allow_dirty=False)
+    store._check_clean_tree(None, allow_dirty=True)                      # asked for: allowed, and the rows say +dirty
+    monkeypatch.setenv('DIFFQ_LAB_ALLOW_DIRTY', '1'); store._check_clean_tree(None, allow_dirty=False)
 
 
 def test_a_recording_is_all_or_nothing_across_tables(tmp_path, monkeypatch):
@@ -114,6 +115,6 @@ def test_a_recording_is_all_or_nothing_across_tables(tmp_path, monkeypatch):
         if len(calls) == 1: raise OSError('disk full (forced)')
         return real(src, dst)
     monkeypatch.setattr(core.os, 'replace', second_rename_fails)
-    with pytest.raises(OSError): core.record_tables({'a': [dict(x=2)], 'b': [dict(y=1)]}, root=tmp_path, device='cpu')
+    with pytest.raises(OSError): store.append_tables({'a': [dict(x=2)], 'b': [dict(y=1)]}, root=tmp_path, device='cpu')
     assert (tmp_path/'a.csv').read_bytes() == before and not (tmp_path/'b.csv').exists()
     assert not [p for p in tmp_path.iterdir() if p.name.endswith('.tmp')]

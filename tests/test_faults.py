@@ -8,7 +8,8 @@ import pytest
 import torch
 from torch import nn
 from diffq_lab.cli import BAD_INPUTS, BAD_WITHOUT_GPU, main
-from diffq_lab.core import append_rows, load_table, record_tables, DamagedTable
+from diffq_lab.core import load_table, DamagedTable
+from diffq_lab.store import append_rows, append_tables
 from diffq_lab.schemes import quantized_linears, make_filter_fn
 from forked import Forked, stop as stop_fork_server
 
@@ -149,7 +150,7 @@ def test_sigint_mid_study_exits_130_with_the_tables_untouched(tmp_path):
 
 WRITER = """
 import sys
-from diffq_lab.core import append_rows
+from diffq_lab.store import append_rows
 who, n = sys.argv[1], int(sys.argv[2])
 for i in range(n): append_rows('runs', dict(writer=who, i=i, note='x' * 2000), root=sys.argv[3], device='cpu')
 print('done', flush=True)
@@ -183,7 +184,7 @@ def test_a_malformed_table_stops_a_recording_before_any_table_changes(tmp_path):
     study.write_text(study.read_text() + 'one,field\n')
     before = cap.read_bytes(), study.read_bytes()
     with pytest.raises(DamagedTable, match='study.csv, line 3'):
-        record_tables({'capability': [dict(scheme='fp8')], 'study': [dict(scheme='fp8')]}, root=tmp_path, device='cpu')
+        append_tables({'capability': [dict(scheme='fp8')], 'study': [dict(scheme='fp8')]}, root=tmp_path, device='cpu')
     assert (cap.read_bytes(), study.read_bytes()) == before
 
 
@@ -210,7 +211,7 @@ def test_a_full_disk_mid_recording_leaves_every_table_as_it_was(tmp_path, monkey
     append_rows('a', dict(x=1), root=tmp_path, device='cpu')
     before = (tmp_path/'a.csv').read_bytes()
     with disk_full_renaming(monkeypatch, 'b.csv'), pytest.raises(OSError, match='No space'):
-        record_tables({'b': [dict(x=2)], 'a': [dict(x=2)]}, root=tmp_path, device='cpu')
+        append_tables({'b': [dict(x=2)], 'a': [dict(x=2)]}, root=tmp_path, device='cpu')
     # the rename of the first table failed: the second was never renamed, and no staged file is left behind
     assert not (tmp_path/'b.csv').exists() and (tmp_path/'a.csv').read_bytes() == before
     assert not [p for p in tmp_path.iterdir() if p.suffix == '.tmp']
@@ -344,7 +345,7 @@ def test_nvfp4_outlier_tokens_are_said_out_loud(outlier, says):
 COMMIT = """
 import os, signal, sys, threading, time
 from pathlib import Path
-from diffq_lab import core
+from diffq_lab import store
 res, out, stage, sig, point = Path(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 real = os.replace
 def from_a_thread():
@@ -357,9 +358,9 @@ def replace(src, dst):
     if point == 'mid' and str(dst).endswith('capability.csv'): from_a_thread()  # one table of three moved
 os.replace = replace
 stage.mkdir(); (stage/'report.md').write_text('new report')
-core.record_tables({'capability': [dict(scheme='fp8', probe_ok=True)], 'study_numerics': [dict(scheme='fp8', rel_err=0.1)] * 4,
-                    'study': [dict(scheme='fp8', ssim=0.5)]}, root=res, device='cpu', report=(stage, out),
-                   report_files=('report.md', 'grid.png'))
+store.append_tables({'capability': [dict(scheme='fp8', probe_ok=True)], 'study_numerics': [dict(scheme='fp8', rel_err=0.1)] * 4,
+                     'study': [dict(scheme='fp8', ssim=0.5)]}, root=res, device='cpu', report=(stage, out),
+                    report_files=('report.md', 'grid.png'))
 print('recorded', flush=True)
 """
 
@@ -367,7 +368,7 @@ print('recorded', flush=True)
 def _recorded_before(tmp_path):
     "Three tables of one row and an earlier report (with a grid) beside the user's notes: the state a cut commit must keep."
     res, out = tmp_path/'results', tmp_path/'out'
-    record_tables({'capability': dict(scheme='int8', probe_ok=True), 'study_numerics': dict(scheme='int8', rel_err=0.01),
+    append_tables({'capability': dict(scheme='int8', probe_ok=True), 'study_numerics': dict(scheme='int8', rel_err=0.01),
                    'study': dict(scheme='int8', ssim=0.9)}, root=res, device='cpu')
     out.mkdir(); (out/'report.md').write_text('old report'); (out/'grid.png').write_text('old grid'); (out/'notes.txt').write_text('mine')
     return res, out, {k: (res/f'{k}.csv').read_bytes() for k in ('capability', 'study_numerics', 'study')}
@@ -408,12 +409,12 @@ def test_a_signal_from_a_thread_mid_commit_records_all_or_nothing(tmp_path, sig,
 LOOP = """
 import os, random, signal, sys, threading, time
 from pathlib import Path
-from diffq_lab.core import record_tables
+from diffq_lab.store import append_tables
 res, out, sig, seed = Path(sys.argv[1]), Path(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
 delay = random.Random(seed).uniform(0.2, 0.8)  # tens of recordings: the signal lands inside one of them
 for i in range(10**6):
     stage = out.parent/f'.out.staging-{i}'; stage.mkdir(); (stage/'report.md').write_text(str(i))
-    record_tables({'a': dict(i=i), 'b': [dict(i=i)] * 2}, root=res, device='cpu', report=(stage, out), report_files=('report.md',))
+    append_tables({'a': dict(i=i), 'b': [dict(i=i)] * 2}, root=res, device='cpu', report=(stage, out), report_files=('report.md',))
     if i == 0:  # the clock starts after the first recording: a slow import on a loaded machine cannot leave nothing recorded
         threading.Thread(target=lambda: (time.sleep(delay), os.kill(os.getpid(), sig)), daemon=True).start()
 """
@@ -438,7 +439,7 @@ def test_nul_bytes_in_a_quoted_cell_are_refused_and_never_rewritten(tmp_path):
     cap.write_bytes(cap.read_bytes().replace(b',int8,', b',"in\0t8",'))
     damaged = cap.read_bytes()
     with pytest.raises(DamagedTable, match=r'capability\.csv, line 2: a NUL byte') as e:
-        record_tables({'capability': dict(scheme='fp8'), 'study': dict(scheme='fp8')}, root=res, device='cpu')
+        append_tables({'capability': dict(scheme='fp8'), 'study': dict(scheme='fp8')}, root=res, device='cpu')
     assert '\n' not in str(e.value) and cap.read_bytes() == damaged and (res/'study.csv').read_bytes() == before['study']
 
 
@@ -449,7 +450,7 @@ def test_a_table_of_foreign_columns_is_refused_and_never_merged_into(tmp_path, f
     cap.write_bytes(before['study'] if foreign == 'study' else foreign.encode())
     damaged = cap.read_bytes()
     with pytest.raises(DamagedTable, match=r'capability\.csv, line 1: .*(foreign|not a diffq_lab results table)'):
-        record_tables({'capability': dict(scheme='fp8', arch='cpu', gate_ok=True, probe_ok=True, runs_as='emulated'),
+        append_tables({'capability': dict(scheme='fp8', arch='cpu', gate_ok=True, probe_ok=True, runs_as='emulated'),
                        'study': dict(scheme='fp8', ssim=0.5)}, root=res, device='cpu')
     assert cap.read_bytes() == damaged and (res/'study.csv').read_bytes() == before['study']
 
@@ -467,7 +468,7 @@ def test_a_rename_failing_after_the_commit_point_puts_every_table_and_the_report
     res, out, before = _recorded_before(tmp_path)
     stage = tmp_path/'.out.staging'; stage.mkdir(); (stage/'report.md').write_text('new report')
     with disk_full_renaming(monkeypatch, 'study_numerics.csv'), pytest.raises(OSError, match='No space'):
-        record_tables({'capability': dict(scheme='fp8'), 'study_numerics': dict(scheme='fp8'), 'study': dict(scheme='fp8')},
+        append_tables({'capability': dict(scheme='fp8'), 'study_numerics': dict(scheme='fp8'), 'study': dict(scheme='fp8')},
                       root=res, device='cpu', report=(stage, out), report_files=('report.md', 'grid.png'))
     assert {k: (res/f'{k}.csv').read_bytes() for k in before} == before and _store_state(res, out) == NOTHING
     assert sorted(q.name for q in tmp_path.iterdir()) == ['out', 'results'] and len(list(res.iterdir())) == 3

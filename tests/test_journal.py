@@ -4,8 +4,9 @@ caller's."""
 import json, os, warnings
 from pathlib import Path
 import pytest
-from diffq_lab import core
-from diffq_lab.core import JournalWarning, load_table, record_tables, recover_commits
+from diffq_lab import core, store
+from diffq_lab.core import JournalWarning, load_table, recover_commits
+from diffq_lab.store import append_tables
 
 TABLE = 'scheme,utc\nint8,2026-01-01T00:00:00Z\n'
 J = '.diffq-commit-99-evil'  # the planted journal's name, without its state
@@ -122,7 +123,7 @@ def test_a_committed_journal_that_does_not_parse_is_quarantined_and_reads_go_on(
     j = res/f'{J}.committed'; j.mkdir()
     (j/'journal.json').write_bytes(raw.encode('utf-8', 'surrogateescape'))
     _reads_after_quarantine(res, j, outside, _snapshot(outside))
-    record_tables({'study': dict(scheme='fp8')}, root=res, device='cpu')  # and recording goes on
+    append_tables({'study': dict(scheme='fp8')}, root=res, device='cpu')  # and recording goes on
     assert list(load_table('study', res).scheme) == ['int8', 'fp8']
 
 
@@ -161,10 +162,11 @@ def test_a_legit_journal_cut_after_its_commit_point_passes_the_checks_and_is_fin
     out.mkdir(); (out/'report.md').write_text('old'); (out/'grid.png').write_text('stale')
     def killed(ops, again=True): raise SystemExit('killed')  # a SIGKILL right after the commit point: nothing moved
     real_retire = core._retire
-    monkeypatch.setattr(core, '_redo', killed); monkeypatch.setattr(core, '_undo', lambda ops: None)
-    monkeypatch.setattr(core, '_retire', lambda j, state, rep=None: state == 'abandoned' or real_retire(j, state, rep))
+    for m in (core, store):  # the commit (store) and the recovery (core) each hold these by name
+        monkeypatch.setattr(m, '_redo', killed); monkeypatch.setattr(m, '_undo', lambda ops: None)
+        monkeypatch.setattr(m, '_retire', lambda j, state, rep=None: state == 'abandoned' or real_retire(j, state, rep))
     with pytest.raises(SystemExit):
-        record_tables({'study': dict(scheme='fp8')}, root=res, device='cpu', report=(stage, out),
+        append_tables({'study': dict(scheme='fp8')}, root=res, device='cpu', report=(stage, out),
                       report_files=('report.md', 'grid.png'))
     monkeypatch.undo()
     assert [p.suffix for p in res.glob('.diffq-commit-*')] == ['.committed'] and (out/'report.md').read_text() == 'old'
@@ -179,7 +181,7 @@ def test_a_report_folder_not_beside_its_stage_is_refused_before_anything_is_writ
     res, stage, out = tmp_path/'results', tmp_path/'a'/'.stage', tmp_path/'b'/'out'
     stage.mkdir(parents=True); (stage/'report.md').write_text('new')
     with pytest.raises(ValueError, match='must be the folder of its staged report'):
-        record_tables({'study': dict(scheme='int8')}, root=res, device='cpu', report=(stage, out))
+        append_tables({'study': dict(scheme='int8')}, root=res, device='cpu', report=(stage, out))
     assert not out.exists() and not (res/'study.csv').exists() and (stage/'report.md').read_text() == 'new'
     assert not [p for p in tmp_path.rglob('.diffq-commit-*')]
 
@@ -194,7 +196,7 @@ def test_a_move_that_fails_says_so_in_one_line_and_puts_everything_back(tmp_path
         return real(src, dst)
     monkeypatch.setattr(os, 'replace', full)
     with pytest.raises(OSError) as e:
-        record_tables({'study': dict(scheme='fp8')}, root=res, device='cpu', report=(stage, out))
+        append_tables({'study': dict(scheme='fp8')}, root=res, device='cpu', report=(stage, out))
     msg = str(e.value)
     assert '\n' not in msg and 'could not move' in msg and 'study.csv' in msg and 'No space' in msg
     assert 'nothing was recorded' in msg
@@ -222,7 +224,7 @@ def elsewhere(tmp_path, monkeypatch):
 def test_record_tables_with_a_report_writes_where_the_caller_said(elsewhere, kind):
     given, real = _base(kind, elsewhere)
     (real/'.out.staging').mkdir(parents=True); (real/'.out.staging'/'report.md').write_text('new')
-    record_tables({'study': dict(scheme='int8')}, root=given/'results', device='cpu',
+    append_tables({'study': dict(scheme='int8')}, root=given/'results', device='cpu',
                   report=(given/'.out.staging', given/'out'), report_files=('report.md',))
     assert (real/'out'/'report.md').read_text() == 'new' and len(load_table('study', real/'results')) == 1
     assert len(load_table('study', given/'results')) == 1  # read back through the same path
@@ -234,7 +236,7 @@ def test_a_report_alone_into_its_stages_folder_lands_there(elsewhere, kind):
     "write_plan's commit: the stage sits in the out folder itself (report=(stage, stage's folder))."
     given, real = _base(kind, elsewhere)
     (real/'.diffq-plan-x').mkdir(parents=True); (real/'.diffq-plan-x'/'plan.json').write_text('{}')
-    record_tables({}, report=(given/'.diffq-plan-x', given))
+    append_tables({}, report=(given/'.diffq-plan-x', given))
     assert (real/'plan.json').read_text() == '{}' and not (real/'.diffq-plan-x').exists()
     assert not [p for p in elsewhere.rglob('.diffq-commit-*')]
 

@@ -17,7 +17,7 @@ Every table is then appended to the table of the same name, rows keeping the run
 they were measured with; a row without a git sha (the device's tree has no .git) takes the sha the run was stamped
 with (provenance.json, '+dirty' when the code that ran differed from it). One row per run goes to the 'gpu_runs'
 table: device, versions, source and each stage's outcome. The rows and the new plans land in one journalled commit of
-the lab's store (`record_tables`): all of them or none. Runs already in a table and plans already in the store are
+the lab's store (`append_tables`): all of them or none. Runs already in a table and plans already in the store are
 skipped, so importing twice changes nothing. A dry run's (CPU) tarball is refused unless --allow-dry-run. Every
 refusal is one line on stderr, exit 2, with nothing written.
 """
@@ -391,7 +391,8 @@ def _check_target(root: Path, plans: dict, path):
 def import_tarball(path, into=None, allow_dry_run: bool = False) -> dict:
     "Append the tarball's tables (and a 'gpu_runs' row) and its new plans to the store at `into`, one commit; counts."
     run = read_tarball(path)  # first: a bad tarball is refused before torch is imported
-    from diffq_lab.core import load_table, record_tables, results_dir
+    from diffq_lab.core import load_table, results_dir
+    from diffq_lab.store import append_tables
     prov = run['provenance']
     if prov['dry_run'] and not allow_dry_run:
         raise BadTarball(f'{path}: a dry run ({prov.get("device_name", "CPU")}): its rows are not GPU rows '
@@ -439,7 +440,7 @@ def import_tarball(path, into=None, allow_dry_run: bool = False) -> dict:
     try:
         for n, text in plans.items(): (stage/n).write_text(text, encoding='utf-8'); (stage/n).chmod(0o644)
         # rows and plans in one journalled commit: all land, or none (each row says where it was measured: allow_dirty)
-        record_tables(new, root=root, allow_dirty=True, report=(stage, root/'plans') if plans else None)
+        append_tables(new, root=root, allow_dirty=True, report=(stage, root/'plans') if plans else None)
     finally:
         if stage is not None: shutil.rmtree(stage, ignore_errors=True)
     return added

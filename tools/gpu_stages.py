@@ -253,7 +253,7 @@ def stage_probe(dry: bool):
 
 def stage_headline(dry: bool):
     "b. The seed's B200 table on this GPU: Z-Image real dims, 1024 px, 8 steps, compiled; dense vs fp8, then vs int8."
-    from diffq_lab.harness import record_frame
+    from diffq_lab.harness import append_frame
     from diffq_lab.study import transformer_bench, BENCH_COLS
     device = _device(dry)
     # GGUF + compile is left out: writing the 6B DiT's Q8_0 file (6.5 GB, numpy on the CPU) alone would spend the budget
@@ -270,13 +270,14 @@ def stage_headline(dry: bool):
         df = transformer_bench(pipe_or_family='z-image', schemes=(s,), device=device, gguf=None, progress=True, **kw)
         df['pair'] = f'dense vs {s}'
         for k, v in stamp.items(): df[k] = v
-        record_frame('transformer_bench', df, device=device)
+        append_frame('transformer_bench', df, device=device)
         print(df[[c for c in (*BENCH_COLS, 'build_s') if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
         _checkpoint()
 
 
 def _gemm(dry: bool, compile: bool):
-    from diffq_lab.core import append_rows, fingerprint
+    from diffq_lab.core import fingerprint
+    from diffq_lab.store import append_rows
     from diffq_lab.crossover import gemm_bench, GPU_SHAPES, BENCH_COLS
     device = _device(dry)
     # one run id for every GEMM row of this GPU run (both stages, each shape): the Findings' latest_run(device=...)
@@ -336,7 +337,7 @@ def te_bench(device,
     from diffq_lab.core import fidelity, memory_mark, peak_extra_bytes
     from diffq_lab.memory import module_bytes
     from diffq_lab.pipelines import cast_as_loaded
-    from diffq_lab.quality import interleaved_times, speed_vs, warm_up
+    from diffq_lab.stats import interleaved_times, speed_vs, warm_up
     from diffq_lab.text_encoder import quantize_encoder
     with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
         torch.manual_seed(seed)
@@ -388,7 +389,7 @@ def te_bench(device,
 def stage_text_encoder(dry: bool):
     "e. The text encoder at real dims (Qwen3-4B's, random weights): bf16 vs fp8 vs int8 at 128 and 512 tokens."
     import pandas as pd
-    from diffq_lab.core import append_rows
+    from diffq_lab.store import append_rows
     from diffq_lab.pipelines import QWEN3_4B
     device = _device(dry)
     stamp = _stamp(device, 'te')
