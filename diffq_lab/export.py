@@ -20,30 +20,36 @@ from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, trans
 from .memory import real_dims_components
 
 # %% auto #0
-__all__ = ['SAVED_FORMAT', 'READ_FORMATS', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline', 'counterpart',
-           'expand_plan', 'file_digests', 'digest_difference', 'folder_entries', 'unexpected_entries', 'state_digest',
-           'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
+__all__ = ['PLAN_ROLES', 'SAVED_FORMAT', 'READ_FORMATS', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline',
+           'counterpart', 'expand_plan', 'file_digests', 'digest_difference', 'folder_entries', 'unexpected_entries',
+           'state_digest', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
+PLAN_ROLES = ('te', 'denoiser')  # what a plan covers: the text encoders, the denoisers (`plan.component_role`)
+
 def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims on the meta device)
-                  scheme, # the denoisers' scheme ('auto': the device ladder; None: dense)
+                  scheme=None, # the denoisers' scheme ('auto': the device ladder; None: dense)
                   te_scheme=None, # the text encoders' scheme, under the family's rules (None: dense)
-                  *, device=None, # where it will run (default: where the weights are)
+                  *, family=None, # the pipeline's family (default: found from it)
+                  device=None, # where it will run (default: where the weights are)
                   policy: QuantPolicy | None = None, # denoisers' width floor, backend, keep (encoder blocks)
+                  roles=PLAN_ROLES, # the roles planned: 'te' (only if `te_scheme`), 'denoiser' (every denoiser)
                   **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0, keep=(0, 0))
                  ) -> QuantPlan:
-    "The plan for `pipe_or_family`: `te_scheme` on its text encoders, `scheme` on its denoisers; nothing changes."
+    "The lab's one planner: `te_scheme` on `pipe_or_family`'s text encoders, `scheme` on its denoisers; nothing changes."
     policy = as_policy(policy, **settings)
+    if odd := [r for r in roles if r not in PLAN_ROLES]: raise ValueError(f'unknown roles {odd}; choose from {PLAN_ROLES}')
     if isinstance(pipe_or_family, str):
-        fam = get_family(pipe_or_family).name
-        comps = real_dims_components(fam, 'meta')
+        family = get_family(pipe_or_family).name
+        comps = real_dims_components(family, 'meta')
         pipe = SimpleNamespace(components=comps, **comps)
-    else: pipe, fam = pipe_or_family, family_of(pipe_or_family)
+    else: pipe, family = pipe_or_family, family or family_of(pipe_or_family)
     # the policy's min_features is the denoisers'; the encoders keep their own floor (`policy.floor(encoder)`)
-    te = plan_text_encoders(pipe, te_scheme, family=fam, device=device, policy=replace(policy, min_features=None)) \
-        if te_scheme else QuantPlan()
+    te = plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=replace(policy, min_features=None)) \
+        if te_scheme and 'te' in roles else QuantPlan()
+    if 'denoiser' not in roles: return te
     dens = {a: m for a, m in pipe.components.items() if a in DENOISER_ATTRS and isinstance(m, nn.Module)}
-    if not dens: raise ValueError(f'{fam} has no denoiser among {list(pipe.components)}')
+    if not dens: raise ValueError(f'{family} has no denoiser among {list(pipe.components)}')
     return QuantPlan({**te.components, **{a: plan_transformer(m, scheme, device=device, policy=policy)
                                           for a, m in dens.items()}})
 
@@ -101,7 +107,7 @@ def expand_plan(plan: QuantPlan, # a plan measured on a small pipeline of `famil
     if missing: raise ValueError(f'{family} at real dims has no component {missing}; it has {sorted(comps)}')
     if sq := smoothed_components(plan):  # its absmax is the measured model's activations, not the real model's
         raise ValueError(f'{sq}: SmoothQuant is calibrated on the model it was measured on and does not expand by role '
-                         'and depth: calibrate it on the real model (block_select.smoothquant_plan)')
+                         'and depth: calibrate it on the real model (remedies.smoothquant_plan)')
     return QuantPlan({c: _expand_component(p, comps[c], c, policy) for c, p in plan.components.items()})
 
 # %% ../nbs/10a_export.ipynb #095819df

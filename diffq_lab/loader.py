@@ -16,11 +16,12 @@ from .capability import SchemeUnavailableError, select_scheme
 from .plan import (ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan,
                             component_role, dense_plan, resolve_here)
 from .pipelines import get_family, family_of, render, load_pipeline, weights_digest
-from .text_encoder import offload_probe, plan_text_encoders, text_encoders
-from .transformer import (DENOISER_ATTRS, denoisers, plan_transformer, is_gguf_linear, compile_transformer,
+from .text_encoder import offload_probe, text_encoders
+from .transformer import (DENOISER_ATTRS, denoisers, is_gguf_linear, compile_transformer,
                                    concrete_scheme)
 from .memory import free_memory, module_bytes, plan_memory
 from .gguf import load_gguf_transformer
+from .export import plan_pipeline
 
 # %% auto #0
 __all__ = ['log', 'LoadReport', 'engaged', 'load_pipeline_quantized']
@@ -152,7 +153,7 @@ def _validate(pipe, report: LoadReport, device):
 # %% ../nbs/10b_loader.ipynb #55151faf
 def _quantize_all(pipe, dens, s, policy: QuantPolicy, device, report, offload=False, encoders=None) -> QuantPlan:
     "Plan `s` for every denoiser, move them to `device`, apply them and the `encoders` plan all or nothing, validated."
-    plan = QuantPlan({a: plan_transformer(tr, s, device=device, policy=policy) for a, tr in dens.items()})
+    plan = plan_pipeline(pipe, s, family=report.family, device=device, policy=policy, roles=('denoiser',))
     if not any(p.quantized for p in plan.components.values()):
         floors = sorted({policy.floor(tr) for tr in dens.values()})
         raise ValueError(f'no Linear qualifies for {s} (min_features={"/".join(map(str, floors))})')
@@ -189,9 +190,7 @@ class _Fallback:
 def _plan_encoders(pipe, te_quant, fam, policy: QuantPolicy, device) -> tuple[QuantPlan | None, str]:
     "The encoders' plan under the family's rules, or (the seed's default) none with the reason: never a regression."
     if te_quant is None: return None, ''
-    # the policy's min_features is the denoisers'; the encoders keep their own floor (`policy.floor(encoder)`)
-    try: return plan_text_encoders(pipe, te_quant, family=fam, device=device,
-                                   policy=replace(policy, min_features=None)), ''
+    try: return plan_pipeline(pipe, te_scheme=te_quant, family=fam, device=device, policy=policy, roles=('te',)), ''
     except (ValueError, SchemeUnavailableError) as e:
         if policy.on_unavailable == 'raise': raise
         why = f'{te_quant}: {_describe(e)}'

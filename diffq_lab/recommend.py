@@ -17,7 +17,8 @@ from .schemes import get_scheme, make_filter_fn, normalize_scheme
 from .plan import (ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, lab_only_schemes,
                             plan_linears)
 from .pipelines import family_of, render, text_encoders
-from .text_encoder import block_lists, plan_text_encoders
+from .text_encoder import block_lists
+from .export import plan_pipeline
 from .block_select import (N_CALIB, capture_calls, encoder_remedy, family_read_layer, remedy_plan,
                                     remedy_verdict)
 from .transformer import denoisers, plan_transformer
@@ -111,7 +112,7 @@ def recommend_encoders(pipe, # a pipeline with text encoders (and their tokenize
     _check_te_bar(te_bar)
     policy = as_policy(policy)
     req = normalize_scheme(te_scheme)
-    rules = lambda: plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=policy)
+    rules = lambda: plan_pipeline(pipe, te_scheme=te_scheme, family=family, device=device, policy=policy, roles=('te',))
     if te_bar is None or req is None or (req != 'auto' and get_scheme(req).library != 'torchao'): return rules(), {}
     # a scheme asked for by name is searched as it is: the remedy stands in for a family rule's swap (int8 with no hand
     # schedule -> fp8_layerwise); 'auto' is searched as the rules resolve it
