@@ -9,21 +9,18 @@ from pathlib import Path
 from types import SimpleNamespace
 from fastcore.docments import docments
 from fastcore.script import Param
+from .cli_jobs import bench_job, crossover_job, export_job, heartbeat, recommend_job, strict_json, study_job
 
 # %% auto #0
-__all__ = ['LIMITS', 'DEFAULT_GPU', 'COMMANDS', 'BAD_INPUTS', 'BAD_WITHOUT_GPU', 'check_model', 'command', 'flag_group', 'parser',
-           'recording', 'pipeline', 'renders', 'quant', 'bench_target', 'timing', 'workload', 'speed_setting', 'probe',
-           'study', 'bench', 'bars', 'blocks', 'export', 'recommend', 'crossover', 'strict_json', 'predict', 'main']
+__all__ = ['BAD_INPUTS', 'BAD_WITHOUT_GPU', 'main']
 
 # %% ../nbs/17_cli.ipynb #741c5e79
 # sane bounds: an absurd value is refused in a second, not discovered after hours (raise them here, deliberately)
 LIMITS = dict(steps=500, size=4096, seeds=32, prompts=64, prompt_bytes=200, runs=100, min_features=1 << 20,
               crossover_size=16384, frames=1025, text_tokens=8192, prompt_file_bytes=1 << 20, batch=64, forwards=4)
 
-# %% ../nbs/17_cli.ipynb #e972b87c
 DEFAULT_GPU = 'h200'  # one default for every command that models a GPU (the lab's lent machine)
 
-# %% ../nbs/17_cli.ipynb #671debe7
 def _say(msg: str):
     "One line on stderr (a note, or the error of a failed command)."
     print(' '.join(str(msg).split()), file=sys.stderr)
@@ -40,10 +37,8 @@ def _int_in(lo: int, hi: int, multiple: int = 1):
     parse.__name__ = 'integer'  # argparse names the type in its own messages
     return parse
 
-# %% ../nbs/17_cli.ipynb #2ef9ec10
 _nonneg = _int_in(0, LIMITS['min_features'])  # a width floor
 
-# %% ../nbs/17_cli.ipynb #8fdb3e08
 def _float_in(lo: float, hi: float, what: str = 'a number'):
     "An argparse type: a number in (lo, hi] (a fidelity bar, a PSNR bar)."
     def parse(value: str) -> float:
@@ -62,7 +57,6 @@ def _device(value: str) -> str:
     except ValueError as e: raise argparse.ArgumentTypeError(str(e)) from None
     return value.strip()
 
-# %% ../nbs/17_cli.ipynb #7276af9e
 def _scheme_list(allow_auto=False):
     "An argparse type: a comma list of schemes (or 'all', 'kernels'; 'auto' too when `allow_auto`), normalised."
     def parse(value: str) -> list[str]:
@@ -90,7 +84,6 @@ def _one_scheme(allow_auto=False):
     parse.__name__ = 'scheme'
     return parse
 
-# %% ../nbs/17_cli.ipynb #39b38b3f
 def _int_list(value: str) -> list[int]:
     "An argparse type: a comma list of seeds (integers in [0, 2**63))."
     try: out = [int(v) for v in value.split(',') if v.strip()]
@@ -100,7 +93,6 @@ def _int_list(value: str) -> list[int]:
     if len(out) > LIMITS['seeds']: raise argparse.ArgumentTypeError(f"at most {LIMITS['seeds']} seeds, got {len(out)}")
     return out
 
-# %% ../nbs/17_cli.ipynb #59b9ed5b
 def _parts(value: str) -> tuple[str, ...]:
     "An argparse type: what a study quantises, 'te', 'transformer' or both ('te,transformer' or 'both')."
     v = value.strip().lower()
@@ -109,7 +101,6 @@ def _parts(value: str) -> tuple[str, ...]:
         raise argparse.ArgumentTypeError(f"expected te, transformer or both (te,transformer), got {value!r}")
     return parts
 
-# %% ../nbs/17_cli.ipynb #19e91e5e
 def _prompt_file(value: str) -> list[str]:
     "An argparse type: the prompts of a text file, one a line, '#' lines skipped; bounded in size, count and length."
     p, bad = Path(value), argparse.ArgumentTypeError
@@ -127,39 +118,6 @@ def _prompt_file(value: str) -> list[str]:
                        f"{LIMITS['prompt_bytes']} (the tiny pipelines' 256-position text rope)")
     return prompts
 
-# %% ../nbs/17_cli.ipynb #6452f039
-def check_model(model: str | None, # the --model given, or None
-                flag: str = '--model', # the flag named in the error
-                loads: bool = True, # the command loads it (an offline hub must hold it); False: only its name is used
-               ):
-    "A real pipeline named on the command line: a diffusers folder, or a hub id in the cache when the hub is offline."
-    if model is None: return None
-    m = Path(model)
-    if m.exists() and not (m.is_dir() and (m/'model_index.json').is_file()):
-        raise ValueError(f'{flag} {model}: not a diffusers pipeline folder (no model_index.json)')
-    if m.exists(): return model
-    if model.count('/') != 1 or not all(model.split('/')):
-        raise ValueError(f'{flag} {model!r} is neither a local folder nor a hub id (owner/name)')
-    from huggingface_hub import constants, try_to_load_from_cache
-    if loads and (constants.HF_HUB_OFFLINE or os.environ.get('HF_HUB_OFFLINE') == '1') and \
-            not isinstance(try_to_load_from_cache(model, 'model_index.json'), str):
-        raise ValueError(f'{flag} {model}: not in the local hub cache, and the hub is offline (HF_HUB_OFFLINE=1): '
-                         'download it first or pass a local folder')
-    return model
-
-# %% ../nbs/17_cli.ipynb #89e3a702
-def _check_gguf(value: str):
-    "`--gguf`: a GGUF type, 'none', or a file that parses as GGUF."
-    from diffq_lab.memory import GGUF_TYPES
-    if value.lower() == 'none' or value in GGUF_TYPES: return
-    p = Path(value)
-    if not p.is_file():
-        raise ValueError(f'--gguf {value!r}: choose one of {list(GGUF_TYPES)}, none, or an existing .gguf file')
-    from gguf import GGUFReader
-    try: GGUFReader(str(p))
-    except Exception as e:  # noqa: BLE001 -- whatever the reader raises, the file is not GGUF
-        raise ValueError(f'--gguf {value}: not a readable GGUF file ({type(e).__name__}: {e})') from None
-
 # %% ../nbs/17_cli.ipynb #87914959
 class _Parser(argparse.ArgumentParser):
     "argparse with one-line errors: `prog: error: message (see --help)`, exit 2."
@@ -167,16 +125,13 @@ class _Parser(argparse.ArgumentParser):
         _say(f'{self.prog}: error: {message} (see {self.prog} --help)')
         self.exit(2)
 
-# %% ../nbs/17_cli.ipynb #846ff049
 COMMANDS: dict[str, callable] = {}  # subcommand name -> the function that runs it; its docments are its flags
 
-# %% ../nbs/17_cli.ipynb #741748ae
 def command(fn):
     "Register `fn` as a `diffq-lab` subcommand named after it; its parameters, with their docments, become its flags."
     COMMANDS[fn.__name__] = fn
     return fn
 
-# %% ../nbs/17_cli.ipynb #6286ba9b
 def flag_group(fn):
     "Mark `fn` as a flag group: a command parameter annotated with it stands for `fn`'s parameters, each a flag."
     fn.flag_group = True
@@ -187,10 +142,8 @@ def _params(fn) -> dict:
     "`fn`'s parameters with their evaluated annotations, defaults and docments (fastcore's `docments`)."
     return docments(fn, full=True, returns=False, eval_str=True)
 
-# %% ../nbs/17_cli.ipynb #f3956c1f
 def _is_group(anno) -> bool: return callable(anno) and getattr(anno, 'flag_group', False) is True
 
-# %% ../nbs/17_cli.ipynb #ffb69de7
 def _shown(v) -> str:
     "A default as a user types it: '0,1' for a list, 'none' for None."
     if isinstance(v, (list, tuple)): return ','.join(map(str, v))
@@ -217,7 +170,6 @@ def _add_flags(p, fn):
         elif d.anno is not bool and '(default' not in kw['help']: kw['help'] += f' (default: {_shown(default)})'
         p.add_argument(flag, **{k: v for k, v in kw.items() if v is not None})
 
-# %% ../nbs/17_cli.ipynb #12ddfebf
 def _values(fn, flags: dict) -> dict:
     "The keyword arguments of `fn` from the parsed `flags`: a flag group's value built from its own flags."
     return {k: d.anno(**_values(d.anno, flags)) if _is_group(d.anno) else flags[k] for k, d in _params(fn).items()}
@@ -242,7 +194,6 @@ def recording(record: bool = False, # append the rows to data/results: the track
     if record and no_record: raise ValueError('--record and --no-record contradict each other: give one')
     return SimpleNamespace(no_record=not record, allow_dirty=allow_dirty)
 
-# %% ../nbs/17_cli.ipynb #f80cafa4
 @flag_group
 def pipeline(family: str = 'z-image', # model family: its tiny pipeline (z-image: the trained one)
              model: str = None, # hub id or local folder of a real pipeline, instead of the family's tiny one
@@ -250,12 +201,6 @@ def pipeline(family: str = 'z-image', # model family: its tiny pipeline (z-image
             ) -> SimpleNamespace:
     "The pipeline the command runs on: a family's tiny one (z-image: the trained one), or a real one."
     return SimpleNamespace(family=family, model=model, random_weights=random_weights)
-
-# %% ../nbs/17_cli.ipynb #80bbd3b6
-def _trained(pipe: SimpleNamespace) -> bool:
-    "Whether a `pipeline` group names the lab's trained tiny pipeline (z-image, no --model, no --random-weights)."
-    from diffq_lab.pipelines import get_family
-    return pipe.model is None and get_family(pipe.family).name == 'z-image' and not pipe.random_weights
 
 # %% ../nbs/17_cli.ipynb #27fdfabb
 @flag_group
@@ -279,7 +224,6 @@ def quant(
     "How the quantised denoiser is built: the width floor of its Linears, compiled or not."
     return SimpleNamespace(compile=compile, min_features=min_features)
 
-# %% ../nbs/17_cli.ipynb #bb1e594d
 @flag_group
 def bench_target(
     family: str = 'z-image', # model family (its tiny or real-dims random-weight pipeline)
@@ -289,7 +233,6 @@ def bench_target(
     "The transformer the bench times: a family's random-weight one, tiny or at real dims, or a real pipeline's."
     return SimpleNamespace(family=family, model=model, dims=dims)
 
-# %% ../nbs/17_cli.ipynb #07ef4967
 @flag_group
 def timing(
     steps: _int_in(1, LIMITS['steps']) = 2, # denoising steps
@@ -320,14 +263,12 @@ def _te_scheme(value: str) -> str | None:
     if value.strip().lower() in ('bf16', 'dense', 'none'): return None
     return _one_scheme()(value)
 
-# %% ../nbs/17_cli.ipynb #c5d3e002
 def _torchao_version(value: str) -> str:
     "An argparse type: a torchao version whose kernel paths the speed model times ('0.17', '0.18')."
     if not re.fullmatch(r'\d+\.\d+(\.\d+)?', value.strip()):
         raise argparse.ArgumentTypeError(f'{value!r}: a torchao version such as 0.17 or 0.18')
     return value.strip()
 
-# %% ../nbs/17_cli.ipynb #33f52ba8
 @flag_group
 def speed_setting(
     rules: Param(choices=('lab', 'all', 'flux-recipe')) = 'lab', # Linears quantised: the lab's, every one, torchao's FLUX recipe
@@ -360,61 +301,7 @@ def probe(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
     print(format_report(rep, width=TERM_WIDTH))  # a terminal's width: the probe messages as notes
     return 0
 
-# %% ../nbs/17_cli.ipynb #7a62c941
-def _out_path(out) -> str:
-    "`--out` as the caller meant it: `~` expanded, absolute against the working folder (an empty one is left to refuse)."
-    try: return str(Path(out).expanduser().resolve()) if str(out).strip() else out
-    except (OSError, RuntimeError) as e: raise ValueError(f'--out {out}: {e}') from None  # a loop of links, ~nobody
-
-# %% ../nbs/17_cli.ipynb #5f649425
-def _check_out(out) -> Path:
-    "`--out` as a report folder: named, not a file, writable, in a folder that can hold its staged copy."
-    from diffq_lab.core import check_writable
-    if not str(out).strip(): raise ValueError('--out must name a folder, got an empty path')
-    out = Path(_out_path(out))
-    if out.exists() and not out.is_dir(): raise ValueError(f'--out {out}: it is a file, not a folder')
-    if out.exists(): check_writable(out)
-    check_writable(out.parent)
-    return out
-
-# %% ../nbs/17_cli.ipynb #732662d0
-@contextlib.contextmanager
-def _staged_report(out):
-    "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) when the run finished."
-    from diffq_lab.core import recover_commits
-    from diffq_lab.store import append_tables
-    from diffq_lab.study import REPORT_FILES
-    out = _check_out(out)
-    recover_commits(out.parent)  # finish (or drop) a report commit a kill cut short
-    _drop_dead_stages(out)
-    stage = Path(tempfile.mkdtemp(dir=out.parent, prefix=f'.{out.name}.staging-{os.getpid()}-'))
-    try:
-        yield stage
-        # a recording study moved the report in with its rows (one commit); otherwise it is committed alone
-        if stage.exists(): append_tables({}, report=(stage, out), report_files=REPORT_FILES)
-    finally: shutil.rmtree(stage, ignore_errors=True)
-
-# %% ../nbs/17_cli.ipynb #cbf86a74
-def _drop_dead_stages(out: Path):
-    "Remove report stages beside `out` left by a process that no longer runs (killed before its commit)."
-    for d in out.parent.glob(f'.{out.name}.staging-*'):
-        pid = d.name.removeprefix(f'.{out.name}.staging-').split('-')[0]
-        if pid.isdigit() and int(pid) != os.getpid():
-            try: os.kill(int(pid), 0)
-            except ProcessLookupError: shutil.rmtree(d, ignore_errors=True)
-            except PermissionError: pass  # another user's live process
-
-# %% ../nbs/17_cli.ipynb #5b4b9f7e
-_STUDY_TABLES = ('capability', 'study_numerics', 'study')  # what a recording study appends to
-
 # %% ../nbs/17_cli.ipynb #86aa79f7
-def _study_line(render: SimpleNamespace, schemes, pipe: SimpleNamespace) -> str:
-    "The study's first line: which study runs (the first run's or the full-size one), on what, how many arms at once."
-    what = 'the full-size study' if render.full else 'the first run\'s study (--full: the full-size one)'
-    on = pipe.model or ('the trained tiny z-image' if _trained(pipe) else f'tiny {pipe.family}')
-    return (f'diffq-lab study: {what}; {on}, {len(schemes)} scheme(s), seeds {",".join(map(str, render.seeds))}, '
-            f'{render.workers} at a time')
-
 @command
 def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
           schemes: _scheme_list() = 'kernels', # comma list, 'kernels' (torchao's and diffusers'), or 'all' (+ low-rank)
@@ -426,19 +313,7 @@ def study(device: _device = None, # cpu, cuda or cuda:N (default: cuda if presen
           rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The study: every scheme on the text encoder and transformer, renders and quality against dense; rows and a report."
-    print(_study_line(render, schemes, pipe), flush=True)  # at once: the imports below take seconds
-    from diffq_lab.store import check_recordable
-    from diffq_lab.study import default_study
-    out = _out_path(out); check_model(pipe.model); _check_out(out)
-    if not rec.no_record: check_recordable(_STUDY_TABLES, allow_dirty=rec.allow_dirty)  # before any work
-    with _staged_report(out) as stage:
-        log = lambda m: print(str(m).replace(str(stage), str(out)))  # the report's path, not its stage's
-        default_study(device, schemes=schemes, out=stage, publish=Path(out), record=not rec.no_record,
-                      family=pipe.family, model=pipe.model, trained=_trained(pipe), steps=render.steps,
-                      size=render.size, seeds=render.seeds, prompts=render.prompts, compile=quantise.compile,
-                      te_quant='te' in parts, transformer_quant='transformer' in parts, workers=render.workers,
-                      min_features=quantise.min_features, allow_dirty=rec.allow_dirty, log=log)
-    return 0
+    return study_job(device, schemes, parts, pipe, render, quantise, out, rec)
 
 # %% ../nbs/17_cli.ipynb #6eb3fad5
 @command
@@ -451,28 +326,11 @@ def bench(schemes: _scheme_list(allow_auto=True) = 'int8,fp8', # comma list of s
           rec: recording = recording(), # whether rows are recorded
          ) -> int:
     "The transformer benchmark: dense against GGUF and each scheme, interleaved rounds, paired ratios with intervals."
-    from diffq_lab.store import check_recordable
-    from diffq_lab.pipelines import load_pipeline
-    from diffq_lab.plan import as_policy
-    from diffq_lab.harness import append_frame
-    from diffq_lab.study import BENCH_COLS, transformer_bench
-    from diffq_lab.pipelines import get_family
-    get_family(target.family); check_model(target.model); _check_gguf(gguf)  # names first: a typo costs no work
-    if not rec.no_record: check_recordable(('transformer_bench',), allow_dirty=rec.allow_dirty)  # before any work
-    pipe = load_pipeline(target.model, family=target.family, device='cpu') if target.model else target.family
-    floor = as_policy(min_features=quantise.min_features).features(tiny=target.model is None and target.dims == 'tiny')
-    kw = dict(pipe_or_family=pipe, schemes=schemes, steps=times.steps, size=times.size, runs=times.runs,
-              compile=quantise.compile, device=device, gguf=None if gguf.lower() == 'none' else gguf, dims=target.dims,
-              min_features=floor)
-    df = transformer_bench(**kw) if rec.no_record else append_frame(
-        'transformer_bench', transformer_bench(progress=True, **kw), device=device, allow_dirty=rec.allow_dirty)
-    print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
-    return 0
+    return bench_job(schemes, target, gguf, quantise, times, device, rec)
 
 # %% ../nbs/17_cli.ipynb #65e39921
 _BACKEND = Param(choices=('auto', 'torchao', 'emulate'))  # who runs the kernels
 
-# %% ../nbs/17_cli.ipynb #d7575f30
 @flag_group
 def bars(
     bar: _float_in(0, 1) = 0.99, # mean per-token cosine the plan must clear, in (0, 1]
@@ -500,12 +358,6 @@ def blocks(
                      device=device, min_features=min_features, backend=backend))
     return 0
 
-# %% ../nbs/17_cli.ipynb #fabd0028
-def _wrote(plan, out: Path) -> str:
-    "What a command that wrote a plan prints: its summary and the two paths (the snippet stays in its file)."
-    code = out.with_suffix('.py')
-    return f'{plan.summary()}\n\nplan:    {out}\nsnippet: {code}  (python {code} loads the model with it)'
-
 # %% ../nbs/17_cli.ipynb #037066b4
 @command
 def export(
@@ -518,26 +370,7 @@ def export(
     out: str = 'out/plan.json', # the plan file (.json); its snippet goes beside it as .py
 ) -> int:
     "The lab's plan for a family at its real dimensions (nothing downloaded) as JSON and diffusers / transformers code."
-    from diffq_lab.export import plan_pipeline
-    from diffq_lab.pipelines import get_family
-    from diffq_lab.plan import check_plan_out, write_plan
-    fam = get_family(family).name  # a name is checked before the out path is touched
-    out = check_plan_out(_out_path(out)); check_model(model, loads=False)  # the snippet names it; nothing loads
-    plan = plan_pipeline(fam, scheme, te_scheme, min_features=min_features)
-    write_plan(plan, out, model or 'MODEL_ID_OR_FOLDER')  # refuses a plan the libraries cannot express; both or neither
-    print(_wrote(plan, out))
-    return 0
-
-# %% ../nbs/17_cli.ipynb #c15cdba3
-def _measured_on(pipe: SimpleNamespace, fam: str):
-    "The pipeline `recommend` measures on, its family and its renders' steps and guidance: --model, trained or tiny."
-    from diffq_lab.pipelines import family_of, load_pipeline, tiny_pipeline
-    from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, load_trained_pipeline
-    if pipe.model:  # measured on the model itself: its own Linears, nothing to carry over
-        p = load_pipeline(pipe.model, device='cpu')
-        return p, family_of(p), dict(steps=2)
-    if _trained(pipe): return load_trained_pipeline(), fam, dict(steps=TRAINED_STEPS, guidance_scale=TRAINED_GUIDANCE)
-    return tiny_pipeline(fam), fam, dict(steps=2)
+    return export_job(family, scheme, te_scheme, min_features, model, out)
 
 # %% ../nbs/17_cli.ipynb #98d269b8
 @command
@@ -551,65 +384,7 @@ def recommend(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200,
               device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
              ) -> int:
     "Per-Linear denoiser formats for a GPU under a PSNR bar, measured here; the plan names the real model's Linears."
-    from diffq_lab.core import markdown_table
-    from diffq_lab.gpus import gpu_spec
-    from diffq_lab.export import expand_plan
-    from diffq_lab.pipelines import get_family
-    from diffq_lab.plan import check_plan_out, write_plan
-    from diffq_lab.recommend import RealTarget, RenderWork, recommend_plan
-    from diffq_lab.trained import heldout_prompts
-    spec, fam = gpu_spec(gpu), get_family(pipe.family).name  # names checked before any work
-    out = check_plan_out(_out_path(out)); check_model(pipe.model)
-    trained, (measured, fam, kw) = _trained(pipe), _measured_on(pipe, fam)
-    default = heldout_prompts()[:4] if trained else ['a photo of a cat', 'a red circle on a white background']
-    work = RenderWork([(s, p) for s in seeds for p in prompts or default], kw.pop('steps'), device=device, render_kw=kw)
-    rec = recommend_plan(measured, spec, bar, work, RealTarget(family=fam), te_scheme=te_scheme)
-    plan = rec.plan if pipe.model else expand_plan(rec.plan, fam)  # measured small: the file names the real Linears
-    write_plan(plan, out, pipe.model or 'MODEL_ID_OR_FOLDER')
-    # a mix of many formats (low-rank ranks among them) is cut so that the table fits the terminal; the plan file is whole
-    clip = lambda s: s if len(s) <= 34 else s[:33] + '…'
-    table = markdown_table(rec.table.assign(formats=rec.table.formats.map(clip)), ['source', 'formats', 'time_s', 'pred_err', 'psnr', 'clears', 'recommended'])
-    what = pipe.model or f"{'trained' if trained else 'tiny random-weight'} {fam}"
-    print(f"{rec.summary()}\n\nsensitivity: {what} (measured on this device); "
-          f"speed: the model of {spec['gpu']} at the real {fam} shapes (a prediction)\n\n{table}\n\n"
-          f"{_wrote(plan, out)}")
-    return 0
-
-# %% ../nbs/17_cli.ipynb #b9c8d7e1
-def _pipeline_answer(gpu: str, family: str, schemes, size: int, frames, text_tokens) -> tuple[list[str], list]:
-    "The whole pipeline's answer for `crossover`'s setting, from the whole-pipeline speed model `predict` reads."
-    from diffq_lab.crossover import wrap_note
-    from diffq_lab.recommend import distinguishable
-    from diffq_lab.speed import Workload, predict as _predict
-    try: recs = _predict(gpu, family, ('bf16', *schemes), Workload(size=size, frames=frames, text_tokens=text_tokens))
-    except ValueError as e: return [wrap_note(f'whole pipeline: the speed model cannot time {family}: {e}')], []
-    fit = [wrap_note(w)] if (w := _fit_words(recs)) else []
-    ran = [r for r in recs if r['scheme'] != 'bf16' and r['speedup'] is not None and math.isfinite(r['speedup'])]
-    if not ran: return [wrap_note(f'whole pipeline: no scheme runs on {gpu}'), *fit], recs
-    best = max(ran, key=lambda r: r['speedup'])
-    ties = [r['scheme'] for r in ran if r is not best and not distinguishable(best['seconds'], r['seconds'])]
-    sp = ', '.join(f"{r['scheme']} {r['speedup']:.2f}x [{r['speedup_lo']:.2f}, {r['speedup_hi']:.2f}]" for r in ran)
-    return [wrap_note(f"whole pipeline (the speed model, as `diffq-lab predict`; {best['compile']}, "
-                      f"{best['steps']} steps): {sp}; fastest {best['scheme']}"
-                      + (f" ({', '.join(ties)} within the model's error)" if ties else '')), *fit,
-            wrap_note('the roofline above times the Linears alone, the kernel view: for the pipeline, read these lines')], recs
-
-# %% ../nbs/17_cli.ipynb #c5d3e002
-def _fit_words(recs) -> str:
-    "Whether each scheme's predicted peak fits the GPU, as predict's table says it: yes, only loaded another way, or not at all."
-    from diffq_lab.speed import LOAD_WORDS
-    ok = [r for r in recs if r['fits_with']]   # a scheme the GPU cannot run has no fit to speak of
-    if not ok: return ''
-    r0, say = ok[0], []
-    yes = [r['scheme'] for r in ok if r['fits']]
-    say.append('fits: ' + (', '.join(yes) or 'none'))
-    for w in ('at-load', 'saved'):
-        alt = [f"{r['scheme']} ({r['fit_peak_GiB']:.1f} GiB)" for r in ok if not r['fits'] and r['fits_with'] == w]
-        if alt: say.append(f'fit only {LOAD_WORDS[w]}: ' + ', '.join(alt))
-    off = [f"{r['scheme']} ({r['peak_GiB']:.1f} GiB)" for r in ok if r['fits_with'] == 'cpu-offload']
-    if off: say.append('need CPU offload: ' + ', '.join(off))
-    return (f"memory (the predicted peak, {LOAD_WORDS[r0['load']]}) against {r0['gpu']}'s {r0['gpu_GiB']:g} GiB: "
-            + '; '.join(say))
+    return recommend_job(gpu, bar, pipe, seeds, prompts, te_scheme, out, device)
 
 # %% ../nbs/17_cli.ipynb #b024e39c
 @command
@@ -624,16 +399,7 @@ def crossover(
     json: bool = False, # print the setting, every row with its full name and digits, and the totals as JSON
 ) -> int:
     "Roofline analysis: which of a model's Linears each format speeds up on a GPU; then `predict`'s pipeline answer."
-    from diffq_lab.crossover import crossover_data, crossover_text
-    from diffq_lab.memory import get_model
-    if frames is not None and not get_model(family).video:
-        raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
-                         '(drop --frames, or pick a video model such as wan)')
-    data = crossover_data(gpu, family, size, frames, text_tokens, not all_layers)  # traced once, for both views
-    lines, recs = _pipeline_answer(gpu, family, [k for k in data['summary']['speedup'] if k != 'bf16'], size, frames,
-                                   text_tokens)
-    print(strict_json({**data, 'pipeline': recs}) if json else crossover_text(data) + '\n\n' + '\n'.join(lines))
-    return 0
+    return crossover_job(gpu, family, size, frames, text_tokens, all_layers, json)
 
 # %% ../nbs/17_cli.ipynb #1698bf64
 def _scheme_or_dense(value: str) -> list[str]:
@@ -647,18 +413,7 @@ def _scheme_or_dense(value: str) -> list[str]:
         raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
     return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it
 
-# %% ../nbs/17_cli.ipynb #d59b92a9
 _COMPILE_MODE = Param(choices=('none', 'inductor', 'cudagraphs'))  # the speed model's execution modes
-
-# %% ../nbs/17_cli.ipynb #e7c1a9b1
-def strict_json(x) -> str:
-    "`x` as strict JSON: NaN and the infinities, which JSON has no value for, as null (any parser reads it)."
-    def clean(v):
-        if isinstance(v, numbers.Real) and not isinstance(v, numbers.Integral) and not math.isfinite(v): return None
-        if isinstance(v, dict): return {k: clean(w) for k, w in v.items()}
-        if isinstance(v, (list, tuple)): return [clean(w) for w in v]
-        return v
-    return json.dumps(clean(x), indent=1, default=str, allow_nan=False)
 
 # %% ../nbs/17_cli.ipynb #51938913
 @command
@@ -689,7 +444,6 @@ def _expected(e: BaseException) -> bool:
     if type(e).__name__ == 'UnpicklingError': return True  # torch.load(weights_only=True) refusing a file: it is bad
     return type(e).__name__ == 'SafetensorError'  # safetensors' error on a damaged weights file (a plain Exception)
 
-# %% ../nbs/17_cli.ipynb #ab03172f
 def _dedupe(args):
     "Repeated schemes or seeds run once, said on stderr: a repeat would duplicate rows and narrow the intervals."
     for name in ('schemes', 'seeds'):
@@ -701,45 +455,6 @@ def _dedupe(args):
             _say(f"diffq-lab: note: --{name.replace('_', '-')} repeats {rep}: each runs once ({once})")
             setattr(args, name, uniq)
 
-# %% ../nbs/17_cli.ipynb #f2e6b0a2
-class _Watched:
-    "A text stream that notes when it was last written to (for `_heartbeat`)."
-    def __init__(self, stream, beat): self._stream, self._beat = stream, beat
-    def write(self, s):
-        if s: self._beat.last = time.monotonic()
-        return self._stream.write(s)
-    def __getattr__(self, name): return getattr(self._stream, name)
-
-class _Heartbeat:
-    "The state `_heartbeat` shares with its thread: when output last appeared, and the lock its lines are written under."
-    lock = threading.Lock()  # one for the process: held around a fork (`os.register_at_fork` below)
-    def __init__(self): self.last, self.lines = time.monotonic(), 0
-
-os.register_at_fork(before=_Heartbeat.lock.acquire, after_in_parent=_Heartbeat.lock.release,
-                    after_in_child=_Heartbeat.lock.release)
-
-@contextlib.contextmanager
-def _heartbeat(name: str, # what the line calls the command
-               first: float = 1.5, # seconds of silence before the first line, when nothing was written yet
-               every: float = 8.0, # seconds of silence before each later line
-              ):
-    "While the block runs, a line on stderr whenever nothing was written for a while: a long stage is not a hang."
-    beat, out, err, t0, done = _Heartbeat(), sys.stdout, sys.stderr, time.monotonic(), threading.Event()
-    sys.stdout, sys.stderr = _Watched(out, beat), _Watched(err, beat)
-    def run():
-        while not done.wait(0.25):
-            quiet = time.monotonic() - beat.last
-            if quiet >= (every if beat.lines or beat.last > t0 else first):
-                with _Heartbeat.lock:
-                    err.write(f'{name}: note: working, {time.monotonic() - t0:.0f} s so far\n'); err.flush()
-                beat.last, beat.lines = time.monotonic(), beat.lines + 1
-    thread = threading.Thread(target=run, daemon=True, name='diffq-lab heartbeat')
-    thread.start()
-    try: yield beat
-    finally:
-        done.set(); thread.join()
-        sys.stdout, sys.stderr = out, err
-
 # %% ../nbs/17_cli.ipynb #3931aa6c
 def main(argv=None) -> int:
     "Entry point of `diffq-lab`: 0 when done; bad input exits 2 with one line naming the choices or file, Ctrl-C 130."
@@ -747,7 +462,7 @@ def main(argv=None) -> int:
     try:
         args = p.parse_args(argv)
         _dedupe(args)
-        with _heartbeat(f'{p.prog} {args.command}'):  # never silent for long, on a terminal or in a log
+        with heartbeat(f'{p.prog} {args.command}'):  # never silent for long, on a terminal or in a log
             return COMMANDS[args.command](**_values(COMMANDS[args.command], vars(args)))
     except KeyboardInterrupt:
         _say('diffq-lab: interrupted; tables and reports are written whole or not at all, so nothing is half-written')
@@ -821,7 +536,6 @@ BAD_INPUTS = (  # (argv, what the one line on stderr says); `$T`: a scratch fold
     (['predict', '--frames', '5'], 'not a video model'), (['predict', '--family', 'wan', '--frames', '6'], '4k+1'),
 )
 
-# %% ../nbs/17_cli.ipynb #2c0be73f
 # bad inputs on a machine without a CUDA GPU
 BAD_WITHOUT_GPU = ((['probe', '--device', 'cuda'], 'no CUDA GPU'), (['study', '--device', 'cuda:1'], 'no CUDA GPU'))
 

@@ -326,7 +326,7 @@ def test_cli_crossover():
 def test_crossover_fits_the_terminal_and_json_keeps_every_name():
     "The widest table (five schemes, FLUX.2's long names, one row per Linear) fits; --json has the names whole."
     import json
-    from diffq_lab.cli import strict_json
+    from diffq_lab.cli_jobs import strict_json
     out = cx.cli_crossover('rtx5090', 'flux.2-dev', 1024, group=False)
     assert max(map(len, out.splitlines())) <= cx.TERM_WIDTH and '~' in out and 'fp4/fp8' in out
     d = json.loads(strict_json(cx.crossover_data('rtx5090', 'flux.2-dev', 1024, group=False)))
