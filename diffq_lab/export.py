@@ -44,8 +44,8 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
         comps = real_dims_components(family, 'meta')
         pipe = SimpleNamespace(components=comps, **comps)
     else: pipe, family = pipe_or_family, family or family_of(pipe_or_family)
-    # the policy's min_features is the denoisers'; the encoders keep their own floor (`policy.floor(encoder)`)
-    te = plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=replace(policy, min_features=None)) \
+    # each role reads its own width floor: the denoisers' min_features, the encoders' te_min_features (None: by width)
+    te = plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=policy.for_role('te')) \
         if te_scheme and 'te' in roles else QuantPlan()
     if 'denoiser' not in roles: return te
     dens = {a: m for a, m in pipe.components.items() if a in DENOISER_ATTRS and isinstance(m, nn.Module)}

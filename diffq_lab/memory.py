@@ -161,40 +161,22 @@ def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
     return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
 
 # %% ../nbs/09_memory.ipynb #3647d787
-def denoiser_kwargs(tr, grid, text_tokens, batch):
+def _recipe(tr, family=None) -> Family:
+    "The family whose `inputs` recipe feeds `tr`: `family` when named, else one whose denoiser class `tr` is."
+    fams = [get_family(family)] if family is not None else \
+           [f for f in FAMILIES.values() if f.denoiser == type(tr).__name__ and f.inputs is not None]
+    if not fams or fams[0].inputs is None:
+        known = sorted({f.denoiser for f in FAMILIES.values() if f.inputs is not None})
+        raise ValueError(f'no input recipe for {family or type(tr).__name__}; the recipes know {", ".join(known)}')
+    return fams[0]
+
+def denoiser_kwargs(tr, grid, text_tokens, batch, family=None):
     "Forward kwargs for transformer `tr` at token grid (f, h, w), `text_tokens` and `batch`, on its device and dtype."
-    name, known = type(tr).__name__, sorted({get_family(m).denoiser for m in MODELS})
-    if name not in known: raise ValueError(f'no input recipe for {name}; the recipes know {", ".join(known)}')
     p = next(tr.parameters())
-    dev, dt, c = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype, tr.config
+    dev, dt = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype
     t = lambda *s: (torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta'
                     else torch.empty(*s, device=dev, dtype=dt))
-    f, h, w = grid
-    n, T, B = f * h * w, text_tokens, batch
-    if name == 'ZImageTransformer2DModel':
-        ps, fs = c.all_patch_size[0], c.all_f_patch_size[0]
-        return dict(x=[t(c.in_channels, f * fs, h * ps, w * ps) for _ in range(B)], t=t(B),
-                    cap_feats=[t(T, c.cap_feat_dim) for _ in range(B)], return_dict=False)
-    if name == 'FluxTransformer2DModel':
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    pooled_projections=t(B, c.pooled_projection_dim), timestep=t(B), img_ids=t(n, 3), txt_ids=t(T, 3),
-                    guidance=t(B) if c.guidance_embeds else None, return_dict=False)
-    if name == 'Flux2Transformer2DModel':
-        a = len(c.axes_dims_rope)
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    timestep=t(B), img_ids=t(B, n, a), txt_ids=t(B, T, a), guidance=t(B) if c.guidance_embeds else None,
-                    return_dict=False)
-    if name == 'QwenImageTransformer2DModel':
-        return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    encoder_hidden_states_mask=None, timestep=t(B), img_shapes=[(f, h, w)] * B, return_dict=False)
-    if name == 'SD3Transformer2DModel':
-        return dict(hidden_states=t(B, c.in_channels, h * c.patch_size, w * c.patch_size),
-                    encoder_hidden_states=t(B, T, c.joint_attention_dim),
-                    pooled_projections=t(B, c.pooled_projection_dim),
-                    timestep=t(B), return_dict=False)
-    pt, ph, pw = c.patch_size  # WanTransformer3DModel
-    return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
-                encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
+    return _recipe(tr, family).inputs(tr.config, t, tuple(grid), text_tokens, batch)
 
 # %% ../nbs/09_memory.ipynb #51b4e937
 MATMUL_OPS = ('mm', 'addmm', 'bmm', 'baddbmm', '_int_mm', '_scaled_mm')
@@ -388,7 +370,7 @@ def denoiser_trace(family: str, # a family with real denoiser dims (its registry
     tr = _meta_transformer(get_model(family).name)
     # one forward gives both: the Linear shapes (12_crossover, 12a_speed) and the kernels (this notebook)
     with linear_calls(tr) as rows:
-        trace = trace_ops(lambda: tr(**denoiser_kwargs(tr, tuple(grid), text_tokens, batch)))
+        trace = trace_ops(lambda: tr(**denoiser_kwargs(tr, tuple(grid), text_tokens, batch, family)))
     return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
 
 # %% ../nbs/09_memory.ipynb #2a77ba78

@@ -4,7 +4,7 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import hashlib, inspect, json, re, weakref
+import hashlib, inspect, json, math, re, weakref
 from dataclasses import dataclass, field
 from typing import Callable
 from pathlib import Path
@@ -21,9 +21,9 @@ from .parts import (cast_as_loaded, load_tokenizer, tiny_flux1, tiny_flux2, tiny
 
 # %% auto #0
 __all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FLUX_VAE', 'FAMILIES', 'ALIASES', 'TINY_FAMILIES',
-           'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family', 'families_table', 'families_for_class',
-           'family_of', 'text_encoders', 'tiny_pipeline', 'weights_digest', 'render', 'Encodings', 'remember_encodings',
-           'check_folder', 'load_pipeline']
+           'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family', 'register_family', 'unregister_family',
+           'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tiny_pipeline', 'weights_digest',
+           'render', 'Encodings', 'remember_encodings', 'check_folder', 'load_pipeline']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
@@ -64,6 +64,8 @@ class Family:
     structure_kwargs: Callable | None = field(default=None, hash=False, compare=False, repr=False)
     # pipe -> whether a pipeline of the class this family shares with others is this one (told apart by structure)
     matches: Callable | None = field(default=None, hash=False, compare=False, repr=False)
+    # (config, t, grid, text_tokens, batch) -> the denoiser's forward kwargs (09_memory's traces; None: no recipe)
+    inputs: Callable | None = field(default=None, hash=False, compare=False, repr=False)
 
     def __post_init__(self):
         if len(self.encoders) != len(self.encoder_arch):
@@ -151,6 +153,48 @@ def _dit_says(flag: str, value: bool = True):
         return cfg is not None and bool(getattr(cfg, flag, None)) == value
     return matches
 
+# %% ../nbs/05_pipelines.ipynb #pipe0502
+# The denoisers' forward kwargs, one recipe per denoiser class: `Family.inputs(config, t, grid, text_tokens, batch)`,
+# `t(*shape)` makes a tensor on the caller's device (meta in 09_memory's traces); grid: (frames, height, width) tokens.
+def _zimage_inputs(c, t, grid, T, B) -> dict:
+    "Z-Image: per-image lists of latents (patchified by the model) and caption features."
+    (f, h, w), ps, fs = grid, c.all_patch_size[0], c.all_f_patch_size[0]
+    return dict(x=[t(c.in_channels, f * fs, h * ps, w * ps) for _ in range(B)], t=t(B),
+                cap_feats=[t(T, c.cap_feat_dim) for _ in range(B)], return_dict=False)
+
+def _flux1_inputs(c, t, grid, T, B) -> dict:
+    "FLUX.1: packed latent tokens, T5 states, the CLIP pooled vector, 2-D position ids (guidance when embedded)."
+    n = math.prod(grid)
+    return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                pooled_projections=t(B, c.pooled_projection_dim), timestep=t(B), img_ids=t(n, 3), txt_ids=t(T, 3),
+                guidance=t(B) if c.guidance_embeds else None, return_dict=False)
+
+def _flux2_inputs(c, t, grid, T, B) -> dict:
+    "FLUX.2: packed latent tokens and stacked encoder states, batched position ids over its rope axes."
+    n, a = math.prod(grid), len(c.axes_dims_rope)
+    return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                timestep=t(B), img_ids=t(B, n, a), txt_ids=t(B, T, a), guidance=t(B) if c.guidance_embeds else None,
+                return_dict=False)
+
+def _qwen_inputs(c, t, grid, T, B) -> dict:
+    "Qwen-Image: packed latent tokens and encoder states, the latent shapes for its rope."
+    n = math.prod(grid)
+    return dict(hidden_states=t(B, n, c.in_channels), encoder_hidden_states=t(B, T, c.joint_attention_dim),
+                encoder_hidden_states_mask=None, timestep=t(B), img_shapes=[tuple(grid)] * B, return_dict=False)
+
+def _sd3_inputs(c, t, grid, T, B) -> dict:
+    "SD3: a latent image (patchified by the model), joint encoder states and the pooled CLIP vector."
+    _, h, w = grid
+    return dict(hidden_states=t(B, c.in_channels, h * c.patch_size, w * c.patch_size),
+                encoder_hidden_states=t(B, T, c.joint_attention_dim), pooled_projections=t(B, c.pooled_projection_dim),
+                timestep=t(B), return_dict=False)
+
+def _wan_inputs(c, t, grid, T, B) -> dict:
+    "Wan: a latent video (patchified in time and space by the model) and UMT5 states."
+    (f, h, w), (pt, ph, pw) = grid, c.patch_size
+    return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
+                encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
+
 # %% ../nbs/05_pipelines.ipynb #d6bbfa31
 _SEED = 'unsloth studio seed (diffusion_precision.py, its Phase-8 PR), GPU-measured there, quoted, not re-measured here'
 _QWEN_KEEP = f'int8 Qwen2.5-VL-7B, first+last 6 blocks bf16 -> prompt-embedding cosine ~0.997 vs bf16; {_SEED}'
@@ -161,7 +205,7 @@ _FAMILY_LIST = [
     Family('z-image', 'ZImagePipeline', 'Tongyi-MAI/Z-Image-Turbo', ('text_encoder',), ('Qwen3Model',),
            aliases=('zimage', 'z-image-turbo'),
            note='Qwen3-4B encoder (hidden_states[-2]); tied embeddings in its config',
-           denoiser='ZImageTransformer2DModel', tiny_m=(('t_embedder',), ('adaLN_modulation',)),
+           denoiser='ZImageTransformer2DModel', inputs=_zimage_inputs, tiny_m=(('t_embedder',), ('adaLN_modulation',)),
            read_layers={'text_encoder': -2}, denoiser_dims={}, nominal_params=6e9, text_tokens=128,
            dims_source=('diffusers defaults = Tongyi-MAI/Z-Image-Turbo '
                         '(dim 3840, 30 + 2 x 2 refiner layers, 6.15B, 276 Linears)'),
@@ -170,13 +214,14 @@ _FAMILY_LIST = [
            tiny=lambda **k: tiny_z_image(**k)),
     Family('flux.1-dev', 'FluxPipeline', 'black-forest-labs/FLUX.1-dev', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux.1', 'flux1', 'flux', 'flux-dev'),
-           note='CLIP-L pooled + T5-XXL', denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M,
+           note='CLIP-L pooled + T5-XXL', denoiser='FluxTransformer2DModel', inputs=_flux1_inputs, tiny_m=_FLUX1_M,
            denoiser_dims={'guidance_embeds': True}, nominal_params=12e9,
            dims_source=f'{_FLUX1_DIMS} + guidance embedding = FLUX.1-dev, 11.9B', real_dims=_FLUX1_REAL,
            tiny=lambda **k: tiny_flux1(**k), matches=_dit_says('guidance_embeds')),
     Family('flux.1-schnell', 'FluxPipeline', 'black-forest-labs/FLUX.1-schnell', ('text_encoder', 'text_encoder_2'),
            ('CLIPTextModel', 'T5EncoderModel'), aliases=('flux1-schnell', 'flux-schnell'), note='no guidance embedding',
-           denoiser='FluxTransformer2DModel', tiny_m=_FLUX1_M, denoiser_dims={'guidance_embeds': False},
+           denoiser='FluxTransformer2DModel', inputs=_flux1_inputs, tiny_m=_FLUX1_M,
+           denoiser_dims={'guidance_embeds': False},
            nominal_params=12e9, dims_source=f'{_FLUX1_DIMS}, no guidance embedding = FLUX.1-schnell, 11.9B',
            real_dims=_FLUX1_REAL, tiny=lambda **k: tiny_flux1(schnell=True, **k),
            matches=_dit_says('guidance_embeds', False)),
@@ -186,19 +231,22 @@ _FAMILY_LIST = [
            sources={'keep_bf16': ('int8 Mistral-Small-24B, first 3 blocks bf16 -> prompt-embedding cosine ~0.98 '
                                   f'vs bf16; {_SEED}')},
            note='Mistral-Small-3.x 24B; stacks hidden states of layers 10, 20, 30',
-           denoiser='Flux2Transformer2DModel', tiny_m=_FLUX2_M, read_layers={'text_encoder': (10, 20, 30)},
+           denoiser='Flux2Transformer2DModel', inputs=_flux2_inputs, tiny_m=_FLUX2_M,
+           read_layers={'text_encoder': (10, 20, 30)},
            denoiser_dims={},
            dims_source='diffusers defaults = FLUX.2-dev (8 double + 48 single blocks, 6144 wide, 32B)',
            tiny=lambda **k: tiny_flux2(**k), structure_kwargs=_flux2_out_layers),
     Family('flux.2-klein', 'Flux2KleinPipeline', 'black-forest-labs/FLUX.2-klein-4B', ('text_encoder',),
            ('Qwen3ForCausalLM',), aliases=('flux2-klein', 'klein', 'flux.2-klein-4b'),
            note='Qwen3-4B with tied lm_head/embed_tokens; layers 9, 18, 27', denoiser='Flux2Transformer2DModel',
+           inputs=_flux2_inputs,
            tiny_m=_FLUX2_M, read_layers={'text_encoder': (9, 18, 27)}, tiny=lambda **k: tiny_flux2_klein(**k),
            structure_kwargs=_flux2_out_layers),
     Family('qwen-image', 'QwenImagePipeline', 'Qwen/Qwen-Image', ('text_encoder',),
            ('Qwen2_5_VLForConditionalGeneration',), keep_bf16=(6, 6), keep_bf16_cosine=0.997,
            aliases=('qwenimage', 'qwen_image'), call_kwargs={'negative_prompt': ' '}, sources={'keep_bf16': _QWEN_KEEP},
            note='Qwen2.5-VL-7B-Instruct; vision tower unused for text-to-image', denoiser='QwenImageTransformer2DModel',
+           inputs=_qwen_inputs,
            tiny_m=_QWEN_M, denoiser_dims={}, nominal_params=20e9, text_tokens=256,
            dims_source='diffusers defaults = Qwen-Image (60 blocks, 3072 wide, 20B)',
            real_dims=dict(text_encoder=('transformers', 'Qwen2_5_VLForConditionalGeneration', QWEN25_VL_7B),
@@ -210,18 +258,21 @@ _FAMILY_LIST = [
            sources={'keep_bf16': ('inherited from qwen-image: the same Qwen2.5-VL-7B encoder; '
                                   'not re-measured on the edit pipeline')},
            note='needs an input image; the vision tower is used', denoiser='QwenImageTransformer2DModel',
+           inputs=_qwen_inputs,
            tiny_m=_QWEN_M),
     Family('sd3', 'StableDiffusion3Pipeline', 'stabilityai/stable-diffusion-3-medium-diffusers',
            ('text_encoder', 'text_encoder_2', 'text_encoder_3'),
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
            aliases=('sd3-medium', 'stable-diffusion-3'), note='CLIP-L + CLIP-G + T5-XXL',
-           denoiser='SD3Transformer2DModel', tiny_m=_SD3_M, read_layers={'text_encoder': -2, 'text_encoder_2': -2},
+           denoiser='SD3Transformer2DModel', inputs=_sd3_inputs, tiny_m=_SD3_M,
+           read_layers={'text_encoder': -2, 'text_encoder_2': -2},
            tiny=lambda **k: tiny_sd3(**k), matches=_dit_says('qk_norm', False)),
     Family('sd3.5', 'StableDiffusion3Pipeline', 'stabilityai/stable-diffusion-3.5-large',
            ('text_encoder', 'text_encoder_2', 'text_encoder_3'),
            ('CLIPTextModelWithProjection', 'CLIPTextModelWithProjection', 'T5EncoderModel'),
            aliases=('sd3.5-large', 'sd35', 'stable-diffusion-3.5'), note='as sd3, with qk-norm in the DiT',
-           denoiser='SD3Transformer2DModel', tiny_m=_SD3_M, read_layers={'text_encoder': -2, 'text_encoder_2': -2},
+           denoiser='SD3Transformer2DModel', inputs=_sd3_inputs, tiny_m=_SD3_M,
+           read_layers={'text_encoder': -2, 'text_encoder_2': -2},
            denoiser_dims=dict(num_layers=38, num_attention_heads=38, caption_projection_dim=2432,
                               pos_embed_max_size=192, qk_norm='rms_norm'),
            text_tokens=333,
@@ -240,19 +291,20 @@ _FAMILY_LIST = [
            tiny_m=(('time_embed.emb',), ('time_embed.linear',)), tiny=lambda **k: tiny_sana(**k)),
     Family('wan2.1', 'WanPipeline', 'Wan-AI/Wan2.1-T2V-1.3B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
            aliases=('wan', 'wan2.x', 'wan2.1-t2v-1.3b'), call_kwargs={'num_frames': 1}, video=True,
-           note='UMT5-XXL encoder', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           note='UMT5-XXL encoder', denoiser='WanTransformer3DModel', inputs=_wan_inputs, tiny_m=_WAN_M,
            denoiser_dims=dict(num_attention_heads=12, ffn_dim=8960, num_layers=30), frames=81,
            dims_source='Wan2.1-T2V-1.3B transformer config (30 layers, 1536 wide, 1.4B)',
            tiny=lambda **k: tiny_wan(**k), matches=lambda pipe: getattr(pipe, 'transformer_2', None) is None),
     Family('wan2.2-t2v-a14b', 'WanPipeline', 'Wan-AI/Wan2.2-T2V-A14B-Diffusers', ('text_encoder',),
            ('UMT5EncoderModel',), auto_dense=True, sources={'auto_dense': _WAN_DENSE},
            aliases=('wan2.2', 'wan2.2-a14b'), call_kwargs={'num_frames': 1}, video=True,
-           note='two experts (transformer, transformer_2)', denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           note='two experts (transformer, transformer_2)', denoiser='WanTransformer3DModel', inputs=_wan_inputs,
+           tiny_m=_WAN_M,
            denoiser_dims={}, frames=81, dims_source=_WAN14_DIMS, tiny=lambda **k: tiny_wan(two_experts=True, **k),
            matches=lambda pipe: getattr(pipe, 'transformer_2', None) is not None),
     Family('wan2.2-ti2v-5b', 'WanPipeline', 'Wan-AI/Wan2.2-TI2V-5B-Diffusers', ('text_encoder',), ('UMT5EncoderModel',),
            aliases=('wan2.2-5b', 'wan2.2-ti2v'), call_kwargs={'num_frames': 1}, video=True,
-           denoiser='WanTransformer3DModel', tiny_m=_WAN_M,
+           denoiser='WanTransformer3DModel', inputs=_wan_inputs, tiny_m=_WAN_M,
            note=('the contrast case to wan2.2-t2v-a14b: its encoder stays quantised under auto, '
                  f'for a real 1.09x ({_SEED})')),
     Family('hunyuanvideo-1.5', 'HunyuanVideo15Pipeline', 'hunyuanvideo-community/HunyuanVideo-1.5-480p_t2v',
@@ -292,6 +344,23 @@ def get_family(name) -> Family:
     if key not in FAMILIES: raise ValueError(f'unknown model family {name!r}; known families: {", ".join(FAMILIES)}')
     return FAMILIES[key]
 
+# %% ../nbs/05_pipelines.ipynb #pipe0503
+def register_family(f: Family) -> Family:
+    "Add family `f` to the registry, under its name and aliases (all new); every notebook then reads it from there."
+    if not isinstance(f, Family): raise ValueError(f'register_family takes a Family, got {type(f).__name__}')
+    if _key(f.name) != f.name: raise ValueError(f'a family name is lower case with - for spaces: {_key(f.name)!r}')
+    taken = [n for n in (f.name, *map(_key, f.aliases)) if n in FAMILIES or n in ALIASES]
+    if taken: raise ValueError(f'family name or alias {taken} already registered')
+    FAMILIES[f.name] = f
+    ALIASES.update({_key(a): f.name for a in f.aliases})
+    return f
+
+def unregister_family(name) -> Family:
+    "Remove the family `name` and its aliases from the registry; the record removed."
+    f = FAMILIES.pop(get_family(name).name)
+    for a in f.aliases: ALIASES.pop(_key(a), None)
+    return f
+
 # %% ../nbs/05_pipelines.ipynb #93efb211
 def families_table() -> pd.DataFrame:
     "The registry as a DataFrame, one row per family, with the source note of every measured fact."
@@ -301,7 +370,7 @@ def families_table() -> pd.DataFrame:
         rows.append(dict(family=f.name, pipeline=f.pipeline, base_repo=f.base_repo,
                          encoders=', '.join(f'{a}: {c}' for a, c in zip(f.encoders, f.encoder_arch)),
                          int8_keep_bf16=keep, keep_bf16_cosine='' if f.keep_bf16_cosine is None else f.keep_bf16_cosine,
-                         deny=', '.join(f.deny), auto_dense=f.auto_dense, tiny=f.name in TINY_FAMILIES,
+                         deny=', '.join(f.deny), auto_dense=f.auto_dense, tiny=f.tiny is not None,
                          sources=' | '.join(f'{k}: {v}' for k, v in f.sources.items())))
     return pd.DataFrame(rows)
 

@@ -264,7 +264,9 @@ TINY_MIN_FEATURES, REAL_MIN_FEATURES = 0, 512  # the lab's tiny models have 32-6
 @dataclass(frozen=True)
 class QuantPolicy:
     "The settings every layer of the lab needs, built once at the boundary, checked once, with one set of defaults."
-    min_features: int | None = None  # skip Linears narrower than this; None: decided by `features` (tiny 0, real 512)
+    min_features: int | None = None  # skip Linears narrower than this (a pipeline's denoisers, or the one model planned);
+                                     # None: decided by `features` (tiny 0, real 512)
+    te_min_features: int | None = None  # the same floor for a pipeline's text encoders (None: by their width)
     backend: str = 'auto'            # who runs a kernel: 'auto' (the probe decides), 'torchao', 'emulate'
     keep: tuple | None = None        # encoder blocks kept bf16, (first, last); None: the family's schedule
     on_unavailable: str = 'dense'    # a scheme that cannot run here: 'dense' (with the reason) or 'raise'
@@ -284,9 +286,10 @@ class QuantPolicy:
         if self.vocabulary != 'lab' and self.vocabulary not in VOCABULARIES:
             raise ValueError(f"unknown vocabulary {self.vocabulary!r}; choose 'lab' or one of {list(VOCABULARIES)}")
         if not 0 <= self.reserve < 1: raise ValueError(f'reserve must be in [0, 1), got {self.reserve!r}')
-        mf = self.min_features
-        if mf is not None and (isinstance(mf, bool) or not isinstance(mf, int) or mf < 0):
-            raise ValueError(f'min_features must be an integer >= 0 or None, got {mf!r}')
+        for name in ('min_features', 'te_min_features'):
+            mf = getattr(self, name)
+            if mf is not None and (isinstance(mf, bool) or not isinstance(mf, int) or mf < 0):
+                raise ValueError(f'{name} must be an integer >= 0 or None, got {mf!r}')
 
     def features(self, tiny: bool) -> int:
         "The width floor for a model: the one place the tiny-model exception is decided."
@@ -296,6 +299,11 @@ class QuantPolicy:
         "The width floor for `module`: tiny when none of its Linears is `REAL_MIN_FEATURES` wide both ways."
         widths = [min(m.in_features, m.out_features) for m in module.modules() if isinstance(m, nn.Linear)]
         return self.features(tiny=not widths or max(widths) < REAL_MIN_FEATURES)
+
+    def for_role(self, role: str) -> QuantPolicy:
+        "This policy as the planner of `role` ('denoiser' or 'te') reads it: `min_features` is that role's floor."
+        if role not in ('denoiser', 'te'): raise ValueError(f"unknown role {role!r}; choose 'denoiser' or 'te'")
+        return self if role == 'denoiser' else replace(self, min_features=self.te_min_features)
 
     @classmethod
     def split(cls, kw: dict) -> tuple[QuantPolicy, dict]:
