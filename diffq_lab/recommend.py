@@ -23,11 +23,11 @@ from .block_select import (N_CALIB, capture_calls, encoder_remedy, family_read_l
                                     remedy_verdict)
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
-from .gpus import gpu_spec, gpu_schemes
+from .gpus import get_format, gpu_spec, gpu_schemes
 from .memory import quantised_linears
+from .kernels import calibrate, default_path, kernel_paths, linear_time
 from .crossover import layer_pattern
-from .speed import (GEMM_COL, Workload, calibrate, default_path, denoiser_calls, kernel_paths, linear_time,
-                             memory_fit, pipeline_time, residual_bands)
+from .speed import Workload, denoiser_calls, memory_fit, pipeline_time, residual_bands
 
 # %% auto #0
 __all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget', 'EncoderBar',
@@ -45,7 +45,7 @@ RECOMMEND_RANKS = (8, 16, 32)               # their branch ranks weighed per Lin
 # %% ../nbs/16_recommend.ipynb #r0000109
 def _timed(spec, scheme: str) -> bool:
     "Whether `spec` has the tensor cores of the GEMM `scheme`'s kernel path runs (the speed model times it there)."
-    v = spec.get(GEMM_COL[kernel_paths().set_index('path').loc[default_path(scheme, 'inductor')].gemm])
+    v = spec.get(get_format(kernel_paths().set_index('path').loc[default_path(scheme, 'inductor')].gemm).col)
     return v is not None and bool(pd.notna(v)) and v > 0
 
 # %% ../nbs/16_recommend.ipynb #101fb46c

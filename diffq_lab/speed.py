@@ -4,8 +4,9 @@
 
 # %% ../nbs/12a_speed.ipynb #993d0488
 from __future__ import annotations
-import functools, math, re
-from dataclasses import dataclass, fields, replace
+import functools, math
+from dataclasses import dataclass, field, fields, replace
+from typing import Callable
 import numpy as np
 import pandas as pd
 import torch
@@ -14,23 +15,19 @@ from .core import TERM_WIDTH, markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
 from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded
-from .memory import (LOAD_MODES, PIXELS_PER_TOKEN, QUANT_RULES, get_model, linear_bytes, pipeline_memory,
-                              linear_plan, memory_estimate,
-                              pipeline_trace, denoiser_trace, linear_calls,
-                              linears_under_rules, quantised_linears, trace_ops, Workload as MemoryWorkload)
-from .gpus import gpu_spec, gpu_schemes
-from .crossover import model_linear_shapes, wrap_note
+from .memory import (LOAD_MODES, linear_bytes, pipeline_memory, linear_plan, memory_estimate,
+    Workload as MemoryWorkload)
+from .meta import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, pipeline_trace, denoiser_trace, linear_calls,
+    linears_under_rules, quantised_linears, trace_ops)
+from .gpus import format_peak, gpu_spec
+from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _encoder_time, _other_time,
+                               cpu_per_kernel, cpu_per_linear, default_path, linear_kernels, linear_time)
+from .crossover import wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'LOWRANK', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'TE_FAMILY', 'WEIGHT_ONLY',
-           'BENCH_CALL', 'FALLBACK', 'GEMM_COL', 'TILE', 'SMALL_M', 'CAL_GRID', 'DEQUANT_LIKE', 'H200_SOURCES',
-           'KERNEL_CHECK_FILE', 'QKV_FUSED', 'LOAD_WORDS', 'VALIDATION_FILE', 'LOSO_FILE', 'Workload', 'as_workload',
-           'VideoDiT', 'speed_family', 'token_grid', 'denoiser_calls', 'kernel_points', 'measured_kernel_points',
-           'kernel_paths', 'launch_costs', 'cpu_per_kernel', 'published_runs', 'lab_runs', 'torchao_since',
-           'default_path', 'arch_efficiency', 'cpu_per_linear', 'linear_time', 'linear_kernels', 'calibrate',
-           'kernel_check', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions',
-           'validate', 'error_summary', 'validation_table', 'residual_bands', 'leave_one_source_out',
-           'leave_one_run_source_out']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'QKV_FUSED', 'Workload', 'VideoDiT',
+           'speed_family', 'token_grid', 'denoiser_calls', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit',
+           'predict', 'format_predictions', 'residual_bands']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
@@ -38,17 +35,7 @@ ATTENTION = ('sdpa', 'cudnn', 'fp8', 'sage')   # torch SDPA's default kernel; it
 # other backends' weight formats (not torchao): each borrows a registered scheme's picks and memory as its stand-in
 BACKENDS = {'gguf_q8_0': 'int8wo', 'gguf_q4_0': 'int4wo', 'gguf_q4_1': 'int4wo', 'gguf_q4_k': 'int4wo', 'gguf_q2_k': 'int4wo',
             'bnb_nf4': 'int4wo'}
-LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
 PREDICT_SCHEMES = ('bf16', *SCHEMES, *BACKENDS)   # dense, then every registered scheme (a snapshot: the checks read live)
-_DATA = lambda name: repo_root()/'data'/name
-
-# %% ../nbs/12a_speed.ipynb #1487826c
-@functools.lru_cache(maxsize=8)
-def _csv(name: str) -> pd.DataFrame:
-    df = pd.read_csv(_DATA(name))
-    if 'source' in df and (df.source.fillna('').str.strip() == '').any():
-        raise ValueError(f'data/{name}: every row needs a source')
-    return df
 
 # %% ../nbs/12a_speed.ipynb #3d0fb20f
 def _check_int(name, v, lo, allow_none=False):
@@ -115,6 +102,25 @@ class VideoDiT:
     forwards_per_step: int # 2: classifier-free guidance on by default
     dims_source: str
     aliases: tuple = ()
+    # (family, token grid, text tokens, batch) -> the denoiser's forward kwargs on meta tensors (its own recipe)
+    inputs: Callable | None = field(default=None, hash=False, compare=False, repr=False)
+
+# %% ../nbs/12a_speed.ipynb #vd000001
+def _meta(*shape): return torch.empty(*shape, device='meta', dtype=torch.bfloat16)
+
+def _cogvideox_inputs(fam, grid, T: int, B: int) -> dict:
+    "CogVideoX's forward kwargs: latents (B, frames, 16, 2h, 2w) patched 2x2, T5 states 4096 wide."
+    f, h, w = grid
+    return dict(hidden_states=_meta(B, f, 16, 2 * h, 2 * w), encoder_hidden_states=_meta(B, T, 4096), timestep=_meta(B),
+                return_dict=False)
+
+def _ltx2_inputs(fam, grid, T: int, B: int) -> dict:
+    "LTX-2's forward kwargs: video tokens 128 wide, audio at 25 latents a second (24 fps), Gemma states 3840 wide."
+    f, h, w = grid
+    A = round(((f - 1) * fam.temporal + 1) / 24 * 25)
+    return dict(hidden_states=_meta(B, f * h * w, 128), audio_hidden_states=_meta(B, A, 128),
+                encoder_hidden_states=_meta(B, T, 3840), audio_encoder_hidden_states=_meta(B, T, 3840), timestep=_meta(B),
+                num_frames=f, height=h, width=w, audio_num_frames=A, return_dict=False)
 
 # %% ../nbs/12a_speed.ipynb #6a5d3759
 SPEED_FAMILIES = {f.name: f for f in (
@@ -123,12 +129,12 @@ SPEED_FAMILIES = {f.name: f for f in (
              720, 480, 49, 226, 4, 16, 50, 2,
              'THUDM/CogVideoX-5b transformer config (42 layers, 48 heads x 64 = 3072 wide, 5.6B; diffusers defaults '
              'otherwise); CogVideoXPipeline defaults: 720x480, 49 frames, 50 steps, guidance 6, 226 T5 tokens',
-             aliases=('cogvideox', 'cogvideox5b', 'cogvideo-x-5b')),
+             aliases=('cogvideox', 'cogvideox5b', 'cogvideo-x-5b'), inputs=_cogvideox_inputs),
     VideoDiT('ltx-2', 'LTX2VideoTransformer3DModel', {}, 768, 512, 121, 1024, 8, 32, 30, 2,
              'diffusers LTX2VideoTransformer3DModel defaults (48 layers; video 32 heads x 128 = 4096 wide, audio '
              '32 x 64 = 2048; 18.9B: the 19B LTX-2); LTX2Pipeline defaults: 768x512, 121 frames at 24 fps, 30 steps, '
              'guidance 3, 1024 text tokens; audio at 25 latents per second (16 kHz / hop 160 / 4)',
-             aliases=('ltx2', 'ltx-video-2')))}
+             aliases=('ltx2', 'ltx-video-2'), inputs=_ltx2_inputs))}
 _SPEED_ALIASES = {a: f.name for f in SPEED_FAMILIES.values() for a in (f.name, *f.aliases)}
 
 # %% ../nbs/12a_speed.ipynb #8b3151d1
@@ -169,26 +175,14 @@ def _video_module(name: str) -> nn.Module:
     with torch.device('meta'): tr = getattr(diffusers, fam.denoiser)(**fam.config)
     return cast_as_loaded(tr.eval(), torch.bfloat16)
 
-# %% ../nbs/12a_speed.ipynb #d22bbf61
-def _video_kwargs(fam: VideoDiT, grid, T: int, B: int) -> dict:
-    "Forward kwargs of a `SPEED_FAMILIES` denoiser on meta tensors (LTX-2: audio at 25 latents a second, 24 fps)."
-    e = lambda *s: torch.empty(*s, device='meta', dtype=torch.bfloat16)
-    f, h, w = grid
-    if fam.denoiser == 'CogVideoXTransformer3DModel':
-        return dict(hidden_states=e(B, f, 16, 2 * h, 2 * w), encoder_hidden_states=e(B, T, 4096), timestep=e(B),
-                    return_dict=False)
-    A = round(((f - 1) * fam.temporal + 1) / 24 * 25)
-    return dict(hidden_states=e(B, f * h * w, 128), audio_hidden_states=e(B, A, 128),
-                encoder_hidden_states=e(B, T, 3840), audio_encoder_hidden_states=e(B, T, 3840), timestep=e(B),
-                num_frames=f, height=h, width=w, audio_num_frames=A, return_dict=False)
-
 # %% ../nbs/12a_speed.ipynb #105e58f7
 @functools.lru_cache(maxsize=16)
 def _video_trace(name: str, grid: tuple, T: int, B: int) -> tuple[pd.DataFrame, object]:
     "(M, K, N) of every Linear call and the op trace of one forward of a `SPEED_FAMILIES` denoiser."
     tr = _video_module(name)
     with linear_calls(tr) as rows, torch.no_grad():
-        trace = trace_ops(lambda: tr(**_video_kwargs(SPEED_FAMILIES[name], grid, T, B)))
+        fam = SPEED_FAMILIES[name]
+        trace = trace_ops(lambda: tr(**fam.inputs(fam, grid, T, B)))
     return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
 
 # %% ../nbs/12a_speed.ipynb #b2cb48d3
@@ -214,593 +208,6 @@ def _picked(name: str, scheme: str, rules: str, features: int) -> frozenset:
     "The denoiser Linears of family `name` that take `scheme` under `rules` (the lab's at `features` wide)."
     if name not in SPEED_FAMILIES: return quantised_linears(name, scheme, rules, min_features=features)
     return linears_under_rules(_video_module(name), scheme, rules, features)
-
-# %% ../nbs/12a_speed.ipynb #13b58336
-def kernel_points() -> pd.DataFrame:
-    "Kernel-level published figures the model is calibrated on (`data/kernel_points.csv`), each with its source."
-    return _csv('kernel_points.csv').copy()
-
-# %% ../nbs/12a_speed.ipynb #a37f0002
-def _measured_path(scheme, compiled: bool, torchao) -> str:
-    return default_path(scheme, 'inductor' if compiled else 'none', torchao=torchao)
-
-# te_bench's encoder -> the family whose text encoder has its shape (the lab traces that one's kernels)
-TE_FAMILY = {'Qwen3-4B shape': 'z-image'}
-# the weight-only schemes gemm_bench times (no bare quantised GEMM: its gemm_only_s is bf16's). Compiled int8wo on the
-# H200 (torch 2.11, torchao 0.18) took 0.15-0.36 s a Linear, 0.003x bf16: inductor decomposing the int8 weight-only mm
-# into pointwise code, not a kernel of its own; it is reported, never fitted
-WEIGHT_ONLY = ('int8wo', 'fp8wo', 'int4wo')
-
-def _bf16_pairs(bench: pd.DataFrame):
-    "Each quantised `gemm_bench` row with the bf16 row timed before it in the same run, mode and shape."
-    last = {}
-    for r in bench[bench.status.eq('ok')].itertuples():
-        key = (r.run, bool(r.compiled), r.M, r.K, r.N)
-        if r.scheme == 'bf16': last[key] = r
-        elif r.scheme in ('int8', 'fp8', *WEIGHT_ONLY) and key in last: yield r, last[key]
-
-def measured_kernel_points(bench: pd.DataFrame, # `gemm_bench` rows of one GPU run (`data/results/gemm_bench.csv`)
-                           te: pd.DataFrame | None = None, # `te_bench` rows of the same GPU (`data/results/te_bench.csv`)
-                          ) -> pd.DataFrame:
-    "Kernel points from the lab's own GPU rows: bare-GEMM ratios, each Linear's seconds beyond its GEMM, eager dispatch."
-    rows = []
-    for q, b in _bf16_pairs(bench):
-        comp, M, K, N = bool(q.compiled), q.M, q.K, q.N
-        if q.scheme == 'int8wo' and comp: continue      # see WEIGHT_ONLY: not a kernel, inductor's decomposition
-        gpu, url = gpu_spec(str(b.device_name))['gpu'], f'data/results/gemm_bench.csv (run {q.run})'
-        path, mode = _measured_path(q.scheme, comp, q.torchao), 'compiled' if comp else 'eager'
-        common = dict(source=f'lab-{gpu}-gemm', url=url, gpu=gpu, path=path, M=M, K=K, N=N, rank=np.nan,
-                      torch=q.torch, torchao=q.torchao)
-        # the harness's own per-call cost (dispatch, events) is what bf16 spends beyond its GEMM: netted out
-        harness = b.median_s - b.gemm_only_s
-        if q.scheme == 'int4wo':      # tinygemm is the whole Linear: its seconds, as the published kernel times are given
-            rows.append(dict(common, kind='gemm_ms', value=(q.median_s - harness) * 1e3, unit='ms',
-                             note=f'{mode} torchao Int4WeightOnlyConfig Linear: median minus the bf16 arm\'s harness cost'))
-            continue
-        if q.scheme in WEIGHT_ONLY:   # no bare quantised GEMM: what the Linear spends beyond the bf16 Linear beside it
-            if q.median_s > b.median_s:
-                rows.append(dict(common, kind='linear_extra_s', value=q.median_s - b.median_s, unit='s beyond the bare GEMM',
-                                 note=f'{mode} torchao {q.scheme} Linear: median minus the bf16 Linear\'s (its GEMM is bf16\'s)'))
-            continue
-        rows.append(dict(common, kind='gemm_speedup_noquant', value=b.gemm_only_s / q.gemm_only_s, unit='x vs bf16',
-                         note=f'bare torch.mm vs the bare {q.scheme} GEMM, {mode} run\'s timing (median of 20)'))
-        extra = (q.median_s - q.gemm_only_s) - harness
-        if extra > 0:
-            rows.append(dict(common, kind='linear_extra_s', value=extra, unit='s beyond the bare GEMM',
-                             note=f'{mode} torchao Linear: median minus its bare GEMM, net of the bf16 arm\'s same difference'))
-    if te is not None:
-        for (run, T), g in te[te.status.eq('ok') & te.device.eq('cuda')].groupby(['run', 'tokens'], sort=False):
-            b = g[g.scheme.eq('bf16')]
-            if b.empty: continue
-            if T != te[te.run.eq(run)].tokens.min(): continue      # the shortest prompts: the GPU work is a few us a Linear
-            b, gpu = b.iloc[0], gpu_spec(str(g.device_name.iloc[0]))['gpu']
-            common = dict(point=None, source=f'lab-{gpu}-te', url=f'data/results/te_bench.csv (run {run})', gpu=gpu, M=T,
-                          K=np.nan, N=np.nan, rank=np.nan)
-            if (fam := TE_FAMILY.get(b.encoder)):                   # dense eager: CPU-bound, one dispatch per traced kernel
-                k = pipeline_trace(fam, 1024, 1, None, int(T))['text_encoder'].eager_kernels
-                rows.append(dict(common, kind='eager_kernel_s', path='bf16', value=b.median_s / k, unit='s per eager kernel',
-                                 torch=b.torch, torchao=b.torchao,
-                                 note=f'{b.encoder} ({b.layers} layers) bf16 eager at {T} tokens: median / the {k} kernels '
-                                      f'of the lab\'s trace of {fam}\'s encoder'))
-            for q in g[g.scheme.isin(['int8', 'fp8'])].itertuples():
-                n = int(str(q.quantized).split('/')[0])
-                rows.append(dict(common, kind='eager_linear_s', path=_measured_path(q.scheme, False, q.torchao),
-                                 value=(q.median_s - b.median_s) / n, unit='s per quantised Linear', torch=q.torch,
-                                 torchao=q.torchao,
-                                 note=f'{q.encoder} ({q.layers} layers) eager at {T} tokens: (median - bf16 median) / {n} Linears'))
-    out = pd.DataFrame(rows)
-    if out.empty: return out
-    out['point'] = [f'{r.gpu}-{r.kind.split("_")[0]}-{r.path}-{i}' for i, r in enumerate(out.itertuples())]
-    return out[list(kernel_points().columns)]
-
-# %% ../nbs/12a_speed.ipynb #b883f388
-def kernel_paths() -> pd.DataFrame:
-    "How each scheme's Linear runs per execution mode and torchao version (`data/kernel_paths.csv`), with sources."
-    return _csv('kernel_paths.csv').copy()
-
-# %% ../nbs/12a_speed.ipynb #59b187f8
-@functools.lru_cache(maxsize=1)
-def _path_rows() -> pd.DataFrame: return kernel_paths().set_index('path')
-
-# %% ../nbs/12a_speed.ipynb #64c02675
-def launch_costs() -> pd.DataFrame:
-    "CPU cost per kernel launch and GPU floor per kernel in each execution mode (`data/launch.csv`)."
-    return _csv('launch.csv').set_index('mode')
-
-def cpu_per_kernel(mode: str, # 'eager', 'inductor' or 'cudagraphs'
-                   cal: dict | None = None, # the calibration (None: `calibrate()`)
-                  ) -> float:
-    "CPU seconds a kernel launch costs in `mode`: eager's measured where a GPU run gave it, else `data/launch.csv`'s."
-    fit = (_calibration() if cal is None else cal).get('eager_dispatch', {}) if mode == 'eager' else {}
-    return float(fit['cpu_s']) if 'cpu_s' in fit else float(launch_costs().loc[mode].cpu_us_per_kernel) * 1e-6
-
-# %% ../nbs/12a_speed.ipynb #f399f004
-def published_runs() -> pd.DataFrame:
-    "Published end-to-end runs (`data/published_runs.csv`): the validation set, never used to fit."
-    df = _csv('published_runs.csv').copy()
-    df['height'] = df.height.fillna(0).astype(int) if 'height' in df else 0     # 0: square, `size` x `size`
-    return df
-
-# what the lab's `transformer_bench` renders (15_study: `render` with the pipeline's own defaults, 'a photo of a cat'):
-# ZImagePipeline's default guidance_scale 5.0 batches CFG, two forwards a step; the prompt and the empty negative prompt
-# (13 and 8 tokens with the chat template and the committed BPE) enter the DiT padded to 32 tokens each
-BENCH_CALL = {'z-image': dict(forwards_per_step=2, text_tokens=32)}
-
-def lab_runs() -> pd.DataFrame:
-    "The lab's own end-to-end GPU runs (`transformer_bench`, real dims) as validation rows, in `published_runs`' columns."
-    p = repo_root()/'data'/'results'/'transformer_bench.csv'
-    t = pd.read_csv(p) if p.exists() else pd.DataFrame(columns=['device'])
-    t = t[t.device.eq('cuda') & t.status.eq('ok') & t.dims.eq('real dims, random weights') & t.family.isin(list(BENCH_CALL))]
-    rows = [dict(run=f'{r.run}-{r.config}', source=f"lab-{gpu_spec(str(r.device_name))['gpu']}-transformer-bench",
-                 url=f'data/results/transformer_bench.csv (run {r.run})', gpu=gpu_spec(str(r.device_name))['gpu'],
-                 model=r.family, size=int(r.size), height=0, batch=1, steps=int(r.steps), **BENCH_CALL[r.family],
-                 compile='inductor' if r.compile else 'none', rules='lab', scheme='bf16' if r.scheme == 'dense' else r.scheme,
-                 path='', seconds=float(r.median_s), resident_GiB=np.nan, peak_GiB=np.nan, load='after-load', use='validate',
-                 torch=r.torch, torchao=r.torchao,
-                 note=f'the lab\'s own run ({r.pair}, {r.quantized} Linears, {r.runs} interleaved rounds; median s); random '
-                      f'weights at real dims; memory not compared (mem_load is the transformer alone)')
-            for r in t.itertuples()]
-    return pd.DataFrame(rows, columns=list(published_runs().columns))
-
-# %% ../nbs/12a_speed.ipynb #e9713601
-def _lowrank_base(scheme: str) -> str:
-    "The registered low-rank scheme a rank variant comes from ('nvfp4_lr16' -> 'nvfp4_lr'); any other scheme itself."
-    s = get_scheme(scheme) if scheme in SCHEMES else None
-    if s is None or s.rank is None: return scheme
-    bases = [b for b in set(kernel_paths().query('lowrank.notna()').scheme) if s.name.startswith(b)]
-    return max(bases, key=len) if bases else s.name
-
-def torchao_since(v) -> tuple:
-    "The lowest torchao version a path's `torchao` field or a run's version names ('>=0.18' -> (0, 18); none: (0, 0))."
-    m = re.search(r'(\d+)\.(\d+)', v) if isinstance(v, str) and not v.startswith('<') else None
-    return (int(m[1]), int(m[2])) if m else (0, 0)
-
-def default_path(scheme: str, # a scheme with a kernel path (a low-rank scheme's rank variants share their base's)
-                 compile: str, # 'none', 'inductor' or 'cudagraphs'
-                 lowrank: str = 'fused', # a low-rank scheme's branch: 'fused' (nunchaku) or 'unfused'
-                 torchao: str | None = None, # the torchao a run used ('0.6-era nightly', '0.17'; None: the newest)
-                ) -> str:
-    "The kernel path `scheme` runs under `compile`: the newest (or `torchao`'s) path of that mode; a low-rank one's by `lowrank`."
-    p = kernel_paths()
-    mode = 'eager' if compile == 'none' else 'compiled'
-    rows = p[(p.scheme == _lowrank_base(scheme)) & p['mode'].isin([mode, 'any'])]
-    if rows.lowrank.notna().any():
-        if lowrank not in LOWRANK: raise ValueError(f'unknown lowrank {lowrank!r}; choose one of {", ".join(LOWRANK)}')
-        rows = rows[rows.lowrank == lowrank]
-    if rows.empty:
-        raise ValueError(f'no kernel path for {scheme!r}; schemes with one: {", ".join(sorted(set(p.scheme)))}')
-    if isinstance(torchao, str) and torchao:
-        # a path that needs a newer torchao than the run's is not the run's; older than every path: the oldest
-        since = rows.torchao.map(torchao_since)
-        ok = since <= torchao_since(torchao)
-        rows = rows[ok] if ok.any() else rows[since == since.min()]
-    return rows.path.iloc[0]
-
-# %% ../nbs/12a_speed.ipynb #909d7103
-# 12_crossover's EFFICIENCY (mma_eff, gemm_bw_eff): only where a point is left out
-FALLBACK = dict(gemm=0.70, elementwise=0.90)
-_LEFT_OUT: set = set()                           # kernel-point sources left out (leave_one_source_out)
-
-# %% ../nbs/12a_speed.ipynb #080fe0eb
-@functools.lru_cache(maxsize=1)
-def _points() -> dict: return {r.point: (r.source, float(r.value)) for r in kernel_points().itertuples()}
-
-# %% ../nbs/12a_speed.ipynb #17bef7cc
-def _point(pid):
-    "A kernel point's value; None when its source is left out."
-    src, v = _points()[pid]
-    return None if src in _LEFT_OUT else v
-
-# %% ../nbs/12a_speed.ipynb #3ac12945
-def _ratio(pid, gpu, col, default):
-    v = _point(pid)
-    return default if v is None else v / float(gpu_spec(gpu)[col])
-
-# %% ../nbs/12a_speed.ipynb #84deb03a
-def _mean_of(*values, default):
-    "The mean of the values that are not None (`default` when none is left)."
-    vs = [v for v in values if v is not None]
-    return sum(vs) / len(vs) if vs else default
-
-# %% ../nbs/12a_speed.ipynb #3dda8bd6
-def arch_efficiency(gpu) -> dict:
-    "Shares of the datasheet peaks that GEMMs, attention (per backend) and elementwise kernels reach on `gpu`."
-    spec = gpu_spec(gpu)
-    major = int(float(spec.get('capability') or 0))
-    return dict(_arch_efficiency(spec.get('arch', ''), major, frozenset(_LEFT_OUT)))
-
-# %% ../nbs/12a_speed.ipynb #7d5fed96
-@functools.lru_cache(maxsize=32)
-def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
-    bw = _ratio('h2c', 'h200', 'mem_bw_tbs', FALLBACK['elementwise'])           # the lab's H200 copy
-    hopper = _ratio('h2b', 'h200', 'bf16_tflops', FALLBACK['gemm'])               # the lab's H200 matmul
-    # torch SDPA's flash kernel (FlashAttention-2) on the H100, where the record has it
-    fa2 = _mean_of(_ratio('fa2h', 'h100', 'bf16_tflops', None), _point('fa2'), default=hopper)
-    cudnn_h = _ratio('cudnnh', 'h100', 'bf16_tflops', fa2)
-    if arch == 'Blackwell':
-        bf16 = _ratio('sgb', 'b200', 'bf16_tflops', FALLBACK['gemm'])
-        fp8 = _ratio('sg8', 'b200', 'fp8_tflops', FALLBACK['gemm'])
-        cudnn = _ratio('cudnn', 'b200', 'bf16_tflops', bf16)
-        # sm_100: FA2 has no tcgen05 path; sm_120 (no tcgen05 at all): FA2's mma.sync is the native path, as on Hopper
-        sdpa = _ratio('fa2b', 'b200', 'bf16_tflops', fa2) if major == 10 else fa2
-        src = 'B200 GEMMs (seed), SDPA FA2 on sm_100 (flashinfer #5133), cuDNN attention (FA4 paper)'
-        if major != 10: src += f'; sm_{major}0 attention borrowed from the H100 FA2 figures'
-    else:
-        bf16 = fp8 = hopper
-        sdpa, cudnn = fa2, cudnn_h
-        src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
-        if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
-    return dict(bf16=bf16, int4wo=bf16, fp8=fp8, int8=fp8, int4=fp8, mxfp8=fp8, nvfp4=fp8, attention=sdpa, attention_cudnn=cudnn,
-                attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5),
-                # SageAttention's published speedup over FA2 (RTX 4090) on every architecture: no other kernel point
-                attention_sage=sdpa * (_point('sg1') or 1.0), elementwise=bw, source=src)
-
-# %% ../nbs/12a_speed.ipynb #e7318d21
-GEMM_COL = {'bf16': 'bf16_tflops', 'int8': 'int8_tops', 'fp8': 'fp8_tflops', 'mxfp8': 'mxfp8_tflops',
-            'nvfp4': 'fp4_tflops', 'int4wo': 'bf16_tflops',   # tinygemm runs bf16 mma on weights it dequantises
-            'int4': 'int4_tops'}                              # INT4 W4A4 (nunchaku): the int4 mma of sm_75-89
-TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill the SMs in waves (a partial wave costs a whole one)
-SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
-
-# %% ../nbs/12a_speed.ipynb #cf53adf5
-def _peak(spec, dtype) -> float:
-    # tinygemm's rate follows the SMs, not the tensor-core peak: its in-register dequantise bounds it (measured, TFLOPS per
-    # SM: A6000 0.19, H200 0.22; as shares of the bf16 peak 0.10 and 0.03), so its fitted `gemm_eff` is TFLOPS per SM
-    if dtype == 'int4wo' and pd.notna(spec.get('sms')): return float(spec['sms']) * 1e12
-    v = spec.get(GEMM_COL[dtype])
-    if v is None or pd.isna(v) or v <= 0:
-        raise ValueError(f"{spec['gpu']} has no {dtype} tensor cores; its formats: {', '.join(gpu_schemes(spec))}")
-    return float(v) * 1e12
-
-# %% ../nbs/12a_speed.ipynb #0bab137d
-def _fit_for(path, spec, cal) -> dict:
-    "`path`'s fitted values where they hold on `spec`: a fit made on one architecture's points says so (`arch`)."
-    cal = cal or {}
-    if f'{path}@{spec.get("arch")}' in cal: return cal[f'{path}@{spec.get("arch")}']   # the lab's own GPU's fit
-    fit = cal.get(path, {})
-    return fit if fit.get('arch') in (None, spec.get('arch')) else {}
-
-def cpu_per_linear(path, spec, cal=None) -> float:
-    "CPU seconds an eager quantised Linear of `path` spends beyond a dense one's and its extra kernels' launches."
-    v, cal = _path_rows().loc[path].cpu_us_per_linear, _calibration() if cal is None else cal
-    fit = _fit_for(path, spec, cal)
-    if 'cpu_s' not in fit: return 0.0 if v == 'fit' else float(v) * 1e-6
-    # measured as a whole Linear's extra CPU time: its extra kernels' launches are counted apart (`linear_kernels`)
-    return max(float(fit['cpu_s']) - (linear_kernels(path) - 1) * cpu_per_kernel('eager', cal), 0.0)
-
-def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float]:
-    "The kernel-path row, its GEMM efficiency, cast bandwidth share, fixed seconds per Linear and per wave (fitted)."
-    p = _path_rows().loc[path]
-    eff = arch_efficiency(spec)
-    fit = _fit_for(path, spec, cal)
-    ge = fit.get('gemm_eff', eff[p.gemm])
-    if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
-    cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
-        eff['elementwise'] if p.cast_bw in ('elementwise', '') or pd.isna(p.cast_bw) else float(p.cast_bw)
-    return p, ge, cb, fit.get('overhead_s', 0.0), fit.get('wave_s', 0.0)
-
-# %% ../nbs/12a_speed.ipynb #35cb2df2
-def _gemm_math(spec, M, K, N, peak, ge, wave_s, waves: bool):
-    "Seconds of a GEMM's math: output tiles in waves over the SMs (a partial wave costs a whole one), or a flat rate."
-    sms = spec.get('sms')
-    if not waves or sms is None or pd.isna(sms): return 2 * M * K * N / (peak * ge) + wave_s
-    bm = np.minimum(TILE, np.ceil(M / 16) * 16)              # small-M kernels take shorter tiles
-    w = np.ceil(np.ceil(M / bm) * np.ceil(N / TILE) / float(sms))
-    return w * (2 * bm * TILE * K / (peak * ge / float(sms)) + wave_s)
-
-# %% ../nbs/12a_speed.ipynb #5d1f0a05
-def _branch_time(spec, M, K, N, rank, how: str, cal, floor: float = 2e-6):
-    "GPU seconds a rank-`rank` bf16 branch (x @ L1: M x K x r, then @ L2: M x r x N) adds to a W4A4 Linear, fused or not."
-    if not rank or not how: return 0.0
-    bw, eff = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)
-    fit, peak = (cal or {}).get('lowrank', {}), _peak(spec, 'bf16')
-    r, flops = float(rank), 2 * M * float(rank) * (K + N)
-    if how == 'fused':
-        # the down projection rides the cast kernel's read of x and the up projection the GEMM's output tile: the branch's
-        # math at a share of the bf16 rate, its two factors and its M x r fp32 activation (written, read) the only traffic
-        return flops / (peak * fit.get('fused_eff', eff['bf16'])) + (2 * r * (K + N) + 8 * M * r) / (bw * eff['elementwise'])
-    # unfused: two rank-r bf16 GEMMs of their own, memory-bound; the down one reads x again, the up one accumulates into y
-    mem = bw * fit.get('unfused_bw', eff['elementwise'])
-    gemm = lambda f, b: np.maximum(f / (peak * eff['bf16']), b / mem) + floor
-    return gemm(2 * M * K * r, 2 * M * K + 2 * K * r + 2 * M * r) + gemm(2 * M * r * N, 2 * M * r + 2 * r * N + 4 * M * N)
-
-# %% ../nbs/12a_speed.ipynb #35cb2df3
-def linear_time(spec, # a GPU name or spec dict
-                M, # tokens (rows of x); int or numpy array
-                K, # in features; int or numpy array
-                N, # out features; int or numpy array
-                path: str, # a kernel path of `kernel_paths()`
-                cal=None, # the path calibration (None: the fallbacks and the table's own values)
-                compiled: bool = True, # under torch.compile (a weight-only GEMV fuses its dequantise at small M)
-                floor: float = 2e-6, # the shortest a kernel takes, in seconds
-                quant: bool = True, # False: the GEMM alone (operands already cast, no rescale: a no-quant microbenchmark)
-                rank: int | None = None, # a low-rank path's branch rank (None: its scheme's `Scheme.rank`)
-               ):
-    "GPU seconds of (M, K, N) Linears run by kernel `path` on `spec`: GEMM in waves, cast, amax, epilogue, dequantise, branch."
-    spec = gpu_spec(spec)
-    p, ge, cb, ovh, ws = _path_params(path, spec, cal)
-    bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
-    M, K, N = (np.asarray(v, dtype=float) for v in (M, K, N))
-    # another backend's dequantise (`dequant_bytes`): its own passes, fused into a GEMV only at its own `gemv_m` rows
-    own = _own_dequant(p)
-    gemv = (M <= float(p.gemv_m)) if own else bool(p.dequant) & compiled & (M <= SMALL_M)
-    wb = np.where(gemv, p.w_bytes, 2.0) if p.dequant else p.w_bytes
-    # tinygemm dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
-    math_s = _gemm_math(spec, M, K, N, _peak(spec, p.gemm), ge, ws, p.gemm != 'int4wo')
-    gemm = np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor
-    t = gemm + ovh + (p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels and quant else 0.0)
-    # amax and rescale passes run like the cast kernels
-    mem = bw * np.minimum(ew, cb)
-    t = t + ((2 * M * K / mem + floor) * p.amax_pass + (p.epilogue_bytes * M * N / mem + p.epilogue_kernels * floor)) * quant
-    # a weight-only path's dequantise is its quantisation pass: gone when the weight is taken as already bf16 (quant=False)
-    deq = (float(p.dequant_bytes) * N * K / (bw * cb) + int(p.dequant_kernels) * floor) if own else (p.w_bytes + 2) * N * K / mem + floor
-    if p.dequant: t = t + np.where(gemv, 0.0, deq) * (1 if quant else 0)
-    if isinstance(p.lowrank, str) and p.lowrank:   # an SVDQuant-style bf16 branch beside the W4A4 GEMM
-        t = t + _branch_time(spec, M, K, N, get_scheme(p.scheme).rank if rank is None else rank, p.lowrank, cal, floor)
-    return t
-
-# %% ../nbs/12a_speed.ipynb #b9726133
-def linear_kernels(path: str) -> int:
-    "Kernels one Linear of `path` launches (GEMM, cast, amax, epilogue, dequant; an unfused low-rank branch's two GEMMs)."
-    p = _path_rows().loc[path]
-    deq = int(p.dequant_kernels) if _own_dequant(p) else p.dequant
-    return int(1 + p.cast_kernels + p.amax_pass + p.epilogue_kernels + deq + 2 * (p.lowrank == 'unfused'))
-
-def _own_dequant(p) -> bool:
-    "Whether a path row prices its dequantise by its own bytes and kernels (another backend's: GGUF, bitsandbytes)."
-    return 'dequant_bytes' in p and pd.notna(p.dequant_bytes) and float(p.dequant_bytes or 0) > 0
-
-# %% ../nbs/12a_speed.ipynb #6b6aeeb4
-CAL_GRID = dict(gemm_eff=np.round(np.arange(0.30, 0.991, 0.01), 2), overhead_s=np.round(np.arange(0, 30.01e-6, 0.5e-6), 9),
-                wave_s=np.round(np.arange(0, 1.01e-6, 0.25e-6), 9),   # a wave's prologue and epilogue: ~1 us at most
-                flat_eff=np.round(np.arange(0.01, 0.601, 0.001), 3),   # a flat-rate kernel's share (tinygemm)
-                pass_bw=np.round(np.geomspace(0.01, 0.99, 161), 4),    # torch's eager passes reach far less than a copy
-                call_s=np.round(np.arange(0, 300.1e-6, 2e-6), 9))      # a lone compiled call's wrapper beyond bf16's
-
-# %% ../nbs/12a_speed.ipynb #43c83ce6
-def _relu_linear_speedup(spec, n, path, cal) -> np.ndarray:
-    "Predicted speedup of a compiled ReLU -> Linear cube n^3 in `path` over bf16 (the torchao benchmark's layout)."
-    bw, ew = float(spec['mem_bw_tbs']) * 1e12, arch_efficiency(spec)['elementwise']
-    relu = 4 * n * n / (bw * ew) + 2e-6                               # bf16 ReLU: read 2, write 2 bytes per element
-    # the ReLU fuses into an inductor cast; the passes a network fuses away run alone here (the alone_* columns: a
-    # custom-op cast needs the ReLU's output written, a rescale after the GEMM has no pointwise op to join)
-    p = _path_rows().loc[path]
-    cb = np.minimum(ew, (cal or {}).get(path, {}).get('cast_bw', ew))
-    alone = (p.alone_in_bytes + p.alone_out_bytes) * n * n / (bw * cb) + p.alone_kernels * 2e-6
-    return (relu + linear_time(spec, n, n, n, 'bf16', cal)) / (linear_time(spec, n, n, n, path, cal) + alone)
-
-# %% ../nbs/12a_speed.ipynb #5d1f0a01
-def _gemm_speedup(spec, M, K, N, path, cal, quant: bool = True) -> np.ndarray:
-    "Predicted speedup of `path`'s Linear (with its activation cast, or the GEMM alone) over a bf16 GEMM of (M, K, N)."
-    return linear_time(spec, M, K, N, 'bf16', cal) / linear_time(spec, M, K, N, path, cal, quant=quant)
-
-# %% ../nbs/12a_speed.ipynb #3a61fe23
-def _fit_flat(g) -> dict:
-    "A flat-rate path's GEMM share of the bf16 peak, fitted on its published kernel times (`gemm_ms` points)."
-    spec, ge = gpu_spec(g.gpu.iloc[0]), CAL_GRID['flat_eff']
-    path = g.path.iloc[0]
-    err = np.stack([np.log(linear_time(spec, r.M, r.K, r.N, path, {path: dict(gemm_eff=ge)}) / (r.value * 1e-3))
-                    for r in g.itertuples()])
-    return dict(gemm_eff=float(ge[np.argmin((err ** 2).mean(0))]))
-
-# %% ../nbs/12a_speed.ipynb #5d1f0a02
-def _fit_gemm_speedup(g) -> dict:
-    "A path fitted on a GEMM microbenchmark's ratios to bf16: GEMM share, fixed costs (no-quant), then its cast's bandwidth."
-    spec, path = gpu_spec(g.gpu.iloc[0]), g.path.iloc[0]
-    ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
-    nq, q = g[g.kind.eq('gemm_speedup_noquant')], g[g.kind.eq('gemm_speedup')]
-    sq = lambda err: (np.stack(err) ** 2).mean(0)
-    fit = {path: dict(gemm_eff=ge, overhead_s=ov, wave_s=ws)}
-    i = np.unravel_index(np.argmin(sq([np.log(_gemm_speedup(spec, r.M, r.K, r.N, path, fit, quant=False) / r.value)
-                                       for r in nq.itertuples()])), ge.shape)
-    out = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]))
-    cb = CAL_GRID['gemm_eff']                          # the quant kernel's share of peak bandwidth, on the same grid
-    if len(q):
-        fit = {path: dict(out, cast_bw=cb)}
-        out['cast_bw'] = float(cb[np.argmin(sq([np.log(_gemm_speedup(spec, r.M, r.K, r.N, path, fit) / r.value)
-                                                 for r in q.itertuples()]))])
-    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))), arch=spec.get('arch'))
-
-# %% ../nbs/12a_speed.ipynb #a37f0001
-def _lone_extra(spec, M, K, N, path, cal, cpu: float = 0.0) -> np.ndarray:
-    "Seconds a lone Linear of `path` spends beyond its bare GEMM: its passes (or its CPU dispatch) and a lone call's cost."
-    passes = linear_time(spec, M, K, N, path, cal) - linear_time(spec, M, K, N, path, cal, quant=False)
-    # a lone eager Linear's kernels start as the CPU launches them: the GPU passes hide under the dispatch or it under them;
-    # a lone compiled call pays its wrapper and guards beyond bf16's (`call_s`): a whole compiled DiT pays them once
-    return np.maximum(passes, cpu) + _fit_for(path, spec, cal).get('call_s', 0.0)
-
-def _fit_passes(g, base: dict) -> dict:
-    "A path's pass bandwidth share on lone-Linear extra seconds (`linear_extra_s`); an eager one's CPU per Linear first."
-    spec, path = gpu_spec(g.gpu.iloc[0]), g.path.iloc[0]
-    cpu_pts, x = g[g.kind.eq('eager_linear_s')], g[g.kind.eq('linear_extra_s')]
-    cpu = float(cpu_pts.value.mean()) if len(cpu_pts) else 0.0
-    out = dict(base, arch=spec.get('arch'))
-    if len(cpu_pts): out['cpu_s'] = cpu
-    if len(x):
-        # compiled: the passes' bandwidth and a lone call's fixed cost (charged in calibration only, like `alone_*`)
-        calls = CAL_GRID['call_s'] if _path_rows().loc[path]['mode'] == 'compiled' else np.zeros(1)
-        cb, cs = np.meshgrid(CAL_GRID['pass_bw'], calls, indexing='ij')
-        fit = {path: dict(base, cast_bw=cb, call_s=cs)}
-        err = np.stack([np.log(_lone_extra(spec, r.M, r.K, r.N, path, fit, cpu) / r.value) for r in x.itertuples()])
-        i = np.unravel_index(np.argmin((err ** 2).mean(0)), cb.shape)
-        out['cast_bw'] = float(cb[i])
-        if calls.any(): out['call_s'] = float(cs[i])
-    srcs = set(g.source) | ({base['source']} if base.get('source') else set())
-    return dict(out, points=base.get('points', 0) + len(g), source=', '.join(sorted(srcs)))
-
-# %% ../nbs/12a_speed.ipynb #5d1f0a06
-def _lowrank_overhead(spec, M, K, N, path, rank, cal) -> np.ndarray:
-    "Predicted latency a rank-`rank` branch adds to a W4A4 Linear of `path`, as a fraction of the Linear without it."
-    return linear_time(spec, M, K, N, path, cal, rank=rank) / linear_time(spec, M, K, N, path, cal, rank=0) - 1
-
-def _fit_lowrank(g) -> dict:
-    "The branch's share of the bf16 rate when fused, and its kernels' bandwidth share when not, on published overheads."
-    grid, out = CAL_GRID['gemm_eff'], {}
-    for how, key in (('fused', 'fused_eff'), ('unfused', 'unfused_bw')):
-        h = g[g.path.map(lambda q: _path_rows().loc[q].lowrank) == how]
-        if h.empty: continue
-        cal = {'lowrank': {key: grid}}
-        err = np.stack([np.log1p(_lowrank_overhead(gpu_spec(r.gpu), r.M, r.K, r.N, r.path, int(r.rank), cal)) - np.log1p(r.value)
-                        for r in h.itertuples()])
-        out[key] = float(grid[np.argmin((err ** 2).mean(0))])
-    return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
-
-# %% ../nbs/12a_speed.ipynb #3a61fe24
-# the GGUF types with no published chain-vs-kernel figure take their family's (Q4_1 unpacks nibbles as Q4_0; Q2_K is a K-quant)
-DEQUANT_LIKE = {'gguf_q4_1': 'gguf_q4_0', 'gguf_q2_k': 'gguf_q4_k'}
-
-def calibrate(points=None, drop_sources=()) -> dict:
-    "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
-    pts = kernel_points() if points is None else points
-    pts = pts[~pts.source.isin(drop_sources)]
-    casts = pts[pts.kind.eq('cast_bw_fraction')].value
-    # the published block-scaled cast kernels' share of peak bandwidth
-    cb = float(casts.mean()) if len(casts) else None
-    out = {}
-    for path, g in pts[pts.kind.eq('gemm_ms')].groupby('path'):
-        # a flat-rate kernel's rate differs per architecture (tinygemm per SM: 0.19 TFLOPS on the A6000, 0.22 on the H200):
-        # the lab's own GPU rows fit `path@arch`, the published figures `path` for every other architecture
-        arch = g.gpu.map(lambda x: gpu_spec(x).get('arch'))
-        lab = g.source.str.startswith('lab-')
-        for a, h in g[lab].groupby(arch[lab]):
-            out[f'{path}@{a}'] = dict(_fit_flat(h), points=len(h), source=', '.join(sorted(set(h.source))), arch=a)
-        if (~lab).any():
-            out[path] = dict(_fit_flat(g[~lab]), points=int((~lab).sum()), source=', '.join(sorted(set(g[~lab].source))))
-    for path, g in pts[pts.kind.isin(['gemm_speedup', 'gemm_speedup_noquant'])].groupby('path'):
-        out[path] = _fit_gemm_speedup(g)
-    # measured lone Linears (the lab's own GPU runs): each path's passes beyond its bare GEMM, an eager one's CPU dispatch
-    for path, g in pts[pts.kind.isin(['linear_extra_s', 'eager_linear_s'])].groupby('path'):
-        out[path] = _fit_passes(g, out.get(path, {}))
-    if len(d := pts[pts.kind.eq('eager_kernel_s')]):     # a host's eager dispatch, measured on a CPU-bound dense encoder
-        out['eager_dispatch'] = dict(cpu_s=float(d.value.mean()), points=len(d), source=', '.join(sorted(set(d.source))))
-    if len(lr := pts[pts.kind.eq('lowrank_overhead')]): out['lowrank'] = _fit_lowrank(lr)
-    for q in kernel_paths().query('gemm == "int4wo"').path:   # one kernel, eager or compiled: one fitted rate per arch
-        for k in [k for k in list(out) if k.startswith('int4wo_tinygemm@') or k == 'int4wo_tinygemm']:
-            if (kq := k.replace('int4wo_tinygemm', q)) not in out: out[kq] = out[k]
-    ge, ov, ws = np.meshgrid(CAL_GRID['gemm_eff'], CAL_GRID['overhead_s'], CAL_GRID['wave_s'], indexing='ij')
-    for path, g in pts[pts.kind.eq('relu_linear_speedup')].groupby('path'):
-        spec = gpu_spec(g.gpu.iloc[0])
-        fit = {path: dict(gemm_eff=ge, overhead_s=ov, wave_s=ws, **({'cast_bw': cb} if cb else {}))}
-        err = np.stack([np.log(_relu_linear_speedup(spec, v, path, fit) / s) for v, s in zip(g.M.to_numpy(float), g.value)])
-        i = np.unravel_index(np.argmin((err ** 2).mean(0)), ge.shape)
-        out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
-                         **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
-    # another backend's dequantise: one fused kernel's published bandwidth share, over its PyTorch chain's slowdown
-    if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
-        share, slow = float(dq.value.mean()), pts[pts.kind.eq('dequant_slowdown')]
-        by = {r.path: (float(r.value), r.source) for r in slow.itertuples()}
-        for q in kernel_paths().path[kernel_paths().dequant_bytes.notna()]:
-            s, src = by.get(q, by.get(DEQUANT_LIKE.get(q), (1.0, None)))
-            out[q] = dict(cast_bw=share / s, points=len(dq) + (src is not None),
-                          source=', '.join(sorted(set(dq.source) | ({src} if src else set()))))
-    # nunchaku's FP4 GEMM has no kernel-level figure of its own: it takes the NVFP4 GEMM fitted on torchao's curve (not its casts)
-    for q in kernel_paths().query('gemm == "nvfp4" and lowrank.notna()').path:
-        if 'nvfp4_compiled' in out:
-            out[q] = {k: out['nvfp4_compiled'][k] for k in ('gemm_eff', 'overhead_s', 'wave_s', 'source')}
-    return out
-
-# %% ../nbs/12a_speed.ipynb #04ff51b3
-@functools.lru_cache(maxsize=1)
-def _calibration() -> dict: return calibrate()
-
-# %% ../nbs/12a_speed.ipynb #a37f0003
-H200_SOURCES = ('lab-h200-gemm', 'lab-h200-te')   # the lab's first GPU rows in `data/kernel_points.csv`
-
-def _lone_speedup(spec, r, b, path, cal) -> float:
-    "Predicted speedup of a lone torchao Linear over bf16 as `gemm_bench` times it (the bf16 arm's per-call cost added to both)."
-    M, K, N, harness = r.M, r.K, r.N, b.median_s - b.gemm_only_s
-    eager = _path_rows().loc[path]['mode'] == 'eager'
-    # a lone eager Linear's whole CPU time: its dispatch and its extra kernels' launches
-    cpu = cpu_per_linear(path, spec, cal) + (linear_kernels(path) - 1) * cpu_per_kernel('eager', cal) if eager else 0.0
-    q = linear_time(spec, M, K, N, path, cal, quant=False) + _lone_extra(spec, M, K, N, path, cal, cpu)
-    return float((linear_time(spec, M, K, N, 'bf16', cal) + harness) / (q + harness))
-
-def kernel_check(bench: pd.DataFrame, # `gemm_bench` rows of one GPU (`data/results/gemm_bench.csv`)
-                 te: pd.DataFrame | None = None, # `te_bench` rows of that GPU
-                 cal: dict | None = None, # the calibration (None: `calibrate()`, these rows' points in it)
-                 before: dict | None = None, # the calibration without them (None: `calibrate(drop_sources=H200_SOURCES)`)
-                ) -> pd.DataFrame:
-    "Each measured GPU point beside the model's prediction, before and after the points entered the calibration."
-    cal = _calibration() if cal is None else cal
-    before = calibrate(drop_sources=H200_SOURCES) if before is None else before
-    band, rows = residual_bands(), []
-    for r, b in _bf16_pairs(bench):
-        if r.scheme == 'int8wo' and r.compiled: continue       # inductor's decomposition, not a kernel (WEIGHT_ONLY)
-        spec, mode = gpu_spec(str(r.device_name)), 'compiled' if r.compiled else 'eager'
-        new, old = (default_path(r.scheme, 'inductor' if r.compiled else 'none', torchao=v) for v in (r.torchao, '0.17'))
-        rows.append(dict(what='lone Linear', shape=f'{r.M}x{r.K}x{r.N}', scheme=r.scheme, mode=mode,
-                         measured=r.speedup_vs_bf16, measured_lo=r.speedup_lo, measured_hi=r.speedup_hi,
-                         before=_lone_speedup(spec, r, b, old, before), path=new,
-                         predicted=_lone_speedup(spec, r, b, new, cal), run=r.run))
-    if te is not None and len(te):
-        tr = {T: pipeline_trace('z-image', 1024, 1, None, int(T))['text_encoder'] for T in sorted(set(te.tokens))}
-        for r in te[te.status.eq('ok') & te.scheme.isin(['int8', 'fp8'])].itertuples():
-            spec, t, T = gpu_spec(str(r.device_name)), tr[r.tokens], int(r.tokens)
-            ratio = lambda v, c: _encoder_time(t, spec, 'bf16', 0, c, v) / _encoder_time(t, spec, r.scheme, 0, c, v)
-            rows.append(dict(what=f'eager encoder, {T} tokens' + (' (calibrates the CPU per Linear)' if T == te.tokens.min() else ''),
-                             shape=f'{r.encoder}: {r.layers} x {r.hidden}', scheme=r.scheme, mode='eager',
-                             measured=r.vs_bf16, measured_lo=r.vs_bf16_lo, measured_hi=r.vs_bf16_hi,
-                             before=ratio('0.17', before), path=default_path(r.scheme, 'none', torchao=r.torchao),
-                             predicted=ratio(r.torchao, cal), run=r.run))
-    out = pd.DataFrame(rows)
-    lo, hi = (out['mode'].map(lambda m, i=i: band.get(m, (1, 1, 1, 1))[i]) for i in (2, 3))
-    out['predicted_lo'], out['predicted_hi'] = out.predicted * lo, out.predicted * hi
-    out['error'], out['error_before'] = out.predicted / out.measured - 1, out.before / out.measured - 1
-    # off: the measured interval and the prediction's band do not overlap
-    out['off'] = (out.predicted_lo > out.measured_hi) | (out.predicted_hi < out.measured_lo)
-    out['off_before'] = (out.before * lo > out.measured_hi) | (out.before * hi < out.measured_lo)
-    return out
-
-KERNEL_CHECK_FILE = 'speed_kernel_check.csv'
-
-# %% ../nbs/12a_speed.ipynb #d6cd139e
-def _other_time(trace, spec, compiled, floor=2e-6) -> float:
-    bw = float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
-    o = trace.ops[trace.ops.kind == 'other']
-    if compiled: return trace.fused_bytes / bw + (trace.fused_kernels - int((trace.ops.kind != 'other').sum())) * floor
-    return float(np.maximum(o.bytes.to_numpy(float) / bw, floor).sum())
-
-# %% ../nbs/12a_speed.ipynb #61b69d4d
-def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
-    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel (`ATTENTION`)."
-    a = trace.attention
-    if a.empty: return 0.0
-    eff, bw = arch_efficiency(spec), float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
-    if attention == 'fp8':
-        cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw                      # q, k, v read in bf16 and written in fp8
-        t = a.flops.to_numpy(float) / (_peak(spec, 'fp8') * eff['attention_fp8']) + cast
-    elif attention == 'sage':
-        # SageAttention: q, k quantised to int8 per block (and k smoothed), v to fp8 or kept fp16, by passes of its own
-        cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw
-        t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * eff['attention_sage']) + cast
-    else:
-        share = eff['attention_cudnn' if attention == 'cudnn' else 'attention']
-        t = a.flops.to_numpy(float) / (_peak(spec, 'bf16') * share)
-    return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
-
-# %% ../nbs/12a_speed.ipynb #83457bde
-def _dense_part(trace, spec, compiled: bool = False) -> float:
-    "GPU seconds of a dense bf16 part (text encoder, VAE): matmuls and convs, attention, the rest by bytes (fused if compiled)."
-    ge, bw = arch_efficiency(spec)['bf16'], float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
-    mm = trace.ops[trace.ops.kind.isin(['matmul', 'conv'])]
-    t = np.maximum(mm.flops.to_numpy(float) / (_peak(spec, 'bf16') * ge), mm.bytes.to_numpy(float) / bw) + 2e-6
-    return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, compiled)
-
-# %% ../nbs/12a_speed.ipynb #b4c2e001
-def _encoder_time(trace, spec, scheme, floor: int, cal=None, torchao: str | None = None) -> float:
-    "Seconds of a text encoder run eagerly: the larger of its GPU and CPU time, dense or its `floor`-wide Linears in `scheme`."
-    t, L = _dense_part(trace, spec), trace.linears
-    cal = _calibration() if cal is None else cal
-    cpu = trace.eager_kernels * cpu_per_kernel('eager', cal)
-    if scheme in (None, 'bf16') or L is None or L.empty: return max(t, cpu)
-    q = (np.minimum(L.K, L.N) >= floor) & ~L.fqn.str.contains('lm_head')   # `09_memory.encoder_plan`'s rule
-    M, K, N = (L.loc[q, c].to_numpy(float) for c in 'MKN')
-    p = default_path(scheme, 'none', torchao=torchao)
-    lin = linear_time(spec, M, K, N, p, cal, False, rank=get_scheme(scheme).rank)
-    # eager: every quantised Linear's extra kernels and its tensor-subclass dispatch on the CPU (measured on the H200:
-    # 0.47 ms fp8, 1.6 ms int8 a Linear, so a short prompt's quantised encoder is CPU-bound and slower than bf16)
-    cpu += len(M) * ((linear_kernels(p) - 1) * cpu_per_kernel('eager', cal) + cpu_per_linear(p, spec, cal))
-    return max(t + float((lin - linear_time(spec, M, K, N, 'bf16', cal, False)).sum()), cpu)
 
 # %% ../nbs/12a_speed.ipynb #a7f3e2d0
 def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPolicy) -> np.ndarray:
@@ -1079,74 +486,22 @@ def format_predictions(records) -> str:
     notes.append(_memory_note(records))
     return '\n'.join([wrap_note(head), pd.DataFrame(rows).to_string(index=False), *map(wrap_note, notes)])
 
-# %% ../nbs/12a_speed.ipynb #24567fa2
-_GROUP = ['source', 'gpu', 'model', 'size', 'batch', 'steps', 'forwards_per_step', 'text_tokens', 'compile', 'rules', 'height']
-
-# %% ../nbs/12a_speed.ipynb #00c768e3
-def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = True) -> pd.DataFrame:
-    "Every published end-to-end run beside the prediction: seconds, speedup vs the run's own bf16 run, memory."
-    runs = pd.concat([published_runs(), lab_runs()], ignore_index=True) if runs is None else runs
-    if 'height' not in runs: runs = runs.assign(height=0)
-    runs = runs[runs.use.isin(uses)]
-    cal = _calibration() if cal is None else cal
-    rows = []
-    for key, g in runs.groupby(_GROUP, sort=False):
-        k = dict(zip(_GROUP, key))
-        base = g[g.scheme == 'bf16']
-        b_pred = pipeline_time(k['gpu'], k['model'], int(k['size']), int(k['batch']), int(k['steps']),
-                               int(k['forwards_per_step']), 'bf16', k['compile'], text_tokens=int(k['text_tokens']),
-                               rules=k['rules'], cal=cal, height=int(k['height']) or None)['seconds']
-        for r in g.itertuples():
-            p = pipeline_time(r.gpu, r.model, int(r.size), int(r.batch), int(r.steps), int(r.forwards_per_step),
-                              r.scheme,
-                              r.compile, text_tokens=int(r.text_tokens), rules=r.rules, cal=cal, height=int(r.height) or None,
-                              path=r.path if isinstance(r.path, str) and r.path else None,
-                              torchao=r.torchao if isinstance(r.torchao, str) else None)['seconds']
-            row = dict(run=r.run, **k, scheme=r.scheme, use=r.use, published_s=r.seconds, predicted_s=p,
-                       published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
-                       predicted_speedup=b_pred / p)
-            if memory and pd.notna(r.resident_GiB) and r.resident_GiB != '':
-                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
-                                    batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
-                row.update(published_resident=float(r.resident_GiB), predicted_resident=e.resident_GiB,
-                           published_peak=float(r.peak_GiB), predicted_peak=e.peak_GiB)
-            rows.append(row)
-    out = pd.DataFrame(rows)
-    out['seconds_err'] = out.predicted_s / out.published_s - 1
-    out['speedup_err'] = out.predicted_speedup / out.published_speedup - 1
-    for c in ('resident', 'peak'):
-        if f'published_{c}' in out: out[f'{c}_err'] = out[f'predicted_{c}'] / out[f'published_{c}'] - 1
-    # int4 weight-only is judged apart (issue 37: within 25%): tinygemm at DiT M is a path of its own, ~5-10x slower than bf16
-    # other backends' formats (GGUF, bitsandbytes) likewise: priced from kernel figures on other GPUs, not yet trusted as eager's
-    out['mode'] = np.select([out.scheme.eq('int4wo'), out.scheme.isin(list(BACKENDS)), out['compile'].eq('none')],
-                            ['int4wo', 'backend', 'eager'], 'compiled')
-    return out
-
 # %% ../nbs/12a_speed.ipynb #27a698a7
-VALIDATION_FILE, LOSO_FILE = 'speed_validation.csv', 'speed_loso.csv'
-
-# %% ../nbs/12a_speed.ipynb #6ecab52e
-def error_summary(v: pd.DataFrame) -> pd.DataFrame:
-    "Median and max absolute error of the speedups (non-bf16 rows) and seconds, per mode and use."
-    q = v[v.scheme != 'bf16']
-    f = lambda s: dict(n=len(s), median=float(s.abs().median()), max=float(s.abs().max()))
-    rows = [dict(mode=m, use=u, what=w, **f(g[c])) for (m, u), g in q.groupby(['mode', 'use'])
-            for w, c in (('speedup', 'speedup_err'), ('seconds', 'seconds_err'))]
-    return pd.DataFrame(rows)
+VALIDATION_FILE = 'speed_validation.csv'   # `23_lab_speed.record_validation` writes it; the intervals read it
 
 # %% ../nbs/12a_speed.ipynb #79310e91
 def validation_table() -> pd.DataFrame:
-    "The recorded validation table (20_lab's `record_validation`); empty when it was never recorded."
-    p = _DATA(VALIDATION_FILE)
+    "The recorded validation table (`23_lab_speed.record_validation`); empty when it was never recorded."
+    p = repo_root()/'data'/VALIDATION_FILE
     return pd.read_csv(p) if p.exists() else pd.DataFrame()
 
 # %% ../nbs/12a_speed.ipynb #6fe5961f
 @functools.lru_cache(maxsize=1)
 def residual_bands() -> dict:
-    "Per mode: (seconds lo, hi, speedup lo, hi) multipliers: 5-95% of published / predicted on the validation runs."
+    "Per mode: (seconds lo, hi, speedup lo, hi) multipliers: 5-95% of published / predicted on the recorded validation runs."
     v = validation_table()
-    v = v[v.use == 'validate'] if not v.empty else validate(uses=('validate',), memory=False)
-    out = {}
+    if v.empty: return {}   # never recorded (`23_lab_speed.record_validation`): point predictions, bands of width 1
+    v, out = v[v.use == 'validate'], {}
     for mode, g in v.groupby('mode'):
         rs = np.log(g.published_s / g.predicted_s)
         rx = np.log(g.published_speedup / g.predicted_speedup)[g.scheme != 'bf16']
@@ -1154,37 +509,3 @@ def residual_bands() -> dict:
         x_lo, x_hi = np.exp(np.quantile(rx, [0.05, 0.95])) if len(rx) else (1.0, 1.0)
         out[mode] = (min(s_lo, 1.0), max(s_hi, 1.0), min(x_lo, 1.0), max(x_hi, 1.0))
     return out
-
-# %% ../nbs/12a_speed.ipynb #53c9efd5
-def leave_one_source_out(runs=None) -> pd.DataFrame:
-    "Recalibrate without each kernel-point source (fractions fall back, paths refit); score the validation runs."
-    rows = []
-    for src in [None, *sorted(set(kernel_points().source))]:
-        _LEFT_OUT.clear(); _LEFT_OUT.update({src} if src else set())
-        try: v = validate(runs, cal=calibrate(drop_sources=(src,) if src else ()), uses=('validate',), memory=False)
-        finally: _LEFT_OUT.clear()
-        q = v[v.scheme != 'bf16']
-        for mode, g in q.groupby('mode'):
-            rows.append(dict(left_out=src or '(none)', mode=mode, n=len(g),
-                             median_speedup_err=float(g.speedup_err.abs().median()),
-                             max_speedup_err=float(g.speedup_err.abs().max())))
-    return pd.DataFrame(rows)
-
-# %% ../nbs/12a_speed.ipynb #ec203396
-def leave_one_run_source_out(runs=None) -> pd.DataFrame:
-    "Each validation source's errors with the intervals built from the other sources' residuals: do the bands cover it?"
-    v = validate(runs, uses=('validate',), memory=False)
-    rows = []
-    for src, g in v.groupby('source'):
-        rest = v[v.source != src]
-        q = g[g.scheme != 'bf16']
-        for mode, gm in q.groupby('mode'):
-            r = rest[(rest['mode'] == mode) & (rest.scheme != 'bf16')]
-            res = np.log(r.published_speedup / r.predicted_speedup)
-            lo, hi = np.exp(np.quantile(res, [0.05, 0.95])) if len(r) else (np.nan, np.nan)
-            pub, pred = gm.published_speedup, gm.predicted_speedup
-            inside = ((pub >= pred * lo) & (pub <= pred * hi)).mean()
-            rows.append(dict(source=src, mode=mode, n=len(gm), median_speedup_err=float(gm.speedup_err.abs().median()),
-                             max_speedup_err=float(gm.speedup_err.abs().max()),
-                             covered=float(inside) if len(r) else np.nan))
-    return pd.DataFrame(rows)

@@ -278,7 +278,7 @@ def stage_headline(dry: bool):
 def _gemm(dry: bool, compile: bool):
     from diffq_lab.core import fingerprint
     from diffq_lab.store import append_rows
-    from diffq_lab.crossover import gemm_bench, GPU_SHAPES, BENCH_COLS
+    from diffq_lab.lab_speed import gemm_bench, GPU_SHAPES, GEMM_BENCH_COLS
     device = _device(dry)
     # one run id for every GEMM row of this GPU run (both stages, each shape): the Findings' latest_run(device=...)
     # reads the whole sweep, while each shape is recorded the moment it ends (a kill keeps the shapes before it)
@@ -296,7 +296,7 @@ def _gemm(dry: bool, compile: bool):
         df = gemm_bench(device=device, shapes=(shape,), schemes=schemes, compile=compile,
                         emulated=False, repeats=3 if dry else 20, warmup=1 if dry else 5)
         append_rows('gemm_bench', [{**stamp, **r} for r in df.to_dict('records')], device=device)  # stamped: kept as is
-        print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
+        print(df[[c for c in GEMM_BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
 
 
 def stage_gemm_eager(dry: bool):
