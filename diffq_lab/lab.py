@@ -12,8 +12,8 @@ from typing import Callable
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
            'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_te_cosine',
            'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
-           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'record_validation',
-           'record_kernel_check', 'record_loso', 'speed_tables', 'record_recommendations', 'run_experiments']
+           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'record_recommendations',
+           'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
