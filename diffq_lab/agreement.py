@@ -13,13 +13,12 @@ from .schemes import get_scheme
 from .emulate import EMULATIONS, EmulatedLinear, get_emulation, reference_for
 
 # %% auto #0
-__all__ = ['AGREEMENT_SHAPES', 'AGREEMENT_MIN_COSINE', 'GPU_MIN_ULPS', 'DISTRIBUTIONS', 'compare_outputs', 'agreement_tolerance',
-           'agreement_table', 'outlier_channels', 'make_activations', 'numerics_table']
+__all__ = ['agreement_table', 'outlier_channels', 'numerics_table']
 
 # %% ../nbs/02b_agreement.ipynb #d10f650f
 AGREEMENT_SHAPES = ((64, 512, 512), (32, 1024, 768))  # (M, K, N)
-AGREEMENT_MIN_COSINE = 0.9999
-GPU_MIN_ULPS = 8
+_AGREEMENT_MIN_COSINE = 0.9999
+_GPU_MIN_ULPS = 8
 
 def _ulp(v: float, dtype=torch.bfloat16) -> float:
     "The spacing of `dtype` at magnitude `v`."
@@ -35,7 +34,7 @@ def compare_outputs(y: torch.Tensor, ref: torch.Tensor) -> dict:
 def agreement_tolerance(scheme, device=None) -> tuple[float, float]:
     "(min cosine, max ulps) the emulation of `scheme` must meet against its reference on `device`."
     ulps = get_emulation(scheme).ulps
-    return AGREEMENT_MIN_COSINE, (ulps if resolve_device(device).type == 'cpu' else max(ulps, GPU_MIN_ULPS))
+    return _AGREEMENT_MIN_COSINE, (ulps if resolve_device(device).type == 'cpu' else max(ulps, _GPU_MIN_ULPS))
 
 # %% ../nbs/02b_agreement.ipynb #e45f50cc
 def agreement_table(device=None, schemes=None, shapes=AGREEMENT_SHAPES, seed: int = 0) -> pd.DataFrame:

@@ -18,11 +18,9 @@ from .emulate import EMULATIONS
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['ARCHS', 'GPU_RULES', 'KNOWN_GPUS', 'PROBE_VERSION', 'PROBE_TOL', 'PROBE_SHAPE', 'BACKENDS', 'REPORT_COLS',
-           'gpu_capability', 'as_capability', 'arch_name', 'sm_name', 'gpu_tokens', 'classify_gpu', 'is_consumer_gpu',
-           'auto_ladder', 'hardware_gate', 'ProbeResult', 'probe_cache_path', 'probe_key', 'clear_probe_cache',
-           'smoke_probe', 'SchemeUnavailableError', 'device_ladder', 'select_scheme', 'resolve_backend', 'real_path',
-           'capability_report', 'format_report']
+__all__ = ['BACKENDS', 'gpu_capability', 'is_consumer_gpu', 'auto_ladder', 'hardware_gate', 'ProbeResult', 'probe_cache_path',
+           'clear_probe_cache', 'smoke_probe', 'SchemeUnavailableError', 'select_scheme', 'resolve_backend',
+           'real_path', 'capability_report', 'format_report']
 
 # %% ../nbs/03_capability.ipynb #2f2c7302
 def gpu_capability(device=None) -> tuple[int, int] | None:
@@ -46,14 +44,14 @@ def as_capability(cap) -> tuple[int, int] | None:
     raise ValueError(f"bad compute capability {cap!r}: use (major, minor), '9.0', 'sm_90' or None for CPU")
 
 # %% ../nbs/03_capability.ipynb #8a008861
-ARCHS = (((13, 0), 'post-Blackwell'), ((10, 0), 'Blackwell'), ((9, 0), 'Hopper'), ((8, 9), 'Ada'),
+_ARCHS = (((13, 0), 'post-Blackwell'), ((10, 0), 'Blackwell'), ((9, 0), 'Hopper'), ((8, 9), 'Ada'),
          ((8, 0), 'Ampere'), ((7, 5), 'Turing'), ((7, 0), 'Volta'), ((0, 0), 'pre-Volta'))
 
 def arch_name(cap) -> str:
     "The GPU architecture of compute capability `cap` ('Ampere', 'Ada', 'Hopper', 'Blackwell', ...); 'CPU' for None."
     cap = as_capability(cap)
     if cap is None: return 'CPU'
-    return next(name for low, name in ARCHS if cap >= low)
+    return next(name for low, name in _ARCHS if cap >= low)
 
 # %% ../nbs/03_capability.ipynb #6b4f1ae7
 def sm_name(cap) -> str:
@@ -131,9 +129,11 @@ def hardware_gate(scheme, cap) -> tuple[bool, str]:
     return ok, f"{'meets' if ok else 'fails'} on {where}: {need}; {g.why}"
 
 # %% ../nbs/03_capability.ipynb #fd817e2e
-PROBE_VERSION = 4   # bump when the probe's procedure changes: old cache entries stop matching
+_PROBE_VERSION = 4   # bump when the probe's procedure changes: old cache entries stop matching
 PROBE_TOL = 0.25    # relative error vs bf16 above which a kernel is called wrong
-PROBE_SHAPE = dict(features=512, tokens=32, zero_rows=(0, 13, 31))
+
+# %% ../nbs/03_capability.ipynb #fd817ep1
+_PROBE_SHAPE = dict(features=512, tokens=32, zero_rows=(0, 13, 31))
 
 @dataclass
 class ProbeResult:
@@ -163,7 +163,7 @@ def probe_cache_path() -> Path:
 # %% ../nbs/03_capability.ipynb #bcba4729
 def probe_key(scheme: str, name: str) -> str:
     "The cache key of a probe of `scheme` on the device called `name` under the installed torch and torchao."
-    return f"{scheme}|{name}|torch {torch.__version__}|torchao {package_version('torchao')}|probe v{PROBE_VERSION}"
+    return f"{scheme}|{name}|torch {torch.__version__}|torchao {package_version('torchao')}|probe v{_PROBE_VERSION}"
 
 _MEMORY: dict = {}  # (cache file, key) -> ProbeResult fields
 
@@ -246,14 +246,14 @@ def _check_device(device) -> torch.device: return check_device(device)  # core's
 # %% ../nbs/03_capability.ipynb #b411ac35
 def _probe_case(device):
     "A 512x512 bf16 Linear (wrapped, so quantisers that replace the module still work), its input and the bf16 output."
-    n, m = PROBE_SHAPE['features'], PROBE_SHAPE['tokens']
+    n, m = _PROBE_SHAPE['features'], _PROBE_SHAPE['tokens']
     g = torch.Generator().manual_seed(0)  # a private generator: probing never shifts the user's RNG
     lin = nn.utils.skip_init(nn.Linear, n, n, bias=True, dtype=torch.bfloat16)
     with torch.no_grad():
         lin.weight.copy_(torch.randn(n, n, generator=g) * n ** -0.5)
         lin.bias.copy_(torch.randn(n, generator=g) * 0.02)
     x = torch.randn(m, n, generator=g)
-    x[list(PROBE_SHAPE['zero_rows'])] = 0  # the rows that make unfloored per-row fp8 scales NaN
+    x[list(_PROBE_SHAPE['zero_rows'])] = 0  # the rows that make unfloored per-row fp8 scales NaN
     model, x = nn.Sequential(lin).to(device), x.to(device, torch.bfloat16)
     with torch.no_grad(): ref = model(x).float()
     return model, x, ref

@@ -22,9 +22,8 @@ from .fakequant import (AMAX_FLOOR, E4M3_MAX, E4M3_TINY, GRANULARITIES, INT4_GRO
                                  svdquant_linear, svdquant_weight, torchao_mx_scaling)
 
 # %% auto #0
-__all__ = ['EMULATIONS', 'NVFP4_STARVED', 'LOWRANK_SCHEMES', 'Emulation', 'register_emulation', 'get_emulation', 'recipes_table',
-           'EmulatedLinear', 'emulate_linears', 'real_or', 'reference_for', 'reference_kind', 'NVFP4ScaleWarning',
-           'nvfp4_scale_hazard', 'lowrank_variant', 'lowrank_calibration']
+__all__ = ['EMULATIONS', 'Emulation', 'register_emulation', 'get_emulation', 'EmulatedLinear', 'emulate_linears', 'reference_for',
+           'reference_kind', 'NVFP4ScaleWarning', 'lowrank_variant', 'lowrank_calibration']
 
 # %% ../nbs/02_emulate.ipynb #2866c7b2
 @dataclass(frozen=True)
@@ -295,16 +294,16 @@ import warnings
 class NVFP4ScaleWarning(RuntimeWarning):
     "NVFP4's per-tensor scale let one token's magnitude (or a NaN/inf) spoil the other tokens."
 
-NVFP4_STARVED = E4M3_TINY / E4M3_MAX  # a row this much below the tensor's amax gets block scales at e4m3's floor
+_NVFP4_STARVED = E4M3_TINY / E4M3_MAX  # a row this much below the tensor's amax gets block scales at e4m3's floor
 
 # %% ../nbs/02_emulate.ipynb #8225d6b2
 def nvfp4_scale_hazard(x: torch.Tensor) -> dict:
-    "NVFP4's per-tensor scale on the rows of `x`: a NaN/inf spreads; rows `NVFP4_STARVED` below the max lose precision."
+    "NVFP4's per-tensor scale on the rows of `x`: a NaN/inf spreads; rows `_NVFP4_STARVED` below the max lose precision."
     a = x.detach().abs().reshape(-1, x.shape[-1]).amax(-1).float()
     live, finite = a > 0, bool(torch.isfinite(a).all())
     n_live = int(live.sum())
     if not finite: return dict(rows=a.numel(), nonfinite=True, starved=n_live, ratio=float('inf'))
-    starved = int((live & (a < a.max() * NVFP4_STARVED)).sum())
+    starved = int((live & (a < a.max() * _NVFP4_STARVED)).sum())
     ratio = (a.max() / a[live].median()).item() if n_live else 1.0
     return dict(rows=a.numel(), nonfinite=False, starved=starved, ratio=ratio)
 
@@ -317,7 +316,7 @@ def _nvfp4_guard(x: torch.Tensor, what: str = 'activation'):
         warnings.warn(f"NVFP4 {what}: a NaN/inf element makes the per-tensor scale non-finite, so all {h['rows']} rows "
                       'come out NaN (bf16 would spoil one row)', NVFP4ScaleWarning, stacklevel=3)
     elif h['starved']:
-        warnings.warn(f"NVFP4 {what}: {h['starved']} of {h['rows']} rows lie over {1 / NVFP4_STARVED:.3g}x below the "
+        warnings.warn(f"NVFP4 {what}: {h['starved']} of {h['rows']} rows lie over {1 / _NVFP4_STARVED:.3g}x below the "
                       f"largest (max/median amax {h['ratio']:.3g}): the per-tensor scale floors their block scales "
                       'and they lose their precision', NVFP4ScaleWarning, stacklevel=3)
 

@@ -20,12 +20,11 @@ from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, trans
 from .memory import real_dims_components
 
 # %% auto #0
-__all__ = ['PLAN_ROLES', 'SAVED_FORMAT', 'READ_FORMATS', 'SAVED_WEIGHTS', 'SAVED_META', 'ALLOWED_LIBRARIES', 'plan_pipeline',
-           'counterpart', 'expand_plan', 'file_digests', 'digest_difference', 'folder_entries', 'unexpected_entries',
-           'state_digest', 'save_quantized', 'DamagedFolder', 'allowed_class', 'load_quantized']
+__all__ = ['plan_pipeline', 'expand_plan', 'file_digests', 'digest_difference', 'save_quantized', 'DamagedFolder',
+           'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
-PLAN_ROLES = ('te', 'denoiser')  # what a plan covers: the text encoders, the denoisers (`plan.component_role`)
+_PLAN_ROLES = ('te', 'denoiser')  # what a plan covers: the text encoders, the denoisers (`plan.component_role`)
 
 def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims on the meta device)
                   scheme=None, # the denoisers' scheme ('auto': the device ladder; None: dense)
@@ -33,12 +32,12 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
                   *, family=None, # the pipeline's family (default: found from it)
                   device=None, # where it will run (default: where the weights are)
                   policy: QuantPolicy | None = None, # denoisers' width floor, backend, keep (encoder blocks)
-                  roles=PLAN_ROLES, # the roles planned: 'te' (only if `te_scheme`), 'denoiser' (every denoiser)
+                  roles=_PLAN_ROLES, # the roles planned: 'te' (only if `te_scheme`), 'denoiser' (every denoiser)
                   **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0, keep=(0, 0))
                  ) -> QuantPlan:
     "The lab's one planner: `te_scheme` on `pipe_or_family`'s text encoders, `scheme` on its denoisers; nothing changes."
     policy = as_policy(policy, **settings)
-    if odd := [r for r in roles if r not in PLAN_ROLES]: raise ValueError(f'unknown roles {odd}; choose from {PLAN_ROLES}')
+    if odd := [r for r in roles if r not in _PLAN_ROLES]: raise ValueError(f'unknown roles {odd}; choose from {_PLAN_ROLES}')
     if isinstance(pipe_or_family, str):
         family = get_family(pipe_or_family).name
         comps = real_dims_components(family, 'meta')
@@ -111,9 +110,9 @@ def expand_plan(plan: QuantPlan, # a plan measured on a small pipeline of `famil
     return QuantPlan({c: _expand_component(p, comps[c], c, policy) for c, p in plan.components.items()})
 
 # %% ../nbs/10a_export.ipynb #095819df
-SAVED_FORMAT = 'diffq_lab.quantized/3'  # /3: per quantised component, how it was saved (`saved`) and its state's sha256
-READ_FORMATS = ('diffq_lab.quantized/2', SAVED_FORMAT)  # /2: every quantised component a torch state dict; still read
-SAVED_WEIGHTS = 'diffq_quantized.pt'
+_SAVED_FORMAT = 'diffq_lab.quantized/3'  # /3: per quantised component, how it was saved (`saved`) and its state's sha256
+_READ_FORMATS = ('diffq_lab.quantized/2', _SAVED_FORMAT)  # /2: every quantised component a torch state dict; still read
+_SAVED_WEIGHTS = 'diffq_quantized.pt'
 SAVED_META = 'diffq_saved.json'
 
 def _saved_components(pipe) -> dict[str, object]:
@@ -274,7 +273,7 @@ def _save_state(m: nn.Module, folder: Path):
     folder.mkdir()
     if hasattr(m.config, 'save_pretrained'): m.config.save_pretrained(folder)  # transformers
     else: m.save_config(folder)                                                  # diffusers
-    torch.save(m.state_dict(), folder/SAVED_WEIGHTS)
+    torch.save(m.state_dict(), folder/_SAVED_WEIGHTS)
 
 # %% ../nbs/10a_export.ipynb #f3a1c00d
 def _one_line(e: BaseException) -> str: return ' '.join(str(e).split())[:240]  # a library's message, on one line
@@ -307,7 +306,7 @@ def _write_saved(pipe, plan: QuantPlan, folder: Path):
         if a in quant: saved[a] = _save_component(c, plan.components[a], a, folder/a)
         else: c.save_pretrained(folder/a)
     plan.save(folder/'diffq_plan.json')
-    meta = dict(format=SAVED_FORMAT, quantized=quant, saved=saved, files=file_digests(folder),
+    meta = dict(format=_SAVED_FORMAT, quantized=quant, saved=saved, files=file_digests(folder),
                 dtypes={a: _dtype(c) for a, c in comps.items()
                         if isinstance(c, nn.Module) and next(c.parameters(), None) is not None},
                 versions={n: package_version(n) for n in ('torch', 'torchao', 'diffusers', 'transformers')})
@@ -422,7 +421,7 @@ def _check_files(path: Path, files) -> None:
 # %% ../nbs/10a_export.ipynb #f3a1c00f
 def _check_saved(path: Path, meta: dict) -> dict[str, dict]:
     "How each quantised component was saved, from the manifest (a /2 folder: every one a torch state dict)."
-    if meta['format'] == READ_FORMATS[0]: return {a: dict(format='torch.save') for a in meta['quantized']}
+    if meta['format'] == _READ_FORMATS[0]: return {a: dict(format='torch.save') for a in meta['quantized']}
     saved = meta.get('saved')
     if not (isinstance(saved, dict) and sorted(saved) == sorted(meta['quantized']) and all(
             isinstance(s, dict) and s.get('format') in ('safetensors', 'torch.save') for s in saved.values())):
@@ -438,14 +437,14 @@ def _from_state(folder: Path, cls: type, library: str, saved: dict) -> nn.Module
     with init_empty_weights(include_buffers=False):
         m = cls.from_config(cls.load_config(folder)) if library == 'diffusers' else \
             cls._from_config(cls.config_class.from_pretrained(folder))
-    try: state = torch.load(folder/SAVED_WEIGHTS, map_location='cpu', weights_only=True, mmap=True)
+    try: state = torch.load(folder/_SAVED_WEIGHTS, map_location='cpu', weights_only=True, mmap=True)
     except Exception as e:
         now = {n: package_version(n) for n in saved}
-        raise DamagedFolder(f'{folder/SAVED_WEIGHTS} cannot be read here ({type(e).__name__}: {str(e)[:200]}); '
+        raise DamagedFolder(f'{folder/_SAVED_WEIGHTS} cannot be read here ({type(e).__name__}: {str(e)[:200]}); '
                             f'saved with {saved}, this is {now}') from None
     try: m.load_state_dict(state, strict=True, assign=True)
     except (RuntimeError, ValueError) as e:
-        raise DamagedFolder(f'{folder/SAVED_WEIGHTS} does not fit {folder/"config.json"} ({_one_line(e)})') from None
+        raise DamagedFolder(f'{folder/_SAVED_WEIGHTS} does not fit {folder/"config.json"} ({_one_line(e)})') from None
     return m.eval()
 
 # %% ../nbs/10a_export.ipynb #f3a1c010
@@ -474,8 +473,8 @@ def load_quantized(path, # a folder `save_quantized` wrote
     if not (path/SAVED_META).is_file():
         raise ValueError(f'{path} is not a folder written by save_quantized (no {SAVED_META})')
     meta = _read_json(path/SAVED_META)
-    if meta.get('format') not in READ_FORMATS:
-        raise DamagedFolder(f"{path}: format {meta.get('format')!r}; this lab reads {', '.join(READ_FORMATS)}")
+    if meta.get('format') not in _READ_FORMATS:
+        raise DamagedFolder(f"{path}: format {meta.get('format')!r}; this lab reads {', '.join(_READ_FORMATS)}")
     _check_files(path, meta.get('files'))  # before any file is parsed as a model: a swapped file never loads
     index = _read_json(path/'model_index.json')
     comps = _check_index(path, index, meta.get('quantized'))

@@ -11,18 +11,17 @@ import torch.nn.functional as F
 from .schemes import SMOOTH_ALPHA, make_config
 
 # %% auto #0
-__all__ = ['E4M3_MAX', 'E4M3_TINY', 'E2M1_MAX', 'INT8_EPS', 'AMAX_FLOOR', 'MX_BLOCK', 'NVFP4_BLOCK', 'GRANULARITIES',
-           'MX_SCALINGS', 'INT4_GROUP', 'INT4_W4A4_GROUP', 'int8_rowwise', 'int8_tensorwise', 'fp8_to', 'fp8_rowwise',
-           'fp8_tensorwise', 'fp8_cast', 'e2m1_round', 'mxfp8', 'torchao_mx_scaling', 'nvfp4', 'int4_groupwise',
-           'int4_symmetric', 'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear']
+__all__ = ['E4M3_MAX', 'E4M3_TINY', 'INT8_EPS', 'AMAX_FLOOR', 'NVFP4_BLOCK', 'GRANULARITIES', 'INT4_GROUP', 'INT4_W4A4_GROUP',
+           'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'mxfp8', 'torchao_mx_scaling', 'nvfp4',
+           'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear']
 
 # %% ../nbs/01a_fakequant.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max
 E4M3_TINY = torch.finfo(torch.float8_e4m3fn).tiny     # 2**-6: torchao's E4M3_EPS floor for NVFP4 block scales
-E2M1_MAX = 6.0                                        # F4_E2M1_MAX
+_E2M1_MAX = 6.0                                        # F4_E2M1_MAX
 INT8_EPS = torch.finfo(torch.float32).eps             # the eps Int8Tensor.from_hp passes to choose_qparams_affine
 AMAX_FLOOR = 1e-12                                    # fp8 activation_value_lb; also floors weights and NVFP4 tensors
-MX_BLOCK, NVFP4_BLOCK = 32, 16
+_MX_BLOCK, NVFP4_BLOCK = 32, 16
 GRANULARITIES = ('row', 'tensor')
 
 # %% ../nbs/01a_fakequant.ipynb #6ab2a3b2
@@ -107,7 +106,7 @@ def _e2m1_round_(x: torch.Tensor) -> torch.Tensor:
     # The e2m1 grid step is 0.5 below 2, 1 in [2, 4) and 2 from 4: 2**(e - 1) with e the exponent of |x| floored at 0.
     # Adding then subtracting M = 1.5 * 2**23 * step makes the fp32 adder round x to a multiple of step, ties to
     # even: the same rounding as torchao's f32_to_f4_unpacked (integer bit tricks) in five passes.
-    x.clamp_(-E2M1_MAX, E2M1_MAX)
+    x.clamp_(-_E2M1_MAX, _E2M1_MAX)
     m = (x.view(torch.int32) & 0x7F800000).view(torch.float32).clamp_(min=1.0).mul_(1.5 * 2.0 ** 22)
     return x.add_(m).sub_(m)
 
@@ -119,7 +118,7 @@ def e2m1_round(x: torch.Tensor) -> torch.Tensor:
 # %% ../nbs/01a_fakequant.ipynb #c49a3bb4
 MX_SCALINGS = ('rceil', 'floor', 'ceil')  # torchao ScaleCalculationMode values the emulation implements
 
-def _mx_codes(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil'):
+def _mx_codes(x: torch.Tensor, block: int = _MX_BLOCK, scaling: str = 'rceil'):
     "MXFP8 e4m3 codes and biased e8m0 block exponents (as fp32): mirrors torchao's `to_mx(..., scaling_mode)`."
     if scaling not in MX_SCALINGS: raise ValueError(f'unknown MX scaling {scaling!r}; choose one of {MX_SCALINGS}')
     v = _fp32(_blocks(x, block))
@@ -141,7 +140,7 @@ def _mx_codes(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil'):
     return v.clamp_(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn), e
 
 # %% ../nbs/01a_fakequant.ipynb #353701cf
-def mxfp8(x: torch.Tensor, block: int = MX_BLOCK, scaling: str = 'rceil') -> torch.Tensor:
+def mxfp8(x: torch.Tensor, block: int = _MX_BLOCK, scaling: str = 'rceil') -> torch.Tensor:
     "Fake-quant `x` to MXFP8: e4m3 values in blocks of `block` along K sharing a power-of-two (e8m0) scale."
     q, e = _mx_codes(x, block, scaling)
     # MXTensor.dequantize (to_dtype): the e4m3 value times the power of two, both exact in bf16, multiplied in bf16
@@ -161,9 +160,9 @@ def _nvfp4_codes(x: torch.Tensor, block: int = NVFP4_BLOCK):
     block_amax = xb.abs().amax(-1)
     # per_tensor_amax_to_scale(max|x|): the max of the block maxima is that same (exact) number. torchao has no
     # floor here: an all-zero tensor gives a zero scale and 0/0 = NaN
-    per_tensor = block_amax.max().clamp(min=AMAX_FLOOR) / (E4M3_MAX * E2M1_MAX)
+    per_tensor = block_amax.max().clamp(min=AMAX_FLOOR) / (E4M3_MAX * _E2M1_MAX)
     # two-level scaling: the block scale (amax/6) relative to the per-tensor scale is stored in e4m3
-    s8 = (block_amax / E2M1_MAX / per_tensor).clamp(min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
+    s8 = (block_amax / _E2M1_MAX / per_tensor).clamp(min=E4M3_TINY, max=E4M3_MAX).to(torch.float8_e4m3fn).float()
     # data * (1/per_tensor / s8) in fp32, clamped to +-6 and rounded to e2m1
     q = _e2m1_round_(xb.mul_(((1.0 / per_tensor) / s8).unsqueeze(-1)))
     return q, s8, per_tensor

@@ -24,7 +24,7 @@ from .gguf import load_gguf_transformer
 from .export import plan_pipeline
 
 # %% auto #0
-__all__ = ['log', 'LoadReport', 'engaged', 'load_pipeline_quantized']
+__all__ = ['LoadReport', 'engaged', 'load_pipeline_quantized']
 
 # %% ../nbs/10b_loader.ipynb #cafc655a
 log = logging.getLogger(__name__)

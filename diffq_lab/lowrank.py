@@ -17,8 +17,7 @@ from .emulate import (INT4_W4A4_GROUP, NVFP4_BLOCK, emulate_linears, int4_symmet
                                nvfp4, smooth_scales, svdquant_linear, svdquant_weight)
 
 # %% auto #0
-__all__ = ['E2M1_GRID', 'ABLATION', 'CALIBRATION_PROMPTS', 'FINDINGS_RANKS', 'np_int4', 'np_nvfp4', 'numpy_svdquant',
-           'outlier_linear', 'ablation_table', 'findings_schemes', 'encoder_lowrank_table', 'error_split_table']
+__all__ = ['CALIBRATION_PROMPTS', 'ablation_table', 'encoder_lowrank_table', 'error_split_table']
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0006
 def _np_blocks(a: np.ndarray, block: int) -> np.ndarray:
@@ -126,10 +125,10 @@ CALIBRATION_PROMPTS = (  # the first call of every low-rank Linear: varied, and 
     'A child and a dog flying a red kite on a windy beach, wide shot.',
     'Close-up portrait of an old fisherman, wrinkles, dramatic side light, 35mm film grain.',
 )
-FINDINGS_RANKS = (8, 16, 32)
+_FINDINGS_RANKS = (8, 16, 32)
 
 # %% ../nbs/02a_lowrank.ipynb #1a0e0025
-def findings_schemes(ranks=FINDINGS_RANKS, # the ranks of the full method (smoothing and branch)
+def findings_schemes(ranks=_FINDINGS_RANKS, # the ranks of the full method (smoothing and branch)
                     ) -> list[str]:
     "The schemes the findings compare: int8, fp8, and per 4-bit format none / smoothing / SVD alone / both at `ranks`."
     out = ['int8', 'fp8', 'nvfp4']

@@ -12,21 +12,20 @@ from .core import as_dtype, repo_root
 # diffusers and transformers take seconds to import: each builder imports them when it runs
 
 # %% auto #0
-__all__ = ['TOKENIZER_NAME', 'TOKENIZER_VOCAB', 'SPECIAL_TOKENS', 'CORPUS', 'CHAT_TEMPLATE', 'MISTRAL_CHAT_TEMPLATE',
-           'TOKENIZER_FLAVOURS', 'TINY_HIDDEN', 'tokenizer_dir', 'build_tokenizer', 'load_tokenizer', 'tiny_z_image',
-           'tiny_flux1', 'tiny_flux2', 'tiny_flux2_klein', 'tiny_qwen_image', 'tiny_sd3', 'tiny_sdxl', 'tiny_sana',
-           'tiny_wan', 'cast_as_loaded']
+__all__ = ['CHAT_TEMPLATE', 'load_tokenizer', 'tiny_z_image', 'tiny_flux1', 'tiny_flux2', 'tiny_flux2_klein', 'tiny_qwen_image',
+           'tiny_sd3', 'tiny_sdxl', 'tiny_sana', 'tiny_wan', 'cast_as_loaded']
 
 # %% ../nbs/04a_parts.ipynb #264905de
-TOKENIZER_NAME = 'diffq-bpe'
+_TOKENIZER_NAME = 'diffq-bpe'
 # a multiple of 32 (the encoders' embedding and lm_head dims stay quantisable); BPE runs out of merges first
-TOKENIZER_VOCAB = 1024
+_TOKENIZER_VOCAB = 1024
 
 SPECIAL_TOKENS = ('<|endoftext|>', '<|im_start|>', '<|im_end|>', '<pad>', '<s>', '</s>', '<unk>', '<bos>', '<eos>',
                   '<|startoftext|>', '<think>', '</think>', '[INST]', '[/INST]', '[SYSTEM_PROMPT]', '[/SYSTEM_PROMPT]',
                   '[IMG]', '<|vision_start|>', '<|vision_end|>', '<|image_pad|>', '<|video_pad|>')
 
-CORPUS = (
+# %% ../nbs/04a_parts.ipynb #264905p1
+_CORPUS = (
     'A photo of a cat sitting on a red sofa.', 'A painting of a squirrel eating a burger.',
     'A small cactus with a happy face in the Sahara desert.', 'An astronaut riding a horse on the moon.',
     'A bowl of ramen on a wooden table, steam rising, soft morning light.',
@@ -65,7 +64,7 @@ CHAT_TEMPLATE = (  # Qwen-style: <|im_start|>role\ncontent<|im_end|>; string or 
     "{{- '<think>\\n\\n</think>\\n\\n' -}}{%- endif -%}"
     "{%- endif -%}")
 
-MISTRAL_CHAT_TEMPLATE = (  # Mistral-Small-style: <s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT][INST]..[/INST]
+_MISTRAL_CHAT_TEMPLATE = (  # Mistral-Small-style: <s>[SYSTEM_PROMPT]..[/SYSTEM_PROMPT][INST]..[/INST]
     "{{- bos_token -}}{%- for message in messages -%}{%- if message['content'] is string -%}"
     "{%- set text = message['content'] -%}{%- else -%}"
     "{%- set text = message['content'] | selectattr('type', 'equalto', 'text') | map(attribute='text') | join('') -%}"
@@ -76,7 +75,7 @@ MISTRAL_CHAT_TEMPLATE = (  # Mistral-Small-style: <s>[SYSTEM_PROMPT]..[/SYSTEM_P
 # %% ../nbs/04a_parts.ipynb #3534a3cc
 def tokenizer_dir(root=None) -> Path:
     "Where the committed tokenizer lives: `data/tokenizers/diffq-bpe` of this checkout (or of `root`)."
-    return Path(root or repo_root())/'data'/'tokenizers'/TOKENIZER_NAME
+    return Path(root or repo_root())/'data'/'tokenizers'/_TOKENIZER_NAME
 
 # %% ../nbs/04a_parts.ipynb #ec88be54
 def _train_bpe():
@@ -84,14 +83,14 @@ def _train_bpe():
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
+    trainer = trainers.BpeTrainer(vocab_size=_TOKENIZER_VOCAB, special_tokens=list(SPECIAL_TOKENS), show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(CORPUS, trainer)
+    tok.train_from_iterator(_CORPUS, trainer)
     return tok
 
 # %% ../nbs/04a_parts.ipynb #1ac8ccf7
 def build_tokenizer(path=None):
-    "Train the byte-level BPE on `CORPUS`, wrap it Qwen-style (chat template), and save it to `path` when given."
+    "Train the byte-level BPE on `_CORPUS`, wrap it Qwen-style (chat template), and save it to `path` when given."
     from transformers import PreTrainedTokenizerFast
     tok = PreTrainedTokenizerFast(tokenizer_object=_train_bpe(), eos_token='<|im_end|>', pad_token='<|endoftext|>',
                                   chat_template=CHAT_TEMPLATE, model_max_length=32768)
@@ -99,14 +98,14 @@ def build_tokenizer(path=None):
     return tok
 
 # %% ../nbs/04a_parts.ipynb #2d16ad25
-TOKENIZER_FLAVOURS = ('qwen', 'mistral', 'clip', 't5', 'gemma')
+_TOKENIZER_FLAVOURS = ('qwen', 'mistral', 'clip', 't5', 'gemma')
 
 def load_tokenizer(flavour: str = 'qwen', root=None):
     "The committed BPE with the special-token conventions of `flavour` ('qwen', 'mistral', 'clip', 't5' or 'gemma')."
     from tokenizers import Tokenizer, processors
     from transformers import PreTrainedTokenizerFast
-    if flavour not in TOKENIZER_FLAVOURS:
-        raise ValueError(f'unknown tokenizer flavour {flavour!r}; choose one of {TOKENIZER_FLAVOURS}')
+    if flavour not in _TOKENIZER_FLAVOURS:
+        raise ValueError(f'unknown tokenizer flavour {flavour!r}; choose one of {_TOKENIZER_FLAVOURS}')
     path = tokenizer_dir(root)/'tokenizer.json'
     if path.exists(): tok = Tokenizer.from_file(str(path))
     else:  # an install without data/: the rebuild is deterministic and takes milliseconds, but say so
@@ -120,7 +119,7 @@ def load_tokenizer(flavour: str = 'qwen', root=None):
                   model_max_length=32768)
     elif flavour == 'mistral':
         kw = dict(bos_token='<s>', eos_token='</s>', pad_token='<pad>', unk_token='<unk>',
-                  chat_template=MISTRAL_CHAT_TEMPLATE, model_max_length=32768)
+                  chat_template=_MISTRAL_CHAT_TEMPLATE, model_max_length=32768)
     elif flavour == 'clip':
         tok.post_processor = wrap('<|startoftext|> $A <|endoftext|>', '<|startoftext|>', '<|endoftext|>')
         kw = dict(bos_token='<|startoftext|>', eos_token='<|endoftext|>', pad_token='<|endoftext|>',
@@ -138,7 +137,7 @@ TINY_HIDDEN = 64  # text hidden size of the tiny encoders (CLIP: 32)
 
 def _qwen3(causal: bool, layers: int, tok):
     import transformers as T
-    cfg = T.Qwen3Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+    cfg = T.Qwen3Config(vocab_size=_TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
                         num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                         max_position_embeddings=1024, tie_word_embeddings=True, pad_token_id=tok.pad_token_id,
                         eos_token_id=tok.eos_token_id)
@@ -147,7 +146,7 @@ def _qwen3(causal: bool, layers: int, tok):
 # %% ../nbs/04a_parts.ipynb #06315229
 def _clip(projection: bool, layers: int, tok):
     import transformers as T
-    cfg = T.CLIPTextConfig(vocab_size=TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
+    cfg = T.CLIPTextConfig(vocab_size=_TOKENIZER_VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                            num_attention_heads=2, max_position_embeddings=77, projection_dim=32,
                            hidden_act='quick_gelu', bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                            pad_token_id=tok.pad_token_id)
@@ -157,7 +156,7 @@ def _clip(projection: bool, layers: int, tok):
 def _t5(umt5: bool, layers: int, tok):
     import transformers as T
     C, M = (T.UMT5Config, T.UMT5EncoderModel) if umt5 else (T.T5Config, T.T5EncoderModel)
-    cfg = C(vocab_size=TOKENIZER_VOCAB, d_model=TINY_HIDDEN, d_kv=32, d_ff=2*TINY_HIDDEN, num_layers=layers,
+    cfg = C(vocab_size=_TOKENIZER_VOCAB, d_model=TINY_HIDDEN, d_kv=32, d_ff=2*TINY_HIDDEN, num_layers=layers,
             num_heads=2, relative_attention_num_buckets=32, feed_forward_proj='gated-gelu', is_encoder_decoder=False,
             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id, decoder_start_token_id=tok.pad_token_id)
     return M(cfg)
@@ -165,7 +164,7 @@ def _t5(umt5: bool, layers: int, tok):
 # %% ../nbs/04a_parts.ipynb #9cad1cf2
 def _mistral3(layers: int, tok):
     import transformers as T
-    text = dict(model_type='mistral', vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN,
+    text = dict(model_type='mistral', vocab_size=_TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN,
                 intermediate_size=2*TINY_HIDDEN, num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1,
                 head_dim=32, max_position_embeddings=1024, sliding_window=None, bos_token_id=tok.bos_token_id,
                 eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
@@ -179,7 +178,7 @@ def _mistral3(layers: int, tok):
 def _qwen25vl(layers: int, tok):
     import transformers as T
     ids = tok.convert_tokens_to_ids
-    text = dict(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+    text = dict(vocab_size=_TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
                 num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=1024,
                 bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
                 # sums to head_dim/2
@@ -194,7 +193,7 @@ def _qwen25vl(layers: int, tok):
 # %% ../nbs/04a_parts.ipynb #08520e4f
 def _gemma2(layers: int, tok):
     import transformers as T
-    cfg = T.Gemma2Config(vocab_size=TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
+    cfg = T.Gemma2Config(vocab_size=_TOKENIZER_VOCAB, hidden_size=TINY_HIDDEN, intermediate_size=2*TINY_HIDDEN,
                          num_hidden_layers=layers, num_attention_heads=2, num_key_value_heads=1, head_dim=32,
                          query_pre_attn_scalar=32, sliding_window=256, max_position_embeddings=2048,
                          tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,

@@ -30,10 +30,8 @@ from .crossover import layer_pattern
 from .speed import Workload, denoiser_calls, memory_fit, pipeline_time, residual_bands
 
 # %% auto #0
-__all__ = ['RECOMMEND_SCHEMES', 'RECOMMEND_LOWRANK', 'RECOMMEND_RANKS', 'gpu_formats', 'RenderWork', 'RealTarget', 'EncoderBar',
-           'recommend_encoders', 'sampled_calls', 'linear_sensitivity', 'pattern_times', 'linear_times', 'real_plan',
-           'plan_chain', 'predicted', 'measure_plan', 'resolution', 'distinguishable', 'settle', 'Recommendation',
-           'recommend_plan', 'recommend_on_trained', 'pareto_plot']
+__all__ = ['RenderWork', 'RealTarget', 'EncoderBar', 'recommend_encoders', 'pattern_times', 'distinguishable', 'recommend_plan',
+           'recommend_on_trained']
 
 # %% ../nbs/16_recommend.ipynb #r0000008
 RECOMMEND_SCHEMES = ('int8', 'fp8', 'mxfp8', 'nvfp4')  # the roofline's formats among the lab's schemes

@@ -12,8 +12,8 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['EMULATED_SPEED', 'MIN_ROUNDS', 'Estimate', 'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes',
-           'inf_mean', 'time_once', 'warm_up', 'interleaved_times', 'ci_label', 'speed_vs']
+__all__ = ['EMULATED_SPEED', 'MIN_ROUNDS', 'summarise', 'paired_bootstrap', 'rank_schemes', 'time_once', 'warm_up',
+           'interleaved_times', 'speed_vs']
 
 # %% ../nbs/00a_stats.ipynb #66b4f302
 @dataclass

@@ -16,9 +16,8 @@ from .plan import ComponentPlan, QuantPolicy, apply_plan, as_policy, plan_linear
 from .pipelines import FAMILIES, get_family, render
 
 # %% auto #0
-__all__ = ['log', 'DENOISER_ATTRS', 'GENERIC_TINY_M', 'denoisers', 'tiny_m_tokens', 'linear_rows', 'concrete_scheme',
-           'transformer_filter', 'is_gguf_linear', 'plan_transformer', 'quantize_transformer', 'dynamo_counters',
-           'compile_stats', 'CompileReport', 'compile_regions', 'compile_transformer']
+__all__ = ['DENOISER_ATTRS', 'denoisers', 'concrete_scheme', 'transformer_filter', 'is_gguf_linear', 'plan_transformer',
+           'quantize_transformer', 'compile_stats', 'compile_transformer']
 
 # %% ../nbs/08_transformer.ipynb #747c5a32
 log = logging.getLogger(__name__)
@@ -34,15 +33,15 @@ def denoisers(pipe) -> dict[str, nn.Module]:
     return out
 
 # %% ../nbs/08_transformer.ipynb #58a24f5b
-GENERIC_TINY_M = (('time_embed', 'timestep_embedder', 'guidance_embedder', 't_embedder', 'time_text_embed'),
+_GENERIC_TINY_M = (('time_embed', 'timestep_embedder', 'guidance_embedder', 't_embedder', 'time_text_embed'),
                   ('adaLN', 'modulation', 'norm_out.linear'))  # for a class no family names: said in the log
 
 def tiny_m_tokens(transformer) -> tuple[tuple[str, ...], tuple[str, ...]]:
     "(embedder, modulation) tokens of the Linears that run at M = batch in `transformer` (or its class name)."
     name = transformer if isinstance(transformer, str) else type(transformer).__name__
     toks = next((f.tiny_m for f in FAMILIES.values() if f.denoiser == name and f.tiny_m is not None), None)
-    if toks is None: log.info('no family gives tiny-M tokens for %s: using the generic tokens %s', name, GENERIC_TINY_M)
-    return toks or GENERIC_TINY_M
+    if toks is None: log.info('no family gives tiny-M tokens for %s: using the generic tokens %s', name, _GENERIC_TINY_M)
+    return toks or _GENERIC_TINY_M
 
 # %% ../nbs/08_transformer.ipynb #8c37b48c
 def linear_rows(pipe, attr: str | None = None, **render_kwargs) -> pd.Series:
