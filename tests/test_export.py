@@ -8,10 +8,12 @@ from diffusers import DiffusionPipeline
 from diffusers.utils import logging as dlog
 import transformers
 from diffq_lab.pipelines import tiny_pipeline, render
-from diffq_lab.plan import QuantPlan, apply_plan, export_snippet, plan_linears, to_pipeline_config
-from diffq_lab.schemes import make_filter_fn
-from diffq_lab.schemes import quantized_linears
-from diffq_lab.text_encoder import plan_text_encoders, prompt_embeddings
+from diffq_lab.plan import QuantPlan, apply_plan, plan_linears, to_pipeline_config
+from diffq_lab.snippet import export_snippet
+from diffq_lab.filters import make_filter_fn
+from diffq_lab.filters import quantized_linears
+from diffq_lab.text_encoder import prompt_embeddings
+from diffq_lab.export import plan_pipeline
 from diffq_lab.transformer import denoisers, plan_transformer
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
@@ -22,7 +24,7 @@ def lab_quantised(family, scheme):
     "The dense tiny pipeline, and a copy quantised by the lab (encoders and denoisers, real torchao kernels on this CPU)."
     pipe = tiny_pipeline(family)
     lab = copy.deepcopy(pipe)
-    te = plan_text_encoders(lab, scheme, family=family, keep=(0, 0))
+    te = plan_pipeline(lab, te_scheme=scheme, family=family, keep=(0, 0), roles=('te',))
     plan = QuantPlan({**te.components, **{a: plan_transformer(m, scheme, min_features=0) for a, m in denoisers(lab).items()}})
     return pipe, lab, apply_plan(lab, plan)
 
@@ -65,7 +67,7 @@ def test_a_mixed_plan_round_trips_per_linear(pipes, family, tmp_path):
     "A plan that mixes schemes per Linear (as recommend_plan makes), in the denoiser and the encoders, loads bit-identical."
     pipe = pipes[family]
     lab = copy.deepcopy(pipe)
-    te = plan_text_encoders(lab, 'int8wo', family=family, keep=(0, 0))
+    te = plan_pipeline(lab, te_scheme='int8wo', family=family, keep=(0, 0), roles=('te',))
     comps = {}
     for a, p in {**te.components, **{a: plan_transformer(m, 'int8', min_features=0) for a, m in denoisers(lab).items()}}.items():
         mixed = {f: ('int8wo' if i % 3 else 'fp8wo') if a.startswith('text') else ('int8' if i % 2 else 'fp8wo')
@@ -84,7 +86,7 @@ def test_a_mixed_plan_round_trips_per_linear(pipes, family, tmp_path):
 
 # ---------------------------------------------------------------- save_quantized / load_quantized
 import json, shutil
-from diffq_lab.export import SAVED_META, DamagedFolder, file_digests, load_quantized, plan_pipeline, save_quantized
+from diffq_lab.export import SAVED_META, DamagedFolder, file_digests, load_quantized, save_quantized
 from diffq_lab.trained import load_trained_pipeline
 
 
@@ -171,7 +173,7 @@ def test_a_failed_save_leaves_nothing(pipes, tmp_path, monkeypatch):
 def test_without_its_quantizer_a_torchao_encoder_cannot_be_saved(pipes, tmp_path):
     "Why save_quantized attaches the plan's quantizer: a transformers encoder quantised in place still fails alone."
     lab = copy.deepcopy(pipes['z-image'])
-    apply_plan(lab, plan_text_encoders(lab, 'int8', family='z-image', keep=(0, 0)))
+    apply_plan(lab, plan_pipeline(lab, te_scheme='int8', family='z-image', keep=(0, 0), roles=('te',)))
     with pytest.raises(RuntimeError, match='invalid python storage'): lab.text_encoder.save_pretrained(tmp_path)
 
 
