@@ -6,7 +6,7 @@ Prints, per scheme, the forward time of `EmulatedLinear.from_linear(linear, sche
 the bf16 `nn.Linear` forward on the same input. The weight is fake-quantised once at construction, so
 a forward is one activation fake-quant plus a matmul in the compute dtype; the issue's budget is ~3x
 the bf16 forward at 4096x4096, M=1024. The two modules are timed paired, as every speed comparison of
-the lab (`diffq_lab.quality`): warmed up, then interleaved in ABBA rounds, and the cost is the median of
+the lab (`diffq_lab.stats`): warmed up, then interleaved in ABBA rounds, and the cost is the median of
 the per-round ratios with its BCa interval; a verdict says when the interval is too wide to read (a
 neighbour process on a shared machine). With --compile it also times torch.compile'd modules and prints
 how many bf16 ulps the compiled output moves from eager. Timings carry the device.
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from diffq_lab.core import device_name, resolve_device
 from diffq_lab.emulate import EMULATIONS, EmulatedLinear, compare_outputs
-from diffq_lab.quality import interleaved_times, speed_vs, warm_up
+from diffq_lab.stats import interleaved_times, speed_vs, warm_up
 
 
 def paired_cost(f, g, x, device, rounds: int) -> dict:

@@ -129,9 +129,9 @@ def bench_job(schemes, target: SimpleNamespace, gguf: str, quantise: SimpleNames
     "`diffq-lab bench`: dense against GGUF and each scheme's transformer, interleaved rounds, paired ratios."
     from diffq_lab.store import check_recordable
     from diffq_lab.pipelines import load_pipeline
-    from diffq_lab.plan import as_policy
+    from diffq_lab.policy import as_policy
     from diffq_lab.harness import append_frame
-    from diffq_lab.study import BENCH_COLS, transformer_bench
+    from diffq_lab.bench import bench_cols, transformer_bench
     from diffq_lab.pipelines import get_family
     get_family(target.family); check_model(target.model); _check_gguf(gguf)  # names first: a typo costs no work
     if not rec.no_record: check_recordable(('transformer_bench',), allow_dirty=rec.allow_dirty)  # before any work
@@ -142,7 +142,7 @@ def bench_job(schemes, target: SimpleNamespace, gguf: str, quantise: SimpleNames
               min_features=floor)
     df = transformer_bench(**kw) if rec.no_record else append_frame(
         'transformer_bench', transformer_bench(progress=True, **kw), device=device, allow_dirty=rec.allow_dirty)
-    print(df[[c for c in BENCH_COLS if c in df]].to_markdown(index=False, floatfmt='.4g'))
+    print(df[[c for c in bench_cols() if c in df]].to_markdown(index=False, floatfmt='.4g'))
     return 0
 
 # %% ../nbs/16a_cli_jobs.ipynb #fabd0028
@@ -156,7 +156,7 @@ def export_job(family: str, scheme, te_scheme, min_features: int, model, out) ->
     "`diffq-lab export`: the plan for `family` at its real dimensions (nothing downloaded), as JSON and a snippet."
     from diffq_lab.export import plan_pipeline
     from diffq_lab.pipelines import get_family
-    from diffq_lab.plan import check_plan_out, write_plan
+    from diffq_lab.snippet import check_plan_out, write_plan
     fam = get_family(family).name  # a name is checked before the out path is touched
     out = check_plan_out(_out_path(out)); check_model(model, loads=False)  # the snippet names it; nothing loads
     plan = plan_pipeline(fam, scheme, te_scheme, min_features=min_features)
@@ -182,7 +182,7 @@ def recommend_job(gpu: str, bar: float, pipe: SimpleNamespace, seeds, prompts, t
     from diffq_lab.gpus import gpu_spec
     from diffq_lab.export import expand_plan
     from diffq_lab.pipelines import get_family
-    from diffq_lab.plan import check_plan_out, write_plan
+    from diffq_lab.snippet import check_plan_out, write_plan
     from diffq_lab.recommend import RealTarget, RenderWork, recommend_plan
     from diffq_lab.trained import heldout_prompts
     spec, fam = gpu_spec(gpu), get_family(pipe.family).name  # names checked before any work
@@ -252,7 +252,7 @@ def strict_json(x) -> str:
 def crossover_job(gpu: str, family: str, size: int, frames, text_tokens, all_layers: bool, as_json: bool) -> int:
     "`diffq-lab crossover`: the roofline table of `family`'s Linears on `gpu`, then the whole pipeline's answer."
     from diffq_lab.crossover import crossover_data, crossover_text
-    from diffq_lab.memory import get_model
+    from diffq_lab.meta import get_model
     if frames is not None and not get_model(family).video:
         raise ValueError(f'--frames is for video models; {get_model(family).name} makes images '
                          '(drop --frames, or pick a video model such as wan)')

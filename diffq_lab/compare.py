@@ -16,11 +16,11 @@ import matplotlib.image as mpimg
 from matplotlib.cm import ScalarMappable
 from matplotlib.colors import Normalize
 from matplotlib.figure import Figure
-from .quality import as_frames, quality_metrics
+from .quality import METRICS, as_frames, quality_metrics
 
 # %% auto #0
-__all__ = ['CONTROLS', 'image_array', 'diff_heatmap', 'png_bytes', 'metric_caption', 'CompareView', 'compare_widget',
-           'compare_figure', 'compare_grid_png', 'compare_html']
+__all__ = ['image_array', 'diff_heatmap', 'metric_caption', 'compare_widget', 'compare_figure', 'compare_grid_png',
+           'compare_html']
 
 # %% ../nbs/13_compare.ipynb #1ef76e50
 def _frame_indices(n: int, frame=None, max_frames: int = 4) -> list[int]:
@@ -84,21 +84,22 @@ def png_bytes(arr: np.ndarray, min_height: int = 192) -> bytes:
     mpimg.imsave(buf, arr.repeat(k, 0).repeat(k, 1), format='png')
     return buf.getvalue()
 
-_CAPTION = (('psnr', lambda v: 'PSNR ∞ (identical)' if v == math.inf else f'PSNR {v:.2f} dB'),
-            ('ssim', lambda v: f'SSIM {v:.4f}'), ('lpips', lambda v: f'LPIPS {v:.4f}'),
-            ('cosine', lambda v: f'cos {v:.4f}'))
-_QUIET = {'frames', 'finite', 'lpips_unavailable', 'seed', 'steps', 'size', 'ssim_win'}
+_QUIET = {'frames', 'finite', 'seed', 'steps', 'size', 'ssim_win'}  # numbers about the render, not its quality
 
 # %% ../nbs/13_compare.ipynb #542d5808
+def _unavailable(m: dict) -> dict:
+    "Label -> why, for each registered metric `m` says it could not measure."
+    return {x.label: str(m[f'{x.name}_unavailable']) for x in METRICS.values() if m.get(f'{x.name}_unavailable')}
+
 def metric_caption(metrics: dict | None) -> str:
-    "One line of `metrics` (PSNR, SSIM, LPIPS, cosine, then other numbers) for under an image."
+    "One line of `metrics` (each registered metric as `quality.METRICS` writes it, then other numbers) for under an image."
     if not metrics: return ''
     parts = [] if metrics.get('finite', True) else ['NaN/inf in render']
-    for k, fmt in _CAPTION:
-        v = metrics.get(k)
-        if v is not None and not (isinstance(v, float) and math.isnan(v)): parts.append(fmt(v))
-        elif k == 'lpips' and metrics.get('lpips_unavailable'): parts.append('LPIPS n/a')
-    known = {k for k, _ in _CAPTION} | _QUIET
+    for m in METRICS.values():
+        v = metrics.get(m.name)
+        if v is not None and not (isinstance(v, float) and math.isnan(v)): parts.append(m.show(v))
+        elif metrics.get(f'{m.name}_unavailable'): parts.append(f'{m.label} n/a')
+    known = set(METRICS) | _QUIET
     for k, v in metrics.items():
         if k not in known and isinstance(v, (int, float, np.number)) and not isinstance(v, bool):
             parts.append(f'{k} {v:.4g}')
@@ -168,7 +169,7 @@ def compare_widget(renders: dict, # scheme name -> its render (image or clip)
     def update(*_):
         name, f = selector.value, frame_w.value if frame_w is not None else 0
         m = mets[name]
-        why = html.escape(str(m.get('lpips_unavailable', '')), quote=True)
+        why = html.escape('; '.join(_unavailable(m).values()), quote=True)
         ref_image.value = png_bytes(image_array(r, frame=f))
         image.value = png_bytes(image_array(frames[name], frame=f))
         heat.value = png_bytes(diff_heatmap(frames[name], r, gain_w.value, cmap, frame=f))
@@ -249,7 +250,8 @@ def _img_tag(arr: np.ndarray, width: int, alt: str) -> str:
 
 # %% ../nbs/13_compare.ipynb #72a1bae0
 def _metrics_frame(mets: dict) -> pd.DataFrame:
-    rows = [{'scheme': k, **{c: v for c, v in m.items() if c != 'lpips_unavailable'}} for k, m in mets.items()]
+    why = {f'{x}_unavailable' for x in METRICS}
+    rows = [{'scheme': k, **{c: v for c, v in m.items() if c not in why}} for k, m in mets.items()]
     return pd.DataFrame(rows)
 
 # %% ../nbs/13_compare.ipynb #e0106ea8
@@ -275,8 +277,8 @@ def compare_html(renders: dict, # scheme name -> its render (image or clip)
     heats = td(f'|x − dense| × {gain:g}<br>({html.escape(cmap)})') + ''.join(
         td(_img_tag(diff_heatmap(f, r, gain, cmap, max_frames=max_frames), w, f'|{k} - dense|'))
         for k, f in frames.items())
-    notes = sorted({m['lpips_unavailable'] for m in mets.values() if m.get('lpips_unavailable')})
-    foot = ''.join(f'<p><small>LPIPS not measured: {html.escape(n)}</small></p>' for n in notes)
+    notes = sorted({f'{k} not measured: {why}' for m in mets.values() for k, why in _unavailable(m).items()})
+    foot = ''.join(f'<p><small>{html.escape(n)}</small></p>' for n in notes)
     table = _metrics_frame(mets).to_html(index=False, float_format=lambda v: f'{v:.4g}', border=0)
     top = f'<h4>{html.escape(title)}</h4>' if title else ''
     return (f'<div class="diffq-compare">{top}<table>' + ''.join(f'<tr>{x}</tr>' for x in (head, imgs, caps, heats)) +

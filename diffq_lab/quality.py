@@ -11,17 +11,16 @@ import pandas as pd
 import torch
 import torch.nn.functional as F
 from torch import nn
+from dataclasses import dataclass
+from typing import Callable
 from .core import package_version
-# moved to 00a_stats; importable from here until every importer imports them from diffq_lab.stats
-from .stats import (Estimate, ci_label, interleaved_times, paired_bootstrap, paired_ratio, rank_schemes,
-                             speed_vs, summarise, time_once, warm_up, EMULATED_SPEED, MIN_ROUNDS)
 
-log = logging.getLogger(__name__)
+_log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['log', 'LPIPS_NETS', 'ST_LPIPS_NETS', 'ST_LPIPS_PACKAGE', 'QUALITY_PROMPTS', 'as_frames', 'psnr', 'ssim_map', 'ssim',
-           'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance', 'st_lpips_weights', 'STLPIPS',
-           'st_lpips', 'quality_metrics', 'quality_table', 'quality_pairs']
+__all__ = ['METRICS', 'as_frames', 'psnr', 'ssim', 'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance',
+           'st_lpips', 'Metric', 'register_metric', 'get_metric', 'unregister_metric', 'quality_metrics',
+           'quality_table']
 
 # %% ../nbs/11_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:
@@ -108,6 +107,7 @@ def hidden_cosine(dense, quant) -> dict:
 class MetricUnavailable(RuntimeError):
     "A metric that cannot give a real score on this machine; the message says why."
 
+# %% ../nbs/11_quality.ipynb #mt000006
 LPIPS_NETS = ('alex', 'vgg', 'squeeze')
 
 # %% ../nbs/11_quality.ipynb #ce705954
@@ -261,6 +261,85 @@ def st_lpips(img, # RGB image, batch or clip in [0, 1]
     with torch.no_grad(): d = model(x.float().to(device), y.float().to(device)).double().cpu()
     return d if per_frame else d.mean().item()
 
+# %% ../nbs/11_quality.ipynb #mt000002
+@dataclass(frozen=True)
+class Metric:
+    "One image metric of a render against its dense reference: how it scores, which way is better, how it reads."
+    name: str               # its key in `quality_metrics` and its table column
+    fn: Callable            # fn(x, y, data_range=1.0, per_frame=False, **settings): the mean over frames (or per frame)
+    higher_is_better: bool  # True for similarities (PSNR, SSIM), False for distances (LPIPS)
+    fmt: str = '.4f'        # the number's format in captions
+    caption: str = ''       # its name in captions and notes (default: `name`)
+    unit: str = ''          # written after the number in captions (' dB')
+    interval: bool = False  # tables carry its bootstrap interval over renders (`name_lo`, `name_hi`) beside the mean
+    optional: bool = False  # it may not run here: a row then says why (`name_unavailable`) instead of a number
+    default: bool = True    # `quality_metrics` measures it unless told otherwise (False: only when named)
+
+    @property
+    def label(self) -> str: return self.caption or self.name
+
+    @property
+    def columns(self) -> list[str]:
+        "Its columns in a table over renders: the mean, then its interval where it has one."
+        return [self.name, f'{self.name}_lo', f'{self.name}_hi'] if self.interval else [self.name]
+
+    def show(self, v) -> str:
+        "`v` as a caption writes it: 'PSNR 41.23 dB'; an infinite similarity is identical."
+        if v == math.inf: return f'{self.label} ∞ (identical)'
+        return f'{self.label} {v:{self.fmt}}{self.unit}'
+
+    def better(self, a, b) -> bool:
+        "Whether score `a` is better than score `b`."
+        return a > b if self.higher_is_better else a < b
+
+METRICS: dict[str, Metric] = {}
+
+# %% ../nbs/11_quality.ipynb #mt000003
+def register_metric(m: Metric) -> Metric:
+    "Add metric `m` to `METRICS` (or replace the one of its name): every table and caption that reads metrics has it."
+    if not isinstance(m, Metric): raise TypeError(f'register_metric takes a Metric, got {type(m).__name__}')
+    if not m.name.isidentifier(): raise ValueError(f'a metric name is a column name, got {m.name!r}')
+    METRICS[m.name] = m
+    return m
+
+def get_metric(name) -> Metric:
+    "The registered metric `name` (a `Metric` passes through); ValueError naming the choices."
+    if isinstance(name, Metric): return name
+    if name not in METRICS: raise ValueError(f'unknown metric {name!r}; choose one of {tuple(METRICS)}')
+    return METRICS[name]
+
+def unregister_metric(name: str):
+    "Remove metric `name` from `METRICS` (ValueError naming the choices when there is none)."
+    METRICS.pop(get_metric(name).name)
+
+# %% ../nbs/11_quality.ipynb #mt000004
+def _psnr(x, y, data_range=1.0, per_frame=False, **_): return psnr(x, y, data_range, per_frame)
+
+def _ssim(x, y, data_range=1.0, per_frame=False, **settings):
+    return ssim(x, y, data_range, per_frame, **{k: v for k, v in settings.items() if k in ('win_size', 'sigma', 'k1', 'k2')})
+
+def _lpips(x, y, data_range=1.0, per_frame=False, net='alex', **_):
+    return lpips_distance(x / data_range, y / data_range, net=net, per_frame=per_frame)
+
+def _st_lpips(x, y, data_range=1.0, per_frame=False, net='alex', **_):
+    "ST-LPIPS, or `MetricUnavailable` saying why in one line (no RGB, frames too small for the trunk, no package)."
+    if x.shape[1] != 3: raise MetricUnavailable(f'ST-LPIPS needs RGB frames, got {x.shape[1]} channels')
+    try: return st_lpips(x / data_range, y / data_range, net=net, per_frame=per_frame)
+    except (MetricUnavailable, RuntimeError, ValueError) as e:  # frames under the trunk's padding; a net it lacks
+        raise MetricUnavailable(' '.join(str(e).removeprefix('ST-LPIPS unavailable: ').split())[:160]) from e
+
+def _centred_cosine(x, y, per_frame=False, **_):
+    "Cosine of the mean-centred images (the lab's `core.fidelity`): whether the picture's structure points the same way."
+    from diffq_lab.core import fidelity
+    cos = lambda a, b: fidelity(a - a.mean(), b - b.mean())['cosine']
+    return torch.tensor([cos(a, b) for a, b in zip(x, y)], dtype=torch.float64) if per_frame else cos(x, y)
+
+for _m in (Metric('psnr', _psnr, True, '.2f', 'PSNR', ' dB', interval=True),
+           Metric('ssim', _ssim, True, '.4f', 'SSIM', interval=True),
+           Metric('lpips', _lpips, False, '.4f', 'LPIPS', optional=True),
+           Metric('st_lpips', _st_lpips, False, '.4f', 'ST-LPIPS', optional=True),
+           Metric('cosine', _centred_cosine, True, '.4f', 'cos', default=False)): register_metric(_m)
+
 # %% ../nbs/11_quality.ipynb #0c57f6c0
 def quality_metrics(img, # the render: image, batch or clip (NaN/inf reported, not raised)
                     ref, # the dense reference, the same shape (must be finite)
@@ -268,38 +347,33 @@ def quality_metrics(img, # the render: image, batch or clip (NaN/inf reported, n
                     net: str = 'alex', # the LPIPS and ST-LPIPS trunk
                     data_range: float = 1.0, # the values' range L: [0, L]
                     with_st_lpips: bool = True, # ST-LPIPS too, or why it is unavailable
+                    metrics=None, # the metrics measured, by name (default: every registered `default` one)
                     **ssim_kwargs, # `ssim_map` settings (win_size, sigma, k1, k2)
-                   ) -> dict: # psnr, ssim, st_lpips, lpips (or why each is unavailable), frames, finite
-    "PSNR, SSIM, ST-LPIPS and LPIPS (each when it can run) of `img` vs `ref`, averaged over frames; why one is missing."
+                   ) -> dict: # each metric's score (or why it is unavailable), frames, finite
+    "Every registered metric of `img` vs `ref` (PSNR, SSIM, LPIPS, ST-LPIPS...), averaged over frames; why one is missing."
     x, y = _pair(img, ref, data_range, finite=False)
     if not torch.isfinite(y).all(): raise ValueError('ref has NaN/inf values: the dense reference itself is broken')
+    names = [m.name for m in METRICS.values() if m.default] if metrics is None else [get_metric(m).name for m in metrics]
+    skip = {n for n, on in (('lpips', with_lpips), ('st_lpips', with_st_lpips)) if not on}
+    ms = [METRICS[n] for n in names if n not in skip]
     out = dict(frames=x.shape[0], finite=bool(torch.isfinite(x).all()))
     if not out['finite']:
-        out.update(psnr=math.nan, ssim=math.nan)
-        for m in ('lpips',) * with_lpips + ('st_lpips',) * with_st_lpips:
-            out[f'{m}_unavailable'] = 'the render has NaN/inf values'
+        for m in ms:
+            if m.optional: out[f'{m.name}_unavailable'] = 'the render has NaN/inf values'
+            else: out[m.name] = math.nan
         return out
     side = min(x.shape[-2:])
     # frames smaller than the standard window: the largest that fits, said in the row
-    if 'win_size' not in ssim_kwargs and side < 11:
+    if 'win_size' not in ssim_kwargs and side < 11 and 'ssim' in names:
         if side < 3: raise ValueError(f'frames of {tuple(x.shape[-2:])} are too small for SSIM')
         ssim_kwargs['win_size'] = out['ssim_win'] = side if side % 2 else side - 1
-    out.update(psnr=psnr(x, y, data_range), ssim=ssim(x, y, data_range, **ssim_kwargs))
-    if with_lpips:
-        try: out['lpips'] = lpips_distance(x / data_range, y / data_range, net=net)
+    for m in ms:
+        try: out[m.name] = m.fn(x, y, data_range=data_range, net=net, **ssim_kwargs)
         except MetricUnavailable as e:
-            out['lpips_unavailable'] = str(e).removeprefix('LPIPS unavailable: ')
-            log.info('%s', e)
-    if with_st_lpips: out.update(_st_lpips_entry(x / data_range, y / data_range, net))
+            if not m.optional: raise
+            out[f'{m.name}_unavailable'] = str(e).removeprefix(f'{m.label} unavailable: ')
+            _log.info('%s', e)
     return out
-
-# %% ../nbs/11_quality.ipynb #3863dfe7
-def _st_lpips_entry(x, y, net) -> dict:
-    "{'st_lpips': score} or {'st_lpips_unavailable': why} (no RGB, frames too small for the trunk, no package)."
-    if x.shape[1] != 3: return dict(st_lpips_unavailable=f'ST-LPIPS needs RGB frames, got {x.shape[1]} channels')
-    try: return dict(st_lpips=st_lpips(x, y, net=net))
-    except (MetricUnavailable, RuntimeError, ValueError) as e:  # frames under the trunk's padding; a net it lacks
-        return dict(st_lpips_unavailable=' '.join(str(e).removeprefix('ST-LPIPS unavailable: ').split())[:160])
 
 # %% ../nbs/11_quality.ipynb #569c106a
 def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:

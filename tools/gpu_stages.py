@@ -254,7 +254,7 @@ def stage_probe(dry: bool):
 def stage_headline(dry: bool):
     "b. The seed's B200 table on this GPU: Z-Image real dims, 1024 px, 8 steps, compiled; dense vs fp8, then vs int8."
     from diffq_lab.harness import append_frame
-    from diffq_lab.study import transformer_bench, BENCH_COLS
+    from diffq_lab.bench import transformer_bench, bench_cols
     device = _device(dry)
     # GGUF + compile is left out: writing the 6B DiT's Q8_0 file (6.5 GB, numpy on the CPU) alone would spend the budget
     # a dry run compiles only with GPU_DRY_COMPILE=1: inductor on a shared 2-core CPU takes minutes per configuration
@@ -271,7 +271,7 @@ def stage_headline(dry: bool):
         df['pair'] = f'dense vs {s}'
         for k, v in stamp.items(): df[k] = v
         append_frame('transformer_bench', df, device=device)
-        print(df[[c for c in (*BENCH_COLS, 'build_s') if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
+        print(df[[c for c in (*bench_cols(), 'build_s') if c in df]].to_markdown(index=False, floatfmt='.4g'), flush=True)
         _checkpoint()
 
 
@@ -501,14 +501,15 @@ def trained_without_encoder(device, states: dict):
 
 
 def _compare_trained(imgs: dict, ref: dict, ref_adh: list) -> dict:
-    "14_trained's comparison of renders with dense; where ST-LPIPS cannot load (its package is not carried), without it."
+    "22_lab_trained's comparison of renders with dense; where ST-LPIPS cannot load (its package is not carried), without it."
     import torch
     import diffq_lab.trained as T
+    from diffq_lab.lab_trained import _compare
     from diffq_lab.quality import MetricUnavailable, psnr, ssim
     from diffq_lab.stats import paired_bootstrap, summarise
-    try: return T._compare(imgs, ref, ref_adh)
+    try: return _compare(imgs, ref, ref_adh)
     except MetricUnavailable as e: why = str(e)
-    ks = list(ref)  # as T._compare, less the ST-LPIPS columns
+    ks = list(ref)  # as _compare, less the ST-LPIPS columns
     adh = [T.adherence(imgs[k], k[0]) for k in ks]
     x, y = torch.stack([imgs[k] for k in ks]), torch.stack([ref[k] for k in ks])
     p = [float(psnr(a, b)) for a, b in zip(x, y)]
@@ -524,7 +525,7 @@ def stage_trained(dry: bool) -> str:
     import diffq_lab.trained as T
     from diffq_lab.harness import Experiment
     from diffq_lab.loader import load_pipeline_quantized
-    from diffq_lab.plan import as_policy
+    from diffq_lab.policy import as_policy
     device = _device(dry)
     states = carried_prompt_states(device)
     # the held-out prompts, 2 seeds (72 renders a configuration; the CPU table has 4 seeds, 144): the budget's share
@@ -539,7 +540,7 @@ def stage_trained(dry: bool) -> str:
     ex = Experiment('trained_schemes')
 
     def one(scheme):
-        # 14_trained's adherence_by_scheme builds on the CPU (its loader's device='cpu'); here the DiT is placed and
+        # 22_lab_trained's adherence_by_scheme builds on the CPU (its loader's device='cpu'); here the DiT is placed and
         # quantised for this device. Wanted in 14_trained: a device= argument and an encoder-less load
         pipe, st = load_pipeline_quantized(trained_without_encoder(device, states), transformer_quant=scheme,
                                            family='z-image', device=device, policy=policy)

@@ -20,7 +20,8 @@ def main(argv=None):
     ap.add_argument('--checkpoints', default='/tmp/diffq_lab_train', help='where dit.pt is written every 100 steps')
     ap.add_argument('--threads', type=int, default=1, help='torch threads (1: fastest on a shared 2-core CPU)')
     a = ap.parse_args(argv)
-    from diffq_lab.trained import TrainRecipe, train_all, trained_dir
+    from diffq_lab.lab_trained import TrainRecipe, train_all
+    from diffq_lab.trained import trained_dir
     ck = Path(a.checkpoints); ck.mkdir(parents=True, exist_ok=True)
     def checkpoint(step, ema, curve, seconds):
         if step % 100 == 0:
