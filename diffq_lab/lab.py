@@ -9,10 +9,10 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder', 'record_capability',
-           'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines', 'record_quality',
-           'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2', 'lowrank_error_split_smollm2',
-           'full_study', 'record_recommendations', 'run_experiments']
+__all__ = ['EXPERIMENTS', 'QUALITY_PROMPTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder',
+           'record_capability', 'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines',
+           'quality_pairs', 'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
+           'lowrank_error_split_smollm2', 'full_study', 'record_recommendations', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
@@ -123,12 +123,43 @@ def record_tiny_pipelines(root=None, families=None, repeats: int = 3):
     rows = [measure_tiny_pipeline(f, repeats) for f in (TINY_FAMILIES if families is None else families)]
     return append_rows('tiny_pipelines', rows, root=root, device='cpu')
 
+# %% ../nbs/20_lab.ipynb #b5893ba4
+QUALITY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
+                   'two cats sleeping on a blue sofa')
+
+def quality_pairs(family: str = 'z-image', # the tiny family rendered
+                  schemes=None, # the schemes cast onto its text encoders (default: all)
+                  seeds=(0, 1, 2, 3), # the seeds of every prompt
+                  prompts=QUALITY_PROMPTS, # the prompts of every seed
+                  size: int = 32, # height and width in pixels
+                  steps: int = 2, # denoising steps
+                  device=None, # where the pipelines run (default: CUDA when present)
+                 ) -> pd.DataFrame:
+    "A row per scheme x seed x prompt: PSNR/SSIM (LPIPS if it runs) of the encoder-cast render vs dense, prompt cosine."
+    # the library's modules, imported when it runs (the lab's recorders import nothing up front)
+    from diffq_lab.core import resolve_device
+    from diffq_lab.harness import Experiment, compare
+    from diffq_lab.pipelines import tiny_pipeline, render
+    from diffq_lab.quality import hidden_cosine, quality_metrics
+    from diffq_lab.schemes import SCHEMES
+    from diffq_lab.text_encoder import quantize_text_encoders, prompt_embeddings
+    schemes, device = tuple(SCHEMES if schemes is None else schemes), resolve_device(device)
+    if not seeds or not prompts: raise ValueError('quality_pairs needs at least one seed and one prompt')
+    def produce(pipe, pair):
+        seed, prompt = pair
+        return render(pipe, prompt, steps=steps, size=size, seed=seed), prompt_embeddings(pipe, [prompt])
+    metrics = dict(render=lambda out, ref, pair: quality_metrics(out[0], ref[0]),
+                   cosine=lambda out, ref, pair: hidden_cosine(ref[1], out[1])['cosine'])
+    ex = Experiment('quality_pairs')
+    rows = compare(lambda: tiny_pipeline(family).to(device), [(sd, p) for p in prompts for sd in seeds], schemes,
+                   lambda pipe, s: quantize_text_encoders(pipe, s, family=family), produce, metrics, ex, per_pair=True)
+    return ex.frame(dict(r, family=family, size=size, steps=steps) for r in rows)
+
 # %% ../nbs/20_lab.ipynb #lab00025
 @recorder
 def record_quality(root=None, **kwargs):
-    "Measure `quality.quality_pairs(**kwargs)` and append it to the 'quality_pairs' results table."
+    "Measure `quality_pairs(**kwargs)` and append it to the 'quality_pairs' results table."
     from diffq_lab.harness import append_frame
-    from diffq_lab.quality import quality_pairs
     table = quality_pairs(**kwargs)
     append_frame('quality_pairs', table, root=root, device=kwargs.get('device'))
     return table

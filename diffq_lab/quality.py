@@ -380,34 +380,3 @@ def quality_table(renders: dict, ref, **kwargs) -> pd.DataFrame:
     "`quality_metrics` of each render in `renders` (name -> image or clip) vs `ref`, one row per name."
     if not renders: raise ValueError('quality_table needs at least one render')
     return pd.DataFrame([dict(scheme=k, **quality_metrics(v, ref, **kwargs)) for k, v in renders.items()])
-
-# %% ../nbs/11_quality.ipynb #b5893ba4
-QUALITY_PROMPTS = ('a red circle on a white background', 'a lighthouse at sunset, oil painting',
-                   'two cats sleeping on a blue sofa')
-
-def quality_pairs(family: str = 'z-image', # the tiny family rendered
-                  schemes=None, # the schemes cast onto its text encoders (default: all)
-                  seeds=(0, 1, 2, 3), # the seeds of every prompt
-                  prompts=QUALITY_PROMPTS, # the prompts of every seed
-                  size: int = 32, # height and width in pixels
-                  steps: int = 2, # denoising steps
-                  device=None, # where the pipelines run (default: CUDA when present)
-                 ) -> pd.DataFrame:
-    "A row per scheme x seed x prompt: PSNR/SSIM (LPIPS if it runs) of the encoder-cast render vs dense, prompt cosine."
-    # earlier notebooks' modules, imported here so the metrics alone stay light
-    from diffq_lab.core import resolve_device
-    from diffq_lab.harness import Experiment, compare
-    from diffq_lab.pipelines import tiny_pipeline, render
-    from diffq_lab.schemes import SCHEMES
-    from diffq_lab.text_encoder import quantize_text_encoders, prompt_embeddings
-    schemes, device = tuple(SCHEMES if schemes is None else schemes), resolve_device(device)
-    if not seeds or not prompts: raise ValueError('quality_pairs needs at least one seed and one prompt')
-    def produce(pipe, pair):
-        seed, prompt = pair
-        return render(pipe, prompt, steps=steps, size=size, seed=seed), prompt_embeddings(pipe, [prompt])
-    metrics = dict(render=lambda out, ref, pair: quality_metrics(out[0], ref[0]),
-                   cosine=lambda out, ref, pair: hidden_cosine(ref[1], out[1])['cosine'])
-    ex = Experiment('quality_pairs')
-    rows = compare(lambda: tiny_pipeline(family).to(device), [(sd, p) for p in prompts for sd in seeds], schemes,
-                   lambda pipe, s: quantize_text_encoders(pipe, s, family=family), produce, metrics, ex, per_pair=True)
-    return ex.frame(dict(r, family=family, size=size, steps=steps) for r in rows)

@@ -7,7 +7,7 @@ import torch
 
 import diffq_lab.quality as Q
 from diffq_lab.core import load_table
-from diffq_lab.lab import record_quality
+from diffq_lab.lab import QUALITY_PROMPTS, quality_pairs, record_quality
 
 G = torch.Generator().manual_seed(0)
 
@@ -210,7 +210,7 @@ def test_lpips_trunk_location_follows_torchvision():
 # ---- the measured pairs -------------------------------------------------------------------------------------------
 
 def test_record_quality_into_tmp_root(tmp_path):
-    t = record_quality(root=tmp_path, schemes=('fp8wo', 'nvfp4wo'), seeds=(0, 1), prompts=Q.QUALITY_PROMPTS[:1])
+    t = record_quality(root=tmp_path, schemes=('fp8wo', 'nvfp4wo'), seeds=(0, 1), prompts=QUALITY_PROMPTS[:1])
     assert len(t) == 4 and set(t.scheme) == {'fp8wo', 'nvfp4wo'} and t.finite.all()
     assert ((t.ssim > 0.9) & (t.ssim < 1)).all() and (t.psnr > 20).all()
     assert t[t.scheme == 'fp8wo'].ssim.mean() > t[t.scheme == 'nvfp4wo'].ssim.mean()  # 8 bits beat 4
@@ -226,15 +226,15 @@ def test_quality_pairs_records_a_failing_scheme(monkeypatch):
         if scheme == 'mxfp8': raise RuntimeError('kernel exploded')
         return real(pipe, scheme, **kw)
     monkeypatch.setattr(te, 'quantize_text_encoders', flaky)
-    t = Q.quality_pairs(schemes=('mxfp8', 'fp8wo'), seeds=(0,), prompts=Q.QUALITY_PROMPTS[:1])
+    t = quality_pairs(schemes=('mxfp8', 'fp8wo'), seeds=(0,), prompts=QUALITY_PROMPTS[:1])
     assert list(t.requested) == ['mxfp8', 'fp8wo'] and list(t.status) == ['failed', 'ok']
     assert t.scheme.iloc[1] == 'fp8wo'  # keyed by what ran, read from the applied plan
     assert t.error.iloc[0] == 'RuntimeError: kernel exploded' and math.isnan(t.ssim.iloc[0]) and t.ssim.iloc[1] > 0.9
 
 
 def test_quality_pairs_bad_input():
-    with pytest.raises(ValueError, match='fp8'): Q.quality_pairs(schemes=('fp7',))
-    with pytest.raises(ValueError, match='at least one seed'): Q.quality_pairs(schemes=('fp8wo',), seeds=())
+    with pytest.raises(ValueError, match='fp8'): quality_pairs(schemes=('fp7',))
+    with pytest.raises(ValueError, match='at least one seed'): quality_pairs(schemes=('fp8wo',), seeds=())
 
 
 # ---- ST-LPIPS -----------------------------------------------------------------------------------------------------
