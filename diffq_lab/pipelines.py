@@ -58,6 +58,10 @@ class Family:
     nominal_params: float | None = None       # the denoiser's parameters as the model card names them
     text_tokens: int = 512                    # a typical prompt length in tokens (the crossover's default)
     frames: int = 1                           # frames of a typical video render (the crossover's default)
+    # a video DiT without real dims here, timed by the speed model from its public transformer config: `config` (entries
+    # that differ from the class defaults), the default clip `width` x `height`, the VAE's `temporal` and `spatial`
+    # (x patch) compression, the pipeline's default `steps` and `forwards_per_step` (2: CFG on by default)
+    clip: dict | None = field(default=None, hash=False)
     # builds the tiny pipeline: tiny(layers=n)
     tiny: Callable | None = field(default=None, hash=False, compare=False, repr=False)
     # pipe -> call kwargs read off its structure, which `render` passes (FLUX.2: a shallow encoder's stacked layers)
@@ -195,6 +199,21 @@ def _wan_inputs(c, t, grid, T, B) -> dict:
     return dict(hidden_states=t(B, c.in_channels, f * pt, h * ph, w * pw), timestep=t(B),
                 encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
 
+def _cogvideox_inputs(c, t, grid, T, B) -> dict:
+    "CogVideoX: latents (B, frames, channels, 2h, 2w), patched 2x2 by the model, and T5 states."
+    f, h, w = grid
+    return dict(hidden_states=t(B, f, c.in_channels, 2 * h, 2 * w), encoder_hidden_states=t(B, T, c.text_embed_dim),
+                timestep=t(B), return_dict=False)
+
+def _ltx2_inputs(c, t, grid, T, B) -> dict:
+    "LTX-2: video tokens, audio at 25 latents a second (24 fps; its VAE: 8 frames a latent), Gemma states for both."
+    f, h, w = grid
+    A = round(((f - 1) * 8 + 1) / 24 * 25)
+    text = t(B, T, c.caption_channels)
+    return dict(hidden_states=t(B, f * h * w, c.in_channels), audio_hidden_states=t(B, A, c.audio_in_channels),
+                encoder_hidden_states=text, audio_encoder_hidden_states=text, timestep=t(B), num_frames=f, height=h,
+                width=w, audio_num_frames=A, return_dict=False)
+
 # %% ../nbs/05_pipelines.ipynb #d6bbfa31
 _SEED = 'unsloth studio seed (diffusion_precision.py, its Phase-8 PR), GPU-measured there, quoted, not re-measured here'
 _QWEN_KEEP = f'int8 Qwen2.5-VL-7B, first+last 6 blocks bf16 -> prompt-embedding cosine ~0.997 vs bf16; {_SEED}'
@@ -323,7 +342,22 @@ _FAMILY_LIST = [
            sources={'deny': ('fp8 dynamic on its Gemma3-27B encoder: LPIPS 0.78 vs bf16, '
                              'mean luma 137.9 -> 0.0 (black clips); '
                              f'layerwise fp8 LPIPS 0.0043; {_SEED}')},
-           note='audio+video; Gemma3-27B encoder', denoiser='LTX2VideoTransformer3DModel'),
+           note='audio+video; Gemma3-27B encoder', denoiser='LTX2VideoTransformer3DModel', inputs=_ltx2_inputs,
+           text_tokens=1024, frames=121,
+           clip=dict(config={}, width=768, height=512, temporal=8, spatial=32, steps=30, forwards_per_step=2),
+           dims_source='diffusers LTX2VideoTransformer3DModel defaults (48 layers; video 32 heads x 128 = 4096 wide, '
+                       'audio 32 x 64 = 2048; 18.9B: the 19B LTX-2); LTX2Pipeline defaults: 768x512, 121 frames at '
+                       '24 fps, 30 steps, guidance 3, 1024 text tokens; audio at 25 latents per second '
+                       '(16 kHz / hop 160 / 4)'),
+    Family('cogvideox-5b', 'CogVideoXPipeline', 'THUDM/CogVideoX-5b', ('text_encoder',), ('T5EncoderModel',),
+           aliases=('cogvideox', 'cogvideox5b', 'cogvideo-x-5b'), video=True,
+           note='T5-XXL encoder; timed from its transformer config',
+           denoiser='CogVideoXTransformer3DModel', inputs=_cogvideox_inputs, text_tokens=226, frames=49,
+           clip=dict(config=dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
+                     width=720, height=480, temporal=4, spatial=16, steps=50, forwards_per_step=2),
+           dims_source='THUDM/CogVideoX-5b transformer config (42 layers, 48 heads x 64 = 3072 wide, 5.6B; diffusers '
+                       'defaults otherwise); CogVideoXPipeline defaults: 720x480, 49 frames, 50 steps, guidance 6, '
+                       '226 T5 tokens'),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
 ALIASES: dict[str, str] = {a: f.name for f in _FAMILY_LIST for a in f.aliases}

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 from .core import TERM_WIDTH, markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
-from .plan import QuantPolicy, as_policy
-from .pipelines import cast_as_loaded
+from .policy import QuantPolicy, as_policy
+from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
 from .memory import (LOAD_MODES, linear_bytes, pipeline_memory, linear_plan, memory_estimate,
     Workload as MemoryWorkload)
 from .meta import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, pipeline_trace, denoiser_trace, linear_calls,
@@ -25,9 +25,9 @@ from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _enco
 from .crossover import wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'SPEED_FAMILIES', 'QKV_FUSED', 'Workload', 'VideoDiT',
-           'speed_family', 'token_grid', 'denoiser_calls', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit',
-           'predict', 'format_predictions', 'residual_bands']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'speed_family', 'token_grid',
+           'denoiser_calls', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions',
+           'residual_bands']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
@@ -85,74 +85,27 @@ def as_workload(work: Workload | None = None, # the caller's workload (default: 
     w = replace(work or Workload(), **{k: v for k, v in settings.items() if k in names})
     return w, {k: v for k, v in settings.items() if k not in names}
 
-# %% ../nbs/12a_speed.ipynb #6afb7f28
-@dataclass(frozen=True)
-class VideoDiT:
-    "A family the registry has no dims for, known to the speed model by its public transformer config alone."
-    name: str
-    denoiser: str          # the diffusers class
-    config: dict           # the transformer config entries that differ from the class defaults
-    width: int             # the pipeline's default clip: width and height in pixels, frames
-    height: int
-    frames: int
-    text_tokens: int       # the pipeline's max_sequence_length
-    temporal: int          # frames per latent frame (VAE temporal compression)
-    spatial: int           # pixels per token side (VAE spatial compression x patch)
-    steps: int             # the pipeline's default steps
-    forwards_per_step: int # 2: classifier-free guidance on by default
-    dims_source: str
-    aliases: tuple = ()
-    # (family, token grid, text tokens, batch) -> the denoiser's forward kwargs on meta tensors (its own recipe)
-    inputs: Callable | None = field(default=None, hash=False, compare=False, repr=False)
-
-# %% ../nbs/12a_speed.ipynb #vd000001
-def _meta(*shape): return torch.empty(*shape, device='meta', dtype=torch.bfloat16)
-
-def _cogvideox_inputs(fam, grid, T: int, B: int) -> dict:
-    "CogVideoX's forward kwargs: latents (B, frames, 16, 2h, 2w) patched 2x2, T5 states 4096 wide."
-    f, h, w = grid
-    return dict(hidden_states=_meta(B, f, 16, 2 * h, 2 * w), encoder_hidden_states=_meta(B, T, 4096), timestep=_meta(B),
-                return_dict=False)
-
-def _ltx2_inputs(fam, grid, T: int, B: int) -> dict:
-    "LTX-2's forward kwargs: video tokens 128 wide, audio at 25 latents a second (24 fps), Gemma states 3840 wide."
-    f, h, w = grid
-    A = round(((f - 1) * fam.temporal + 1) / 24 * 25)
-    return dict(hidden_states=_meta(B, f * h * w, 128), audio_hidden_states=_meta(B, A, 128),
-                encoder_hidden_states=_meta(B, T, 3840), audio_encoder_hidden_states=_meta(B, T, 3840), timestep=_meta(B),
-                num_frames=f, height=h, width=w, audio_num_frames=A, return_dict=False)
-
-# %% ../nbs/12a_speed.ipynb #6a5d3759
-SPEED_FAMILIES = {f.name: f for f in (
-    VideoDiT('cogvideox-5b', 'CogVideoXTransformer3DModel',
-             dict(num_attention_heads=48, num_layers=42, use_rotary_positional_embeddings=True),
-             720, 480, 49, 226, 4, 16, 50, 2,
-             'THUDM/CogVideoX-5b transformer config (42 layers, 48 heads x 64 = 3072 wide, 5.6B; diffusers defaults '
-             'otherwise); CogVideoXPipeline defaults: 720x480, 49 frames, 50 steps, guidance 6, 226 T5 tokens',
-             aliases=('cogvideox', 'cogvideox5b', 'cogvideo-x-5b'), inputs=_cogvideox_inputs),
-    VideoDiT('ltx-2', 'LTX2VideoTransformer3DModel', {}, 768, 512, 121, 1024, 8, 32, 30, 2,
-             'diffusers LTX2VideoTransformer3DModel defaults (48 layers; video 32 heads x 128 = 4096 wide, audio '
-             '32 x 64 = 2048; 18.9B: the 19B LTX-2); LTX2Pipeline defaults: 768x512, 121 frames at 24 fps, 30 steps, '
-             'guidance 3, 1024 text tokens; audio at 25 latents per second (16 kHz / hop 160 / 4)',
-             aliases=('ltx2', 'ltx-video-2'), inputs=_ltx2_inputs))}
-_SPEED_ALIASES = {a: f.name for f in SPEED_FAMILIES.values() for a in (f.name, *f.aliases)}
-
 # %% ../nbs/12a_speed.ipynb #8b3151d1
+def _clip_families() -> tuple[str, ...]:
+    "The registry's video DiTs timed from their public transformer config alone (`Family.clip`)."
+    return tuple(n for n, f in FAMILIES.items() if f.clip is not None)
+
 def speed_family(model):
-    "The family `model` names: a registry family with real dims (`get_model`) or one of `SPEED_FAMILIES`."
-    if isinstance(model, VideoDiT): return model
+    "The family `model` names: a registry family with real dims (`get_model`) or one with a public config (`Family.clip`)."
+    if isinstance(model, Family) and model.clip is not None: return model
     try: return get_model(model)
     except ValueError as e:
-        key = str(getattr(model, 'name', model)).lower()
-        if key in _SPEED_ALIASES: return SPEED_FAMILIES[_SPEED_ALIASES[key]]
-        raise ValueError(f'{e}; or one of {", ".join(SPEED_FAMILIES)} (public transformer configs)') from None
+        try: f = get_family(getattr(model, 'name', model))
+        except ValueError: f = None
+        if f is not None and f.clip is not None: return f
+        raise ValueError(f'{e}; or one of {", ".join(_clip_families())} (public transformer configs)') from None
 
 # %% ../nbs/12a_speed.ipynb #e027350b
 def token_grid(model, work: Workload) -> tuple[int, int, int]:
     "The denoiser's token grid (frames, height, width) of `model` for `work`'s picture or clip."
     m = speed_family(model)
-    video = isinstance(m, VideoDiT)
-    px, t = (m.spatial, m.temporal) if video else (PIXELS_PER_TOKEN, 4)
+    video = m.clip is not None
+    px, t = (m.clip['spatial'], m.clip['temporal']) if video else (PIXELS_PER_TOKEN, 4)
     h = work.height or work.size
     for name, v in (('size', work.size), ('height', h)):
         if v % px: raise ValueError(f'{name} must be a multiple of {px} px for {m.name}, got {v}')
@@ -165,24 +118,23 @@ def token_grid(model, work: Workload) -> tuple[int, int, int]:
 # %% ../nbs/12a_speed.ipynb #0005c335
 def _frames(m, work: Workload) -> int:
     "The frames `work` renders with family `m` (1 for an image family)."
-    return (work.frames or m.frames) if isinstance(m, VideoDiT) or m.video else 1
+    return (work.frames or m.frames) if m.video else 1
 
 # %% ../nbs/12a_speed.ipynb #a25f9854
 @functools.lru_cache(maxsize=2)
 def _video_module(name: str) -> nn.Module:
     import diffusers
-    fam = SPEED_FAMILIES[name]
-    with torch.device('meta'): tr = getattr(diffusers, fam.denoiser)(**fam.config)
+    fam = get_family(name)
+    with torch.device('meta'): tr = getattr(diffusers, fam.denoiser)(**fam.clip['config'])
     return cast_as_loaded(tr.eval(), torch.bfloat16)
 
 # %% ../nbs/12a_speed.ipynb #105e58f7
 @functools.lru_cache(maxsize=16)
 def _video_trace(name: str, grid: tuple, T: int, B: int) -> tuple[pd.DataFrame, object]:
-    "(M, K, N) of every Linear call and the op trace of one forward of a `SPEED_FAMILIES` denoiser."
-    tr = _video_module(name)
+    "(M, K, N) of every Linear call and the op trace of one forward of a `Family.clip` denoiser (its own input recipe)."
+    tr, t = _video_module(name), lambda *s: torch.empty(*s, device='meta', dtype=torch.bfloat16)
     with linear_calls(tr) as rows, torch.no_grad():
-        fam = SPEED_FAMILIES[name]
-        trace = trace_ops(lambda: tr(**fam.inputs(fam, grid, T, B)))
+        trace = trace_ops(lambda: tr(**get_family(name).inputs(tr.config, t, grid, T, B)))
     return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
 
 # %% ../nbs/12a_speed.ipynb #b2cb48d3
@@ -195,7 +147,7 @@ def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
     "(M, K, N) of every Linear call and the op trace of one denoiser forward of `model` for `work`."
     m, grid = speed_family(model), token_grid(model, work)
     T = m.text_tokens if work.text_tokens is None else work.text_tokens
-    if isinstance(m, VideoDiT):
+    if m.clip is not None:
         shapes, trace = _video_trace(m.name, grid, T, work.batch)
         return shapes.copy(), trace
     # square or not, one meta forward gives the shapes and the trace (09_memory's `denoiser_trace`)
@@ -206,7 +158,7 @@ def denoiser_calls(model, work: Workload) -> tuple[pd.DataFrame, object]:
 @functools.lru_cache(maxsize=64)
 def _picked(name: str, scheme: str, rules: str, features: int) -> frozenset:
     "The denoiser Linears of family `name` that take `scheme` under `rules` (the lab's at `features` wide)."
-    if name not in SPEED_FAMILIES: return quantised_linears(name, scheme, rules, min_features=features)
+    if get_family(name).clip is None: return quantised_linears(name, scheme, rules, min_features=features)
     return linears_under_rules(_video_module(name), scheme, rules, features)
 
 # %% ../nbs/12a_speed.ipynb #a7f3e2d0
@@ -244,7 +196,7 @@ def fuse_qkv(shapes: pd.DataFrame, # (fqn, M, K, N) of a forward's Linear calls
 
 # %% ../nbs/12a_speed.ipynb #dd1658c7
 def forward_time(gpu, # a GPU name or spec dict
-                 model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+                 model, # a registry family with real dims, or one with a public config (`Family.clip`)
                  scheme: str | dict = 'bf16', # the scheme of the Linears `work.rules` pick, or a plan: fqn -> scheme
                  work: Workload | None = None, # picture, batch, execution mode, rules, attention, fused QKV
                  *, path: str | None = None, # one scheme's kernel path (None: `default_path` of the mode and `torchao`)
@@ -286,7 +238,7 @@ def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, 
     "Seconds of one pipeline call: text encoders per prompt (x forwards per step), every forward, one VAE decode."
     fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy, torchao=torchao)
     te = vae = 0.0
-    if not isinstance(m, VideoDiT):      # a SPEED_FAMILIES entry knows its transformer only
+    if m.clip is None:      # a `Family.clip` video DiT: its transformer only
         T, side, floor = work.text_tokens, _square(work), as_policy(policy).features(tiny=False)
         te1 = pipeline_trace(m.name, side, 1, work.frames, T)
         te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal, torchao) for k, t in te1.items()
@@ -298,7 +250,7 @@ def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, 
 
 # %% ../nbs/12a_speed.ipynb #eb7ae616
 def pipeline_time(gpu, # a GPU name or spec dict
-                  model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+                  model, # a registry family with real dims, or one with a public config (`Family.clip`)
                   size: int = 1024, # image width in pixels
                   batch: int = 1, # images per call
                   steps: int = 28, # denoising steps
@@ -327,11 +279,11 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy, torchao=None
 
 # %% ../nbs/12a_speed.ipynb #c691f58b
 def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: str) -> dict:
-    "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for `SPEED_FAMILIES`."
+    "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for a `Family.clip` one."
     load = 'saved' if load == 'none' else load
     scheme = {k: BACKENDS.get(v, v) for k, v in scheme.items()} if isinstance(scheme, dict) else BACKENDS.get(scheme, scheme)
     feats = policy.features(tiny=False)
-    if not isinstance(m, VideoDiT):
+    if m.clip is None:
         w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
         e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy)
     else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer alone
@@ -367,7 +319,7 @@ def _fit(m, s: str | dict, work: Workload, policy: QuantPolicy, load: str, peak:
 
 # %% ../nbs/12a_speed.ipynb #b4c2e005
 def memory_fit(gpu, # a GPU name or spec dict (its `mem_gb` is the capacity)
-               model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+               model, # a registry family with real dims, or one with a public config (`Family.clip`)
                scheme: str | dict = 'bf16', # the transformer's scheme, or a per-Linear plan: fqn -> scheme
                work: Workload | None = None, # picture, batch, rules, text-encoder scheme
                *, load: str = 'after-load', # when quantisation happens: one of `LOAD_MODES`
@@ -391,7 +343,7 @@ def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, ban
     mem = _memory(m, s, work, policy, load)
     resident, peak = mem['resident_GiB'], mem['peak_GiB']
     lo_s, hi_s, lo_x, hi_x = band
-    one, video = s == 'bf16', isinstance(m, VideoDiT)
+    one, video = s == 'bf16', m.clip is not None
     note = r.get('note', '') or _PREDICTION
     if video: note += '; transformer only (no text encoder / VAE configs): seconds, speedup and GiB are the denoiser\'s'
     elif not m.real_dims: note += '; transformer only: no encoder / VAE configs in 05_pipelines'
@@ -411,7 +363,7 @@ def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, ban
 
 # %% ../nbs/12a_speed.ipynb #a47cddfb
 def predict(gpu, # a GPU name or spec dict
-            model, # a registry family with real dims, or one of `SPEED_FAMILIES`
+            model, # a registry family with real dims, or one with a public config (`Family.clip`)
             schemes=('bf16',), # schemes to predict (a tuple or a comma string; bf16 is the reference)
             work: Workload | None = None, # picture, batch, steps, execution mode, rules, attention
             *, policy: QuantPolicy | None = None, # the lab rules' width floor
