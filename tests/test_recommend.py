@@ -127,7 +127,8 @@ def _kept(comp):
 
 def test_recommend_and_blocks_choose_the_same_encoder_remedy(pipes, tmp_path):
     "The same encoder, prompts and bars: recommend's encoder plan is the remedy `diffq-lab blocks` prints as chosen."
-    from diffq_lab.block_select import cli_blocks, prompt_set, remedy_verdict
+    from diffq_lab.encoder_io import prompt_set
+    from diffq_lab.remedies import cli_blocks, remedy_verdict
     pipe, (bar, wb) = pipes['z-image'], ENC_BAR
     plan, tabs = recommend_encoders(pipe, 'int8', EncoderBar(bar, wb, tuple(prompt_set()[0][:6]), -2, n_calib=8))
     df, comp = tabs['text_encoder'], plan.components['text_encoder']
@@ -142,7 +143,8 @@ def test_recommend_and_blocks_choose_the_same_encoder_remedy(pipes, tmp_path):
 
 def test_recommend_plan_carries_the_encoder_remedy(planted_rec):
     "recommend_plan with te_scheme: the encoder's plan is `recommend_encoders`' and its summary says what blocks would."
-    from diffq_lab.block_select import prompt_set, remedy_verdict
+    from diffq_lab.encoder_io import prompt_set
+    from diffq_lab.remedies import remedy_verdict
     pipe, _, rec = planted_rec
     eb = EncoderBar(*ENC_BAR, tuple(prompt_set()[0][:6]), -2, n_calib=8)
     got = recommend_plan(pipe, 'h200', 20.0, RenderWork(PAIRS[:1], steps=1, device='cpu'), te_scheme='int8', te_bar=eb,

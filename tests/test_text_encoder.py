@@ -288,7 +288,7 @@ def test_private_api_still_there():
 
 
 def test_record_te_cosine_writes_only_under_root(tmp_path):
-    from diffq_lab.lab import record_te_cosine  # the lab records the table (issue 39)
+    from diffq_lab.lab_encoders import record_te_cosine  # the lab records the table (issue 39)
     t = record_te_cosine(root=tmp_path, families=('sana',), schemes=('int8', 'fp8_layerwise'), text_layers=2,
                          backend='emulate')
     assert (tmp_path/'te_cosine.csv').exists() and len(t) == 3  # two schemes + int8 without keep blocks
