@@ -11,8 +11,8 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import (resolve_device, check_device, device_name, package_version, atomic_write_text, markdown_table)
-from .schemes import (REGISTRY, SCHEMES, Scheme, apply_kernel, gate_bypassed, get_scheme, normalize_scheme,
-                               quantized_linears, scheme_choices)
+from .schemes import REGISTRY, SCHEMES, Scheme, get_scheme, normalize_scheme, scheme_choices
+from .filters import apply_kernel, gate_bypassed, quantized_linears
 from .emulate import EMULATIONS
 
 _log = logging.getLogger(__name__)

@@ -128,7 +128,7 @@ def bench_job(schemes, target: SimpleNamespace, gguf: str, quantise: SimpleNames
               device, rec: SimpleNamespace) -> int:
     "`diffq-lab bench`: dense against GGUF and each scheme's transformer, interleaved rounds, paired ratios."
     from diffq_lab.store import check_recordable
-    from diffq_lab.pipelines import load_pipeline
+    from diffq_lab.weights import load_pipeline
     from diffq_lab.policy import as_policy
     from diffq_lab.harness import append_frame
     from diffq_lab.bench import bench_cols, transformer_bench
@@ -167,7 +167,8 @@ def export_job(family: str, scheme, te_scheme, min_features: int, model, out) ->
 # %% ../nbs/16a_cli_jobs.ipynb #c15cdba3
 def _measured_on(pipe: SimpleNamespace, fam: str):
     "The pipeline `recommend` measures on, its family and its renders' steps and guidance: --model, trained or tiny."
-    from diffq_lab.pipelines import family_of, load_pipeline, tiny_pipeline
+    from diffq_lab.pipelines import family_of, tiny_pipeline
+    from diffq_lab.weights import load_pipeline
     from diffq_lab.trained import TRAINED_GUIDANCE, TRAINED_STEPS, load_trained_pipeline
     if pipe.model:  # measured on the model itself: its own Linears, nothing to carry over
         p = load_pipeline(pipe.model, device='cpu')

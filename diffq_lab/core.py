@@ -12,11 +12,10 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['DEVICE_CHOICES', 'DTYPES', 'FINGERPRINT_KEYS', 'TERM_WIDTH', 'STAMP_COLUMNS', 'resolve_device', 'module_device',
-           'check_device', 'device_name', 'as_dtype', 'compute_dtype', 'memory_mark', 'peak_extra_bytes', 'fidelity',
-           'file_sha256', 'repo_root', 'package_version', 'git_sha', 'utc_now', 'fingerprint', 'results_dir',
-           'atomic_write_text', 'check_writable', 'DamagedTable', 'load_table', 'JournalWarning', 'recover_commits',
-           'latest_run', 'markdown_table', 'provenance']
+__all__ = ['TERM_WIDTH', 'resolve_device', 'module_device', 'check_device', 'device_name', 'as_dtype', 'compute_dtype',
+           'memory_mark', 'peak_extra_bytes', 'fidelity', 'file_sha256', 'repo_root', 'package_version', 'git_sha',
+           'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'load_table',
+           'recover_commits', 'latest_run', 'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"
@@ -72,10 +71,11 @@ def _cpu_model():
             if line.startswith('model name'): return 'CPU ' + line.split(':', 1)[1].strip()
     except OSError: return None
 
-# %% ../nbs/00_core.ipynb #5e78f0c1
+# %% ../nbs/00_core.ipynb #5e7884cc
 DTYPES = {'bf16': torch.bfloat16, 'bfloat16': torch.bfloat16, 'fp16': torch.float16, 'float16': torch.float16,
           'half': torch.float16, 'fp32': torch.float32, 'float32': torch.float32, 'float': torch.float32}
 
+# %% ../nbs/00_core.ipynb #5e78f0c1
 def as_dtype(dtype) -> torch.dtype:
     "`dtype` (a `torch.dtype` or a name such as 'bf16') as a `torch.dtype`."
     if isinstance(dtype, torch.dtype): return dtype
@@ -131,9 +131,11 @@ def fidelity(out, ref) -> dict:
     return dict(cosine=yr / max(math.sqrt(yy * rr), 1e-300), rel_err=math.sqrt(dd) / max(math.sqrt(rr), 1e-300),
                 max_abs=d.abs().max().item() if d.numel() else 0.0, finite=True)
 
-# %% ../nbs/00_core.ipynb #6af58d71
+# %% ../nbs/00_core.ipynb #6af5615a
 FINGERPRINT_KEYS = ('device', 'device_name', 'capability', 'torch', 'torchao', 'diffusers', 'transformers',
                     'git_sha', 'utc')
+
+# %% ../nbs/00_core.ipynb #6af58d71
 TERM_WIDTH = 120  # a terminal's columns: every table and note the lab prints fits in them (wider ones go to reports)
 
 def file_sha256(path) -> str:

@@ -11,13 +11,15 @@ from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, check_writable, file_sha256, package_version, resolve_device
-from .schemes import FakeQuantLinear, get_scheme, make_filter_fn, quantized_linears, skip_reasons
-from .plan import (ComponentPlan, LinearPlan, QuantPlan, QuantPolicy, as_policy, component_config,
-                            smoothed_components)
+from .schemes import get_scheme
+from .filters import FakeQuantLinear, make_filter_fn, quantized_linears, skip_reasons
+from .plan import ComponentPlan, LinearPlan, QuantPlan, component_config
+from .policy import QuantPolicy, as_policy
+from .snippet import smoothed_components
 from .pipelines import get_family, family_of
 from .text_encoder import plan_text_encoders
 from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, transformer_filter
-from .memory import real_dims_components
+from .meta import real_dims_components
 
 # %% auto #0
 __all__ = ['plan_pipeline', 'expand_plan', 'file_digests', 'digest_difference', 'save_quantized', 'DamagedFolder',

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import nn
 from .core import module_device, resolve_device
-from .plan import QuantPolicy
+from .policy import QuantPolicy
 from .pipelines import Family, get_family, render, text_encoders, tiny_pipeline
 from .text_encoder import block_lists
 from .encoder_io import READ_LAST, _tokenizer_attr, check_read_layer, encoder_inputs, load_prompts

@@ -10,7 +10,7 @@ import numpy as np
 import torch
 from torch import nn
 from .core import as_dtype, resolve_device
-from .schemes import quantized_linears
+from .filters import quantized_linears
 from .transformer import is_gguf_linear
 from .memory import GGUF_TYPES, _gguf_quantizable
 

@@ -11,7 +11,7 @@ from torch import nn
 from .core import latest_run, load_table, module_device, resolve_device
 from .store import append_rows, append_tables
 from .schemes import SCHEMES
-from .plan import QuantPolicy, as_policy
+from .policy import QuantPolicy, as_policy
 from .harness import Experiment, append_frame, concat_frames
 from .pipelines import TINY_FAMILIES, tiny_pipeline
 from dataclasses import dataclass

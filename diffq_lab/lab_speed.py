@@ -14,7 +14,8 @@ from .core import repo_root, resolve_device
 from .store import append_rows
 from .capability import gpu_capability, hardware_gate
 from .gpus import COMPILER_SETTINGS, gpu_spec, same_compiler_settings
-from .schemes import SCHEMES, fp8_gate_bypassed, get_scheme, make_filter_fn
+from .schemes import SCHEMES, get_scheme
+from .filters import fp8_gate_bypassed, make_filter_fn
 from .plan import quantize
 from .memory import pipeline_memory
 from .meta import pipeline_trace

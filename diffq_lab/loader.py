@@ -13,9 +13,11 @@ from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
 from .emulate import lowrank_calibration
 from .capability import SchemeUnavailableError, select_scheme
-from .plan import (ComponentPlan, QuantPlan, QuantPolicy, QuantizationError, RestoreError, apply_plan,
-                            component_role, dense_plan, resolve_here)
-from .pipelines import get_family, family_of, render, load_pipeline, weights_digest
+from .plan import (ComponentPlan, QuantPlan, QuantizationError, RestoreError, apply_plan, component_role, dense_plan,
+    resolve_here)
+from .policy import QuantPolicy
+from .pipelines import get_family, family_of, render
+from .weights import load_pipeline, weights_digest
 from .text_encoder import offload_probe, text_encoders
 from .transformer import (DENOISER_ATTRS, denoisers, is_gguf_linear, compile_transformer,
                                    concrete_scheme)
@@ -89,7 +91,7 @@ class LoadReport:
     mem_load_bytes: int = 0        # the denoisers' bytes as loaded
     device_mem_bytes: int | None = None
     mem_gen_peak_bytes: int | None = None  # the validation render's peak (CUDA)
-    weights: str = ''                # `pipelines.weights_digest` of the pipeline as loaded, before quantisation
+    weights: str = ''                # `weights.weights_digest` of the pipeline as loaded, before quantisation
 
     def _dens(self) -> list[ComponentPlan]: return [p for a, p in self.plan.components.items() if a in DENOISER_ATTRS]
     def _one(self, attr) -> str | None:
@@ -267,7 +269,7 @@ def _place_and_compile(pipe, device, policy, report):
         else: report.placement = f'model CPU offload planned, not applied on a CPU: {why}'
 
 # %% ../nbs/10b_loader.ipynb #43de0ef6
-def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `pipelines.load_pipeline`), or a pipeline
+def load_pipeline_quantized(model_or_pipe, # a hub id or folder (loaded with `weights.load_pipeline`), or a pipeline
                             transformer_quant=None, # the denoisers' scheme ('auto': the device ladder); None: dense
                             te_quant=None, # the encoders' scheme (the family's rules) or QuantPlan (a remedy); None: dense
                             *, family=None, # the family, when the pipeline cannot tell

@@ -4,30 +4,22 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import contextlib, functools, itertools, math, os, re, weakref
-from collections.abc import Mapping
+import os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import pandas as pd
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
 from .core import as_dtype, resolve_device
 from .schemes import SCHEMES, get_scheme, normalize_scheme
-from .plan import QuantPolicy, as_policy
-from .pipelines import get_family, family_of, load_tokenizer, cast_as_loaded, FAMILIES, Family
+from .policy import QuantPolicy, as_policy
+from .pipelines import get_family, family_of, cast_as_loaded
 from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
+from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'MODELS', 'PIXELS_PER_TOKEN', 'MATMUL_OPS', 'CLIP_TOKENS', 'QUANT_RULES', 'LAYERWISE_SKIP', 'LOAD_MODES',
-           'ALLOCATOR', 'linear_bytes', 'tensor_bytes', 'module_bytes', 'real_dims_components', 'real_dims_pipeline',
-           'get_model', 'meta_transformer', 'latent_grid', 'denoiser_kwargs', 'OpTrace', 'trace_ops', 'linear_calls',
-           'denoiser_trace', 'PipelineTraces', 'pipeline_trace', 'flux_selective', 'layerwise_skipped',
-           'linears_under_rules', 'quantised_linears', 'MemoryEstimate', 'Workload', 'linear_plan', 'encoder_plan',
-           'tensor_sizes', 'reserved_bytes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'MemoryPlan',
-           'plan_memory']
+__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'Workload', 'linear_plan', 'encoder_plan',
+           'reserved_bytes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -77,404 +69,7 @@ def module_bytes(module: nn.Module) -> int:
         seen.add(id(t)); total += tensor_bytes(t)
     return total
 
-# %% ../nbs/09_memory.ipynb #ce29eb76
-def _build(library: str, cls_name: str, cfg: dict) -> nn.Module:
-    if library == 'diffusers':
-        import diffusers
-        return getattr(diffusers, cls_name)(**cfg)
-    import transformers
-    cls = getattr(transformers, cls_name)
-    return cls(cls.config_class(**cfg))
-
-# %% ../nbs/09_memory.ipynb #dbfca2fb
-def _real_dims_specs(family, transformer_only: bool = False) -> dict:
-    "pipeline attribute -> (library, class, config) or tokenizer flavour, of `family` at real dims (registry facts)."
-    fam = get_family(family)
-    if fam.denoiser_dims is None or not (fam.real_dims or transformer_only):
-        have = [f.name for f in FAMILIES.values() if f.denoiser_dims is not None and f.real_dims]
-        raise ValueError(f'no real-dims configs for {fam.name!r}; families with them: {", ".join(have)}')
-    tr = ('diffusers', fam.denoiser, fam.denoiser_dims)
-    return dict(transformer=tr) if transformer_only else dict(transformer=tr, **fam.real_dims)
-
-# %% ../nbs/09_memory.ipynb #38b1eec7
-def _build_parts(specs: dict, device, dtype) -> dict[str, nn.Module]:
-    "The modules `specs` (attribute -> (library, class, config)) name, built on `device` and cast as a load would."
-    out = {}
-    with torch.device(device):
-        for attr, spec in specs.items():
-            if isinstance(spec, str): continue  # a tokenizer flavour
-            m = _build(*spec)
-            out[attr] = cast_as_loaded(m.eval(), dtype)  # on meta too: fp8 and MX plans require bf16 weights
-    tr = out.get('transformer')  # absent when the parts asked for are the transformer's companions
-    for name in ('x_pad_token', 'cap_pad_token'):  # Z-Image creates these with torch.empty: uninitialised memory
-        if isinstance(getattr(tr, name, None), torch.Tensor) and getattr(tr, name).device.type != 'meta':
-            with torch.no_grad(): getattr(tr, name).normal_(std=0.02)
-    return out
-
-# %% ../nbs/09_memory.ipynb #38b1eec8
-def real_dims_components(family, device='meta', dtype=torch.bfloat16) -> dict[str, nn.Module]:
-    "The modules of `family`'s pipeline at real dimensions with random weights, built on `device` ('meta': no memory)."
-    return _build_parts(_real_dims_specs(family), device, dtype)
-
-# %% ../nbs/09_memory.ipynb #8ac3ce90
-def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0):
-    "A `family` pipeline at real dims, random weights, on `device` (the committed BPE tokenizer): speed and memory."
-    import diffusers
-    fam, device = get_family(family), resolve_device(device)
-    with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
-        torch.manual_seed(seed)
-        comps = real_dims_components(fam.name, device, dtype)
-    toks = {a: load_tokenizer(f) for a, f in fam.real_dims.items() if isinstance(f, str)}
-    pipe = getattr(diffusers, fam.pipeline)(scheduler=diffusers.FlowMatchEulerDiscreteScheduler(), **comps, **toks)
-    pipe.set_progress_bar_config(disable=True)
-    pipe._diffq_family = fam.name
-    return pipe
-
-# %% ../nbs/09_memory.ipynb #7dd45be7
-MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
-PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
-
-def get_model(model) -> Family:
-    "The `Family` of `model` (a name or alias, e.g. 'flux', 'wan', 'zimage'), which must know its real denoiser dims."
-    try: fam = get_family(model)
-    except ValueError: fam = None
-    if fam is None or fam.denoiser_dims is None:
-        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
-    return fam
-
-# %% ../nbs/09_memory.ipynb #4a61c40b
-def meta_transformer(model) -> nn.Module:
-    "The real-dimension transformer of `model`, built on the meta device (no memory) and cast as a bf16 load would."
-    specs = _real_dims_specs(get_model(model).name, transformer_only=True)  # the family's other parts may be unknown
-    return _build_parts(specs, 'meta', torch.bfloat16)['transformer']
-
-# %% ../nbs/09_memory.ipynb #9725c3af
-def latent_grid(model, size, frames=None) -> tuple[int, int, int]:
-    "The token grid (frames, height, width) of `model` at a square `size` px (and `frames` for video models)."
-    m = get_model(model)
-    if isinstance(size, bool) or not isinstance(size, int) or size < PIXELS_PER_TOKEN or size % PIXELS_PER_TOKEN:
-        raise ValueError(f'size must be a positive multiple of {PIXELS_PER_TOKEN} px, got {size!r}')
-    frames = (m.frames if frames is None else frames) if m.video else 1
-    if isinstance(frames, bool) or not isinstance(frames, int) or frames < 1 or (m.video and (frames - 1) % 4):
-        raise ValueError(f'frames must be 1 or 4k+1 for a video model (the VAE compresses time 4x), got {frames!r}')
-    f = (frames - 1) // 4 + 1 if m.video else 1
-    return (f, size // PIXELS_PER_TOKEN, size // PIXELS_PER_TOKEN)
-
-# %% ../nbs/09_memory.ipynb #3647d787
-def _recipe(tr, family=None) -> Family:
-    "The family whose `inputs` recipe feeds `tr`: `family` when named, else one whose denoiser class `tr` is."
-    fams = [get_family(family)] if family is not None else \
-           [f for f in FAMILIES.values() if f.denoiser == type(tr).__name__ and f.inputs is not None]
-    if not fams or fams[0].inputs is None:
-        known = sorted({f.denoiser for f in FAMILIES.values() if f.inputs is not None})
-        raise ValueError(f'no input recipe for {family or type(tr).__name__}; the recipes know {", ".join(known)}')
-    return fams[0]
-
-def denoiser_kwargs(tr, grid, text_tokens, batch, family=None):
-    "Forward kwargs for transformer `tr` at token grid (f, h, w), `text_tokens` and `batch`, on its device and dtype."
-    p = next(tr.parameters())
-    dev, dt = p.device, torch.bfloat16 if p.device.type == 'meta' else p.dtype
-    t = lambda *s: (torch.randn(*s, device=dev, dtype=dt) if dev.type != 'meta'
-                    else torch.empty(*s, device=dev, dtype=dt))
-    return _recipe(tr, family).inputs(tr.config, t, tuple(grid), text_tokens, batch)
-
-# %% ../nbs/09_memory.ipynb #51b4e937
-MATMUL_OPS = ('mm', 'addmm', 'bmm', 'baddbmm', '_int_mm', '_scaled_mm')
-_NO_KERNEL = ('detach', 'alias', 'lift_fresh', 'empty', 'empty_strided', 'zeros_like', 'empty_like')
-
-def _flat(x) -> list:
-    if isinstance(x, torch.Tensor): return [x]
-    if isinstance(x, (list, tuple)): return [t for v in x for t in _flat(v)]
-    if isinstance(x, dict): return [t for v in x.values() for t in _flat(v)]
-    return []
-
-# %% ../nbs/09_memory.ipynb #54bd1522
-def _nbytes(t) -> int: return t.numel() * t.element_size()
-
-# %% ../nbs/09_memory.ipynb #f3052e3b
-def _op_flops(name, args, out) -> float:
-    "FLOPs of a matmul or convolution aten op (0 for the rest)."
-    if name in ('mm', 'addmm', '_int_mm', '_scaled_mm'):
-        a, b = (args[1], args[2]) if name == 'addmm' else (args[0], args[1])
-        return 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    if name in ('bmm', 'baddbmm'):
-        a, b = (args[1], args[2]) if name == 'baddbmm' else (args[0], args[1])
-        return 2.0 * a.shape[0] * a.shape[1] * a.shape[2] * b.shape[2]
-    if name == 'convolution': return 2.0 * out.numel() * args[1].shape[1] * math.prod(args[1].shape[2:])
-    return 0.0
-
-# %% ../nbs/09_memory.ipynb #01a70fb7
-class _KernelCount(TorchDispatchMode):
-    "Every kernel of a meta-tensor forward: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
-    def __init__(self):
-        super().__init__()
-        self.rows, self.live, self.peak, self.group = [], 0, 0, 0
-        self.prod, self.seen, self.storages, self.group_bytes, self.uid = {}, set(), set(), {}, {}
-        self.count = itertools.count()
-    def _free(self, key, n): self.live -= n; self.storages.discard(key)
-    def _key(self, t) -> int:
-        "A key no later tensor shares (an id is reused once its tensor dies: keyed by id, the fused bytes varied by run)."
-        k = self.uid.get(id(t))
-        if k is None:
-            k = self.uid[id(t)] = next(self.count)
-            weakref.finalize(t, self.uid.pop, id(t), None)
-        return k
-    def _alloc(self, t, kind):
-        s = t.untyped_storage()
-        self.prod[self._key(t)] = self.group if kind == 'other' else None
-        if s._cdata in self.storages: return
-        self.storages.add(s._cdata); self.live += s.nbytes(); self.peak = max(self.peak, self.live)
-        weakref.finalize(s, self._free, s._cdata, s.nbytes())
-    def _read(self, t, kind):
-        "A fused kernel reads `t` once per group; the group that made `t` writes it once, when something else reads it."
-        key = self._key(t)
-        g = self.prod.get(key)
-        if kind == 'other' and g == self.group: return
-        if (key, self.group) in self.seen: return
-        self.seen.add((key, self.group))
-        if kind == 'other': self.group_bytes[self.group] = self.group_bytes.get(self.group, 0) + _nbytes(t)
-        if g is not None and (key, 'w') not in self.seen:
-            self.seen.add((key, 'w')); self.group_bytes[g] = self.group_bytes.get(g, 0) + _nbytes(t)
-    def record(self, kind, # 'matmul', 'conv', 'attention' or 'other'
-               name, # the aten op's name
-               ins, # the tensors it reads
-               outs, # the tensors it returns
-               flops=0.0, # its floating-point operations
-               **extra, # more columns of its row (attention's B, H, Sq, Skv, D)
-              ):
-        "One kernel: its row, the bytes it reads and writes, the activations it leaves alive."
-        if kind != 'other': self.group += 1
-        for t in ins: self._read(t, kind)
-        fresh = [o for o in outs if not any(o is i for i in ins)]
-        for o in fresh: self._alloc(o, kind)
-        self.rows.append(dict(kind=kind, op=name, flops=flops, bytes=sum(map(_nbytes, ins + fresh)), **extra))
-        if kind != 'other': self.group += 1
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        name = func.overloadpacket.__name__
-        if func.is_view or name in _NO_KERNEL: return out
-        kind = 'matmul' if name in MATMUL_OPS else 'conv' if name == 'convolution' else 'other'
-        outs = _flat(out)
-        flops = _op_flops(name, args, outs[0] if outs else None)
-        self.record(kind, name, _flat(args) + _flat(kwargs or {}), outs, flops)
-        return out
-
-# %% ../nbs/09_memory.ipynb #15cf04cb
-class _FlashAttention(TorchFunctionMode):
-    "scaled_dot_product_attention as one flash-style kernel: an empty output of its shape, FLOPs and bytes recorded."
-    def __init__(self, counter): super().__init__(); self.counter = counter
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention: return func(*args, **kwargs)
-        q, k, v = (list(args) + [kwargs.get(n) for n in ('query', 'key', 'value')[len(args):]])[:3]
-        with torch.utils._python_dispatch._disable_current_modes():
-            out = torch.empty(*q.shape[:-1], v.shape[-1], dtype=q.dtype, device=q.device)
-        B, H, Sq, D = math.prod(q.shape[:-3]), q.shape[-3], q.shape[-2], q.shape[-1]
-        self.counter.record('attention', 'sdpa', [q, k, v], [out], 4.0 * B * H * Sq * k.shape[-2] * D,
-                            B=B, H=H, Sq=Sq, Skv=k.shape[-2], D=D)
-        return out
-
-# %% ../nbs/09_memory.ipynb #f1438f8f
-@dataclass
-class OpTrace:
-    "The kernels one call runs (traced on meta tensors): kind, FLOPs and bytes, fused traffic, activation peak."
-    # kind ('matmul', 'conv', 'attention', 'other'), op, flops, bytes (eager: every kernel on its own)
-    ops: pd.DataFrame
-    # bytes of the 'other' kernels fused inductor-style (each run between matmuls is one kernel)
-    fused_bytes: float
-    fused_kernels: int         # kernels of that fused form (fused groups + matmuls + convs + attention)
-    peak_bytes: int            # the most activation bytes alive at once (eager order; weights not counted)
-    linears: pd.DataFrame | None = None   # (fqn, M, K, N) of its Linear calls, where the tracer recorded them
-    def total(self, kind, col='bytes') -> float:
-        "Sum of `col` over the kernels of `kind`."
-        return float(self.ops.loc[self.ops.kind == kind, col].sum())
-    @property
-    def attention(self) -> pd.DataFrame: return self.ops[self.ops.kind == 'attention'].reset_index(drop=True)
-    @property
-    def eager_kernels(self) -> int: return len(self.ops)
-
-# %% ../nbs/09_memory.ipynb #6dfd0660
-def trace_ops(fn) -> OpTrace:
-    "Run `fn()` (a forward on meta-device modules and inputs) and count its kernels, bytes, FLOPs and activation peak."
-    counter = _KernelCount()
-    with torch.no_grad(), _FlashAttention(counter), counter: fn()
-    ops = pd.DataFrame(counter.rows, columns=['kind', 'op', 'flops', 'bytes', 'B', 'H', 'Sq', 'Skv', 'D'])
-    fused = sum(counter.group_bytes.values())
-    n = len(counter.group_bytes) + int((ops.kind != 'other').sum())
-    return OpTrace(ops, float(fused), n, int(counter.peak))
-
-# %% ../nbs/09_memory.ipynb #bda500c9
-CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
-
-# one build per family: meta modules hold no memory, a build costs seconds (a pure function of the registry's config)
-@functools.lru_cache(maxsize=None)
-def _meta_transformer(family: str) -> nn.Module:
-    "`meta_transformer(family)`, built once a session (shared: callers read it, never change it)."
-    return meta_transformer(family)
-
-@functools.lru_cache(maxsize=None)
-def _meta_parts(family) -> dict:
-    "The meta-device parts of `family` at real dims (the transformer alone when the registry has no other parts)."
-    m = get_model(family)
-    if not m.real_dims: return {'transformer': _meta_transformer(m.name)}
-    rest = {a: s for a, s in _real_dims_specs(m.name).items() if a != 'transformer'}
-    return {'transformer': _meta_transformer(m.name), **_build_parts(rest, 'meta', torch.bfloat16)}
-
-# %% ../nbs/09_memory.ipynb #f3e5bbb7
-def _encoder_trace(m: nn.Module, tokens: int, batch: int) -> OpTrace:
-    "The trace of one text encoder over `tokens` token ids (its language model alone when the wrapper needs images)."
-    ids = torch.zeros(batch, tokens, dtype=torch.long, device='meta')
-    for mod in (m, getattr(getattr(m, 'model', None), 'language_model', None), getattr(m, 'language_model', None)):
-        if mod is None: continue
-        try:
-            with linear_calls(mod) as rows: t = trace_ops(lambda: mod(input_ids=ids))
-        except Exception: continue  # noqa: BLE001 -- a multimodal wrapper that needs image inputs: try its text model
-        t.linears = pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N'])   # a quantised encoder's Linears (12a_speed)
-        return t
-    raise ValueError(f'cannot trace the text encoder {type(m).__name__} on token ids')
-
-# %% ../nbs/09_memory.ipynb #e2131e9c
-def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
-    c = vae.config
-    ch = getattr(c, 'latent_channels', None) or getattr(c, 'z_dim', None)
-    h = size // 8
-    five_d = 'Qwen' in type(vae).__name__ or 'Wan' in type(vae).__name__
-    z = torch.empty(batch, ch, frames, h, h, device='meta', dtype=torch.bfloat16) if five_d else \
-        torch.empty(batch, ch, h, h, device='meta', dtype=torch.bfloat16)
-    return trace_ops(lambda: vae.decode(z))
-
-# %% ../nbs/09_memory.ipynb #ed8bb04a
-@contextlib.contextmanager
-def linear_calls(module: nn.Module):
-    "Within the block, every nn.Linear call of `module` appends its fqn and (M, K, N) to the yielded list."
-    rows, hooks = [], []
-    def record(fqn):
-        def hook(mod, args):
-            rows.append(dict(fqn=fqn, M=math.prod(args[0].shape[:-1]), K=mod.in_features, N=mod.out_features))
-        return hook
-    try:
-        for fqn, mod in module.named_modules():
-            if isinstance(mod, nn.Linear): hooks.append(mod.register_forward_pre_hook(record(fqn)))
-        yield rows
-    finally:
-        for h in hooks: h.remove()
-
-# %% ../nbs/09_memory.ipynb #d0e747e2
-@functools.lru_cache(maxsize=64)
-def denoiser_trace(family: str, # a family with real denoiser dims (its registry name)
-                   grid: tuple, # the token grid (frames, height, width)
-                   text_tokens: int, # prompt tokens
-                   batch: int, # images per call
-                  ) -> tuple[pd.DataFrame, OpTrace]:
-    "(fqn, M, K, N) of every Linear call and the op trace of one forward of `family`'s real-dims denoiser on meta."
-    tr = _meta_transformer(get_model(family).name)
-    # one forward gives both: the Linear shapes (12_crossover, 12a_speed) and the kernels (this notebook)
-    with linear_calls(tr) as rows:
-        trace = trace_ops(lambda: tr(**denoiser_kwargs(tr, tuple(grid), text_tokens, batch, family)))
-    return pd.DataFrame(rows, columns=['fqn', 'M', 'K', 'N']), trace
-
-# %% ../nbs/09_memory.ipynb #2a77ba78
-@functools.lru_cache(maxsize=64)
-def _encoder_trace_of(family: str, attr: str, tokens: int, batch: int) -> OpTrace:
-    "The trace of `family`'s text encoder `attr` over `tokens` ids, once per (family, encoder, tokens, batch)."
-    return _encoder_trace(_meta_parts(family)[attr], tokens, batch)
-
-# %% ../nbs/09_memory.ipynb #7adfc5e6
-@functools.lru_cache(maxsize=64)
-def _vae_trace_of(family: str, size: int, frames: int, batch: int) -> OpTrace:
-    "The trace of `family`'s VAE decode at `size` px, `frames` latent frames and `batch`, once per those."
-    return _vae_trace(_meta_parts(family)['vae'], size, frames, batch)
-
-# %% ../nbs/09_memory.ipynb #b1461dfc
-class PipelineTraces(Mapping):
-    "A pipeline's traces by part (text encoders, transformer, VAE); each part is traced on first read, once a session."
-    def __init__(self, family: str, size: int, batch: int, grid: tuple, text_tokens: int):
-        self.family, self.size, self.batch, self.grid, self.text_tokens = family, size, batch, grid, text_tokens
-        parts = _meta_parts(family)
-        self._tokens = {a: CLIP_TOKENS if 'CLIP' in type(m).__name__ else text_tokens
-                        for a, m in parts.items() if a.startswith('text_encoder')}
-        self._keys = [*self._tokens, 'transformer', *(['vae'] if 'vae' in parts else [])]
-    def __getitem__(self, part: str) -> OpTrace:
-        if part in self._tokens: return _encoder_trace_of(self.family, part, self._tokens[part], self.batch)
-        if part == 'transformer': return denoiser_trace(self.family, self.grid, self.text_tokens, self.batch)[1]
-        if part == 'vae' and part in self._keys: return _vae_trace_of(self.family, self.size, self.grid[0], self.batch)
-        raise KeyError(part)
-    def __iter__(self): return iter(self._keys)
-    def __len__(self): return len(self._keys)
-    def __repr__(self): return f'PipelineTraces({self.family}, {self.size} px, batch {self.batch}: {", ".join(self._keys)})'
-
-
-# %% ../nbs/09_memory.ipynb #734cd007
-def pipeline_trace(family, # a family with real denoiser dims
-                   size: int = 1024, # square image size in px
-                   batch: int = 1, # images per call
-                   frames=None, # video frames (None: the family's default)
-                   text_tokens=None, # prompt tokens (None: the family's `text_tokens`)
-                  ) -> PipelineTraces:
-    "Traces of the text encoders (one prompt), one denoiser forward and one VAE decode of `family` at `size` px."
-    m = get_model(family)
-    grid = latent_grid(m, size, frames)
-    # defaults resolved before any cache: `text_tokens=None` and the family's own count are one trace
-    return PipelineTraces(m.name, size, batch, grid, m.text_tokens if text_tokens is None else text_tokens)
-
-# %% ../nbs/09_memory.ipynb #ad9971a3
-# the lab's plan rules; every Linear (torchao quantize_ unfiltered); torchao's FLUX recipe
-QUANT_RULES = ('lab', 'all', 'selective')
-
-def flux_selective(fqn: str, # the Linear's name in the transformer
-                   K: int, # its input features
-                   N: int, # its output features
-                  ) -> bool:
-    "torchao's FLUX recipe: skip embedders, norm_out, proj_out, single-block norm.linear and Linears under 1024."
-    return not ('embed' in fqn or fqn in ('norm_out.linear', 'proj_out') or 'norm.linear' in fqn or min(K, N) < 1024)
-
-# %% ../nbs/09_memory.ipynb #a7c1e001
-# diffusers' DEFAULT_SKIP_MODULES_PATTERN (hooks/layerwise_casting.py): `enable_layerwise_casting` leaves these in bf16
-LAYERWISE_SKIP = ('pos_embed', 'patch_embed', 'norm', '^proj_in$', '^proj_out$')
-
-def layerwise_skipped(transformer: nn.Module, # the denoiser (its class adds its own patterns)
-                      fqn: str, # a Linear's name in it
-                     ) -> bool:
-    "Whether diffusers' `enable_layerwise_casting` keeps `fqn` in the compute dtype: its default, the class's and fp32 patterns."
-    pats = (*LAYERWISE_SKIP, *(getattr(transformer, '_skip_layerwise_casting_patterns', None) or ()),
-            *(getattr(transformer, '_keep_in_fp32_modules', None) or ()))
-    return any(re.search(p, fqn) for p in pats)
-
-# %% ../nbs/09_memory.ipynb #bbca76f5
-def linears_under_rules(transformer: nn.Module, # a denoiser (meta tensors do)
-                        scheme, # the scheme (None, 'bf16' or 'dense': none)
-                        rules: str, # one of `QUANT_RULES`
-                        floor: int, # the lab's width floor (rules 'lab')
-                       ) -> frozenset:
-    "The names of `transformer`'s Linears that take `scheme` under `rules`."
-    if rules not in QUANT_RULES: raise ValueError(f'unknown rules {rules!r}; choose one of {", ".join(QUANT_RULES)}')
-    if scheme in (None, 'bf16', 'dense'): return frozenset()
-    if rules == 'lab': return frozenset(plan_transformer(transformer, scheme, min_features=floor, device='cpu').quantized)
-    lin = {f: m for f, m in transformer.named_modules() if isinstance(m, nn.Linear)}
-    if rules == 'all' and getattr(get_scheme(scheme), 'library', None) == 'diffusers':
-        # 'every Linear' of a diffusers storage cast is what `enable_layerwise_casting` casts: its skip patterns stay bf16
-        return frozenset(f for f in lin if not layerwise_skipped(transformer, f))
-    return frozenset(f for f, m in lin.items() if rules == 'all' or flux_selective(f, m.in_features, m.out_features))
-
-@functools.lru_cache(maxsize=64)
-def _picked(family, scheme, rules: str, floor: int) -> frozenset:
-    "The names `quantised_linears` returns, cached per (family, scheme, rules, width floor)."
-    return linears_under_rules(_meta_parts(get_model(family).name)['transformer'], scheme, rules, floor)
-
-# %% ../nbs/09_memory.ipynb #bbca76f6
-def quantised_linears(family, # a family with real denoiser dims
-                      scheme, # the transformer's scheme (None, 'bf16' or 'dense': none)
-                      rules: str = 'lab', # 'lab' (the lab's plan), 'all' (every Linear), 'selective' (torchao's)
-                      policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
-                      **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0)
-                     ) -> frozenset:
-    "Names of `family`'s real denoiser Linears that take `scheme` under `rules` ('lab': the lab's plan under `policy`)."
-    return _picked(family, scheme, rules, as_policy(policy, **settings).features(tiny=False))
-
-# %% ../nbs/09_memory.ipynb #001de9c6
-# quantise_ the loaded dense pipeline; quantise while loading (diffusers' quantization_config); a saved quantised folder
-LOAD_MODES = ('after-load', 'at-load', 'saved')
-
+# %% ../nbs/09_memory.ipynb #001dc8f5
 @dataclass
 class MemoryEstimate:
     "Predicted resident and peak bytes of a whole pipeline: weights, activations, the quantise-at-load spike; allocated and reserved."
@@ -510,6 +105,10 @@ class MemoryEstimate:
                  ('peak (allocated)', self.peak_bytes), ('resident (reserved)', self.reserved_resident),
                  ('peak (reserved)', self.reserved_peak)]
         return pd.DataFrame([dict(part=p, GiB=round(b / 2**30, 3)) for p, b in rows])
+
+# %% ../nbs/09_memory.ipynb #001de9c6
+# quantise_ the loaded dense pipeline; quantise while loading (diffusers' quantization_config); a saved quantised folder
+LOAD_MODES = ('after-load', 'at-load', 'saved')
 
 # %% ../nbs/09_memory.ipynb #001de9c5
 @dataclass(frozen=True)
@@ -580,11 +179,12 @@ def tensor_sizes(module: nn.Module, # a part of the pipeline (meta tensors do)
         out.append(w if what == 'weight' else linear_bytes(m.in_features, m.out_features, plan[f]) - w)
     return out
 
-# %% ../nbs/09_memory.ipynb #a7c1e006
+# %% ../nbs/09_memory.ipynb #a7c19794
 # PyTorch's CUDA caching allocator (c10/cuda/CUDACachingAllocator.cpp: kMinBlockSize, kSmallSize, kSmallBuffer,
 # kMinLargeAlloc, kLargeBuffer, kRoundLarge)
 ALLOCATOR = dict(block=512, small=1 << 20, small_segment=2 << 20, mid=10 << 20, mid_segment=20 << 20, round_large=2 << 20)
 
+# %% ../nbs/09_memory.ipynb #a7c1e006
 def reserved_bytes(sizes) -> int:
     "Bytes the caching allocator reserves to hold tensors of `sizes` bytes at once (its segment rule, blocks packed)."
     a, up = ALLOCATOR, lambda n, k: -(-int(n) // k) * k

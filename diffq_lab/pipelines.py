@@ -4,14 +4,12 @@
 
 # %% ../nbs/05_pipelines.ipynb #2525f5d9
 from __future__ import annotations
-import hashlib, inspect, json, math, re, weakref
+import inspect, math, re
 from dataclasses import dataclass, field
 from typing import Callable
-from pathlib import Path
 import pandas as pd
 import torch
-from torch import nn
-from .core import as_dtype, compute_dtype, resolve_device
+from .core import as_dtype
 from .schemes import SCHEMES
 # each family's tiny builder, and the cast a real load applies (load_tokenizer: for the notebooks that import it here)
 from .parts import (cast_as_loaded, load_tokenizer, tiny_flux1, tiny_flux2, tiny_flux2_klein, tiny_qwen_image,
@@ -20,13 +18,11 @@ from .parts import (cast_as_loaded, load_tokenizer, tiny_flux1, tiny_flux2, tiny
 # load pipelines, so reading the registry stays cheap.
 
 # %% auto #0
-__all__ = ['MEASURED_FACTS', 'QWEN3_4B', 'CLIP_L', 'T5_XXL', 'QWEN25_VL_7B', 'FLUX_VAE', 'FAMILIES', 'ALIASES', 'TINY_FAMILIES',
-           'EXACT_DIGEST_NUMEL', 'tiny_generate', 'Family', 'get_family', 'register_family', 'unregister_family',
-           'families_table', 'families_for_class', 'family_of', 'text_encoders', 'tiny_pipeline', 'weights_digest',
-           'render', 'Encodings', 'remember_encodings', 'check_folder', 'load_pipeline']
+__all__ = ['FAMILIES', 'TINY_FAMILIES', 'Family', 'get_family', 'register_family', 'unregister_family', 'family_of',
+           'text_encoders', 'tiny_pipeline', 'render', 'remember_encodings']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
-MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
+_MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note
 
 @dataclass(frozen=True)
 class Family:
@@ -85,9 +81,9 @@ class Family:
             if present and not note.strip():
                 raise ValueError(f'{self.name}: measured fact {fact!r} needs a source note')
             if '\n' in note: raise ValueError(f'{self.name}: the source note for {fact!r} must be one line')
-        stray = set(self.sources) - set(MEASURED_FACTS)
+        stray = set(self.sources) - set(_MEASURED_FACTS)
         if stray:
-            raise ValueError(f'{self.name}: source notes for unknown facts {sorted(stray)}; facts are {MEASURED_FACTS}')
+            raise ValueError(f'{self.name}: source notes for unknown facts {sorted(stray)}; facts are {_MEASURED_FACTS}')
         if self.tiny_m is not None and (len(self.tiny_m) != 2 or not all(isinstance(g, tuple) for g in self.tiny_m)):
             raise ValueError(f'{self.name}: tiny_m must be (embedder tokens, modulation tokens), two tuples; '
                              f'got {self.tiny_m!r}')
@@ -360,9 +356,9 @@ _FAMILY_LIST = [
                        '226 T5 tokens'),
 ]
 FAMILIES: dict[str, Family] = {f.name: f for f in _FAMILY_LIST}
-ALIASES: dict[str, str] = {a: f.name for f in _FAMILY_LIST for a in f.aliases}
+_ALIASES: dict[str, str] = {a: f.name for f in _FAMILY_LIST for a in f.aliases}
 TINY_FAMILIES = tuple(f.name for f in _FAMILY_LIST if f.tiny is not None)
-assert not set(ALIASES) & set(FAMILIES), 'an alias shadows a family name'
+assert not set(_ALIASES) & set(FAMILIES), 'an alias shadows a family name'
 assert all(len({f.tiny_m for f in _FAMILY_LIST if f.denoiser == d}) == 1 for d in {f.denoiser for f in _FAMILY_LIST}), \
     'families that share a denoiser class must share its tiny-M tokens'
 
@@ -374,7 +370,7 @@ def get_family(name) -> Family:
     "The `Family` called `name` (case, '_' and aliases such as 'flux.1' or 'wan' normalised); a `Family` is returned."
     if isinstance(name, Family): return name
     key = _key(name)
-    key = ALIASES.get(key, key)
+    key = _ALIASES.get(key, key)
     if key not in FAMILIES: raise ValueError(f'unknown model family {name!r}; known families: {", ".join(FAMILIES)}')
     return FAMILIES[key]
 
@@ -383,16 +379,16 @@ def register_family(f: Family) -> Family:
     "Add family `f` to the registry, under its name and aliases (all new); every notebook then reads it from there."
     if not isinstance(f, Family): raise ValueError(f'register_family takes a Family, got {type(f).__name__}')
     if _key(f.name) != f.name: raise ValueError(f'a family name is lower case with - for spaces: {_key(f.name)!r}')
-    taken = [n for n in (f.name, *map(_key, f.aliases)) if n in FAMILIES or n in ALIASES]
+    taken = [n for n in (f.name, *map(_key, f.aliases)) if n in FAMILIES or n in _ALIASES]
     if taken: raise ValueError(f'family name or alias {taken} already registered')
     FAMILIES[f.name] = f
-    ALIASES.update({_key(a): f.name for a in f.aliases})
+    _ALIASES.update({_key(a): f.name for a in f.aliases})
     return f
 
 def unregister_family(name) -> Family:
     "Remove the family `name` and its aliases from the registry; the record removed."
     f = FAMILIES.pop(get_family(name).name)
-    for a in f.aliases: ALIASES.pop(_key(a), None)
+    for a in f.aliases: _ALIASES.pop(_key(a), None)
     return f
 
 # %% ../nbs/05_pipelines.ipynb #93efb211
@@ -457,55 +453,6 @@ def tiny_pipeline(family='z-image', dtype=torch.bfloat16, seed: int = 0, text_la
     pipe._diffq_family = fam.name
     return pipe
 
-# %% ../nbs/05_pipelines.ipynb #9a24cd40
-# tensors up to this size are hashed byte for byte; bigger ones by a sample and their moments
-EXACT_DIGEST_NUMEL = 1 << 22
-
-def _tensor_bytes(t: torch.Tensor) -> bytes:
-    "The bytes of `t` as stored (bf16 and fp8 included); for a big tensor, a strided sample and its float64 moments."
-    t = t.detach()
-    if hasattr(t, '__tensor_flatten__'):  # a tensor subclass (torchao's quantised weights): its inner tensors, in order
-        return b''.join(_tensor_bytes(getattr(t, n)) for n in t.__tensor_flatten__()[0])
-    if t.device.type == 'meta': return b'meta'
-    flat = t.contiguous().reshape(-1)
-    # a real model's 12 GB would take tens of seconds to copy and hash on each load
-    if flat.numel() > EXACT_DIGEST_NUMEL:
-        x = flat.double()
-        # computed where it lives
-        moments = torch.stack([x.sum(), (x * x).sum(), x[::7919].sum()]).cpu().numpy().tobytes()
-        flat = flat[::max(1, flat.numel() // EXACT_DIGEST_NUMEL)]
-        return moments + flat.to('cpu').contiguous().view(torch.uint8).numpy().tobytes()
-    return flat.to('cpu').view(torch.uint8).numpy().tobytes()
-
-# %% ../nbs/05_pipelines.ipynb #c5d19e01
-# module -> (its tensors' identities, versions and storage, the digest): this process's; weakly keyed, so a module
-# freed takes its entry with it (never a weak reference to a tensor: torch refuses to swap one that has any)
-_DIGESTS = weakref.WeakKeyDictionary()
-
-def _module_digest(m: nn.Module, name: str = '') -> str:
-    "`m`'s digest (names prefixed `name.`), remembered while its tensors are the same objects at the same version."
-    ts = [*m.named_parameters(remove_duplicate=False), *m.named_buffers(remove_duplicate=False)]
-    try: key = (name, tuple((n, id(t), t._version, t.data_ptr(), t.dtype, tuple(t.shape)) for n, t in ts))
-    except (RuntimeError, NotImplementedError): key = None  # a tensor subclass without storage: hashed every time
-    hit = _DIGESTS.get(m)
-    if key is not None and hit and hit[0] == key: return hit[1]
-    h = hashlib.sha256()
-    for n, t in sorted(m.state_dict().items()):
-        if not isinstance(t, torch.Tensor): continue
-        h.update(f'{name}.{n}:{t.dtype}:{tuple(t.shape)}'.encode()); h.update(_tensor_bytes(t))
-    digest = h.hexdigest()
-    if key is not None: _DIGESTS[m] = (key, digest)
-    return digest
-
-# %% ../nbs/05_pipelines.ipynb #d0036403
-def weights_digest(model) -> str:
-    "sha256 (16 hex digits) of every parameter and buffer of `model` (each module of a pipeline), names, shapes too."
-    if not hasattr(model, 'components'): return _module_digest(model)[:16]
-    mods = {a: m for a, m in model.components.items() if isinstance(m, nn.Module)}
-    # a pipeline: the digest of its modules' digests, so a module not changed since is not hashed again
-    return hashlib.sha256(''.join(f'{a}:{_module_digest(m, a)};' for a, m in sorted(mods.items())).encode()
-                          ).hexdigest()[:16]
-
 # %% ../nbs/05_pipelines.ipynb #1ac41228
 def _derived_kwargs(pipe) -> dict:
     "Call kwargs read off the pipeline's structure, by its family's rule (`Family.structure_kwargs`; most have none)."
@@ -532,7 +479,7 @@ def render(pipe, # a diffusers pipeline of a known family (tiny or real)
     x = x[0]
     return (x[None] if x.ndim == 3 else x).float().cpu()
 
-tiny_generate = render  # the name the study's brief uses
+_tiny_generate = render  # the name the study's brief uses
 
 # %% ../nbs/05_pipelines.ipynb #c5d19e03
 def _call_key(args, kwargs):
@@ -544,7 +491,7 @@ def _call_key(args, kwargs):
     try: return k(args), tuple(sorted((n, k(v)) for n, v in kwargs.items()))
     except TypeError: return None
 
-# %% ../nbs/05_pipelines.ipynb #c5d19e04
+# %% ../nbs/05_pipelines.ipynb #c5d1fdae
 class Encodings:
     "`pipe.encode_prompt`, remembered per call: each prompt is encoded once; once `frozen`, an unseen call is refused."
     def __init__(self, pipe):
@@ -565,72 +512,8 @@ class Encodings:
         self.frozen = True
         return self
 
+# %% ../nbs/05_pipelines.ipynb #c5d19e04
 def remember_encodings(pipe) -> Encodings:
     "Make `pipe` encode each prompt once and remember its states (its own: a copy of `pipe` starts afresh)."
     if isinstance(pipe.__dict__.get('encode_prompt'), Encodings): del pipe.__dict__['encode_prompt']  # a copy's
     return Encodings(pipe)
-
-# %% ../nbs/05_pipelines.ipynb #f154e591
-def _file_keys(sub: Path) -> set[str] | None:
-    "The tensor names the safetensors files of component folder `sub` hold (None: no safetensors, left to the library)."
-    from safetensors import safe_open
-    files = sorted(sub.glob('*.safetensors'))
-    if not files: return None
-    keys = set()
-    for f in files:
-        with safe_open(str(f), 'pt') as s: keys |= set(s.keys())
-    return keys
-
-# %% ../nbs/05_pipelines.ipynb #fcd96da5
-def _meta_keys(library: str, cls_name: str, sub: Path) -> set[str] | None:
-    "The tensor names a diffusers model built from the component's config holds, on meta (None: not a diffusers model)."
-    # transformers models rename checkpoint keys as they load (and tie some), so their names cannot be compared
-    # like this
-    import diffusers
-    from accelerate import init_empty_weights
-    cls = getattr(diffusers, cls_name, None) if library == 'diffusers' else None  # the library's own attribute
-    if not isinstance(cls, type) or not issubclass(cls, diffusers.ModelMixin): return None
-    with init_empty_weights(): m = cls.from_config(cls.load_config(sub))
-    return set(m.state_dict())
-
-# %% ../nbs/05_pipelines.ipynb #a3bb38ae
-def check_folder(folder) -> Path:
-    "Before any weight loads: each diffusers component's config builds exactly the tensors its safetensors hold."
-    folder = Path(folder)
-    try: index = json.loads((folder/'model_index.json').read_text(encoding='utf-8'))
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{folder/'model_index.json'}: not a valid JSON pipeline index ({e})") from None
-    for a, v in index.items():
-        if a.startswith('_') or not (isinstance(v, list) and len(v) == 2 and v[0] in ('diffusers', 'transformers')):
-            continue
-        sub = folder/a
-        if not sub.is_dir() or (keys := _file_keys(sub)) is None: continue
-        try: params = _meta_keys(*v, sub)
-        except Exception as e:
-            raise ValueError(f'{sub/"config.json"}: does not build a {v[1]} ({type(e).__name__}: {e})'[:400]) from None
-        if params is None: continue
-        extra, missing = sorted(keys - params), sorted(params - keys)
-        if extra: raise ValueError(f'{sub}: its weights hold {len(extra)} tensors its config.json has no place for '
-                                   f'(e.g. {extra[0]}): the config and the weights disagree')
-        if missing: raise ValueError(f'{sub}: its config.json expects {len(missing)} tensors its weights lack '
-                                     f'(e.g. {missing[0]}): the config and the weights disagree')
-    return folder
-
-# %% ../nbs/05_pipelines.ipynb #be8e9e8c
-def load_pipeline(model, family=None, dtype=None, device=None, **kwargs):
-    "Load a hub id or local folder with diffusers `from_pretrained`, in `dtype` on `device`; `family` inferred if None."
-    import diffusers
-    device = resolve_device(device)
-    dtype = as_dtype(dtype) if dtype is not None else compute_dtype(device)
-    if Path(str(model)).is_dir(): check_folder(model)  # configs against weights, before any weight loads
-    if family is not None: fam = get_family(family)
-    else:  # check the class before fetching gigabytes of weights
-        hub = {k: kwargs[k] for k in ('revision', 'token', 'cache_dir', 'local_files_only') if k in kwargs}
-        cls_name = diffusers.DiffusionPipeline.load_config(str(model), **hub)['_class_name']
-        if not families_for_class(cls_name):
-            raise ValueError(f'{model}: no known family uses {cls_name}; pass family= one of {", ".join(FAMILIES)}')
-        fam = None
-    cls = getattr(diffusers, fam.pipeline) if fam else diffusers.DiffusionPipeline
-    pipe = cls.from_pretrained(str(model), dtype=dtype, **kwargs).to(device)
-    pipe._diffq_family = fam.name if fam else family_of(pipe)
-    return pipe

@@ -13,9 +13,11 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import resolve_device
-from .schemes import get_scheme, make_filter_fn, normalize_scheme
-from .plan import (ComponentPlan, QuantPlan, QuantPolicy, apply_plan, as_policy, lab_only_schemes,
-                            plan_linears)
+from .schemes import get_scheme, normalize_scheme
+from .filters import make_filter_fn
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
+from .policy import QuantPolicy, as_policy
+from .snippet import lab_only_schemes
 from .pipelines import family_of, render, text_encoders
 from .text_encoder import block_lists
 from .export import plan_pipeline
@@ -24,7 +26,7 @@ from .remedies import N_CALIB, encoder_remedy, remedy_plan, remedy_verdict
 from .transformer import denoisers, plan_transformer
 from .quality import psnr
 from .gpus import get_format, gpu_spec, gpu_schemes
-from .memory import quantised_linears
+from .meta import quantised_linears
 from .kernels import calibrate, default_path, kernel_paths, linear_time
 from .crossover import layer_pattern
 from .speed import Workload, denoiser_calls, memory_fit, pipeline_time, residual_bands

@@ -5,22 +5,17 @@
 # %% ../nbs/01_schemes.ipynb #bb0dbf72
 from __future__ import annotations
 from collections.abc import Sequence
-import contextlib, importlib.util, inspect, warnings
-from collections import Counter
-from dataclasses import dataclass, fields
+import importlib.util, inspect, warnings
+from dataclasses import dataclass
 from typing import Callable
 import pandas as pd
 import torch
-from torch import nn
 from .core import package_version
 
 # %% auto #0
-__all__ = ['REGISTRY', 'OFF', 'SCHEME_FACTORIES', 'LOWRANK_RANK', 'SMOOTH_ALPHA', 'NO_LAB_KERNEL', 'SCHEMES', 'VOCABULARIES',
-           'Gate', 'Scheme', 'register_scheme', 'unregister_scheme', 'register_scheme_factory', 'scheme_choices',
-           'normalize_scheme', 'get_scheme', 'make_config', 'lowrank_bytes', 'RegisteredNames', 'schemes_table',
-           'vocabulary_table', 'FakeQuantLinear', 'layerwise_registry', 'is_quantized_linear', 'quantized_linears',
-           'skip_reason', 'make_filter_fn', 'has_zero_output_row', 'is_all_zero_weight', 'rule_reason', 'skip_reasons',
-           'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
+__all__ = ['REGISTRY', 'LOWRANK_RANK', 'SMOOTH_ALPHA', 'SCHEMES', 'VOCABULARIES', 'Scheme', 'register_scheme',
+           'unregister_scheme', 'register_scheme_factory', 'scheme_choices', 'normalize_scheme', 'get_scheme',
+           'make_config', 'lowrank_bytes']
 
 # %% ../nbs/01_schemes.ipynb #9171e8c2
 @dataclass(frozen=True)
@@ -75,12 +70,14 @@ class Scheme:
         "A fresh torchao config for this scheme (None for a scheme that is not a torchao config)."
         return None if self.config is None else self.config()
 
-# %% ../nbs/01_schemes.ipynb #a1e0c002
-REGISTRY: dict[str, Scheme] = {}
+# %% ../nbs/01_schemes.ipynb #a1e056b1
 OFF = ('', 'none', 'off', 'dense')
-_LOOKUP: dict[str, str] = {}
 # a family's spelling pattern -> its builder: name -> the scheme it names (registered), or None
 SCHEME_FACTORIES: dict[str, Callable[[str], Scheme | None]] = {}
+
+# %% ../nbs/01_schemes.ipynb #a1e0c002
+REGISTRY: dict[str, Scheme] = {}
+_LOOKUP: dict[str, str] = {}
 
 def _key(s: str) -> str: return ''.join(c for c in s.lower() if c not in ' -_\t')
 
@@ -315,10 +312,12 @@ register_scheme(Scheme(
               'tinygemm int4 kernel (torch._weight_int4pack_mm) on sm_80+; torchao 0.18 has no CPU int4 layout'),
     weight_bytes=lambda k, n: n * k // 2 + n * (k // 128) * 4))  # packed nibbles, bf16 scale + zero per group
 
+# %% ../nbs/01_schemes.ipynb #lr006bf1
+NO_LAB_KERNEL = (99, 0)  # a gate no GPU meets: the scheme's kernel is not one the lab can call, it runs emulated
+
 # %% ../nbs/01_schemes.ipynb #lr000002
 LOWRANK_RANK = 32    # SVDQuant's rank: 16-32 is where its FLUX.1 ablation flattens
 SMOOTH_ALPHA = 0.5   # SmoothQuant's migration strength: s_j = max|x_j|^a / max|W_:,j|^(1-a)
-NO_LAB_KERNEL = (99, 0)  # a gate no GPU meets: the scheme's kernel is not one the lab can call, it runs emulated
 
 # %% ../nbs/01_schemes.ipynb #lr000003
 def lowrank_bytes(k: int, # in_features
@@ -358,7 +357,7 @@ _lowrank_scheme(
     'int4 symmetric per token and group of 64 of x/s; x/s in bf16 into the branch',
     (64, 1), ('int4_svdquant', 'svdquant', 'svdquant_int4'), 'int4 tensor cores, sm_75 to sm_89', _int4_w4a4_bytes)
 
-# %% ../nbs/01_schemes.ipynb #a1e0c00a
+# %% ../nbs/01_schemes.ipynb #a1e0e750
 class RegisteredNames(Sequence):
     "The registered scheme names in registry order, read live: a scheme registered later is in it too."
     def __getitem__(self, i): return tuple(REGISTRY)[i]
@@ -372,6 +371,7 @@ class RegisteredNames(Sequence):
     def __radd__(self, other): return tuple(other) + tuple(self)
     def __repr__(self): return repr(tuple(self))
 
+# %% ../nbs/01_schemes.ipynb #a1e0c00a
 SCHEMES = RegisteredNames()  # the registered scheme names; `tuple(SCHEMES)` for a snapshot
 
 # %% ../nbs/01_schemes.ipynb #a1e0c007
@@ -421,177 +421,3 @@ def vocabulary_table() -> pd.DataFrame:
         meanings = {x for x in (lab, *seeds.values()) if x != ''}
         rows.append(dict(name=n, lab=lab or '', **{v: s or '' for v, s in seeds.items()}, ambiguous=len(meanings) > 1))
     return pd.DataFrame(rows)
-
-# %% ../nbs/01_schemes.ipynb #7044d515
-class FakeQuantLinear(nn.Module):
-    "Base of Linears that run a scheme's numerics in plain torch (`diffq_lab.emulate.EmulatedLinear`)."
-    scheme: Scheme
-
-# %% ../nbs/01_schemes.ipynb #a645931a
-def _torchao_tensor(t) -> bool:
-    "Whether `t` is a torchao quantised tensor subclass (Int8Tensor, Float8Tensor, NVFP4Tensor, MXTensor...)."
-    from torchao.utils import TorchAOBaseTensor
-    return isinstance(t, TorchAOBaseTensor)
-
-# %% ../nbs/01_schemes.ipynb #99dd8b2a
-def layerwise_registry(module):
-    "diffusers' hook registry on `module` when it holds a layerwise-casting hook, else None."
-    # diffusers keeps its hooks on the private `_diffusers_hook` HookRegistry; this is the one place we read it
-    registry = getattr(module, '_diffusers_hook', None)
-    return registry if registry is not None and registry.get_hook('layerwise_casting') is not None else None
-
-# %% ../nbs/01_schemes.ipynb #74dd1a72
-def is_quantized_linear(module) -> bool:
-    "Whether `module` is a Linear no longer computing in dense precision: torchao weight, emulated, layerwise-cast."
-    if isinstance(module, FakeQuantLinear): return True
-    if not isinstance(module, nn.Linear): return False
-    return _torchao_tensor(module.weight) or layerwise_registry(module) is not None
-
-# %% ../nbs/01_schemes.ipynb #bc390061
-def quantized_linears(module: nn.Module) -> list[str]:
-    "Fully qualified names of the Linears in `module` that hold quantised weights (see `is_quantized_linear`)."
-    return [fqn for fqn, m in module.named_modules() if is_quantized_linear(m)]
-
-# %% ../nbs/01_schemes.ipynb #1fcc40b1
-def _check_filter_args(min_features, exclude_tokens, divisible_by):
-    # a bare string is one token, not its letters
-    if isinstance(exclude_tokens, str): exclude_tokens = (exclude_tokens,)
-    exclude_tokens = tuple(exclude_tokens or ())
-    if not all(isinstance(t, str) and t for t in exclude_tokens):
-        raise ValueError(f'exclude_tokens must be non-empty strings, got {exclude_tokens!r}')
-    if isinstance(min_features, bool) or not isinstance(min_features, int) or min_features < 0:
-        raise ValueError(f'min_features must be an int >= 0, got {min_features!r}')
-    if isinstance(divisible_by, bool) or not isinstance(divisible_by, int) or divisible_by < 1:
-        raise ValueError(f'divisible_by must be an int >= 1, got {divisible_by!r}')
-    return min_features, exclude_tokens, divisible_by
-
-# %% ../nbs/01_schemes.ipynb #ca8084df
-def skip_reason(module, fqn='', min_features=512, exclude_tokens=(), require_bf16=False, divisible_by=1) -> str | None:
-    "Why `module` (at `fqn`) would not be quantised: None when it qualifies, else a short reason ('not Linear', ...)."
-    min_features, exclude_tokens, divisible_by = _check_filter_args(min_features, exclude_tokens, divisible_by)
-    if is_quantized_linear(module): return 'already quantised'  # an EmulatedLinear is no nn.Linear, but is one
-    if not isinstance(module, nn.Linear): return 'not Linear'
-    # MultiheadAttention calls F.linear on its out_proj's weight directly: a swapped weight would break it
-    if isinstance(module, nn.modules.linear.NonDynamicallyQuantizableLinear): return 'attention out_proj'
-    if any(t in fqn for t in exclude_tokens): return 'excluded'
-    if min(module.in_features, module.out_features) < min_features: return 'too small'
-    if require_bf16 and module.weight.dtype != torch.bfloat16: return 'not bf16'
-    if module.in_features % divisible_by or module.out_features % divisible_by:
-        return f'not divisible by {divisible_by}'
-    return None
-
-# %% ../nbs/01_schemes.ipynb #266b8b96
-def make_filter_fn(min_features=512, exclude_tokens=(), require_bf16=False, divisible_by=1):
-    "A torchao `filter_fn(module, fqn)` that is True only for the `nn.Linear`s `skip_reason` lets through."
-    min_features, exclude_tokens, divisible_by = _check_filter_args(min_features, exclude_tokens, divisible_by)
-    settings = dict(min_features=min_features, exclude_tokens=exclude_tokens, require_bf16=require_bf16,
-                    divisible_by=divisible_by)
-    def reason(module, fqn=''): return skip_reason(module, fqn, **settings)
-    def filter_fn(module, fqn=''): return reason(module, fqn) is None
-    filter_fn.skip_reason, filter_fn.settings = reason, settings  # lets a plan report why a Linear was skipped
-    return filter_fn
-
-# %% ../nbs/01_schemes.ipynb #06676ad8
-def has_zero_output_row(linear: nn.Module) -> bool:
-    "Whether the weight of `linear` has an all-zero row (an output feature that is always 0); False on the meta device."
-    w = linear.weight
-    if _torchao_tensor(w): w = w.dequantize()
-    if w.device.type == 'meta': return False  # meta tensors hold no values
-    return bool((w.detach() == 0).all(dim=-1).any())
-
-# %% ../nbs/01_schemes.ipynb #482537dc
-def is_all_zero_weight(linear: nn.Module) -> bool:
-    "Whether every weight of `linear` is zero (a zero-initialised gate, a pruned layer); False on the meta device."
-    w = linear.weight
-    if _torchao_tensor(w): w = w.dequantize()
-    if w.device.type == 'meta': return False
-    return not bool(w.detach().any())
-
-# %% ../nbs/01_schemes.ipynb #b6ba3bc3
-def _dtype_reason(dtypes) -> str:
-    return 'not ' + '/'.join(str(d).removeprefix('torch.').replace('bfloat16',
-                                                                   'bf16').replace('float32', 'fp32') for d in dtypes)
-
-# %% ../nbs/01_schemes.ipynb #5fa68143
-def _shape_reason(k: int, n: int, multiple_of) -> str | None:
-    mk, mn = multiple_of
-    if mk == mn: return f'not divisible by {mk}' if k % mk or n % mn else None
-    if k % mk: return f'in_features not divisible by {mk}'
-    return f'out_features not divisible by {mn}' if n % mn else None
-
-# %% ../nbs/01_schemes.ipynb #0eb92f7b
-def _tied_weights(module: nn.Module) -> set[int]:
-    "ids of Parameters held by more than one module (tied embeddings / lm_head)."
-    counts = Counter(id(p) for m in module.modules() for p in m.parameters(recurse=False))
-    return {i for i, n in counts.items() if n > 1}
-
-# %% ../nbs/01_schemes.ipynb #33caa4df
-def _user_reason(filter_fn, m, fqn):
-    if is_quantized_linear(m): return 'already quantised'
-    if hasattr(filter_fn, 'skip_reason'): return filter_fn.skip_reason(m, fqn)
-    return None if filter_fn(m, fqn) else 'rejected by filter'
-
-# %% ../nbs/01_schemes.ipynb #330cb1a6
-def rule_reason(scheme: Scheme, linear: nn.Module, tied=frozenset()) -> str | None:
-    "Why `scheme`'s kernel cannot take `linear` (dtype, shape, zero row, tied weight), or None."
-    if scheme.dtypes and linear.weight.dtype not in scheme.dtypes: return _dtype_reason(scheme.dtypes)
-    if r := _shape_reason(linear.in_features, linear.out_features, scheme.multiple_of): return r
-    if scheme.zero_row_hazard and has_zero_output_row(linear): return 'zero output row'
-    if scheme.zero_weight_hazard and is_all_zero_weight(linear): return 'all-zero weight'
-    # a cast in place of a tied Parameter would drag its other user to the storage dtype too
-    if scheme.casts_in_place and id(linear.weight) in tied: return 'tied weight'
-    return None
-
-# %% ../nbs/01_schemes.ipynb #05562368
-def skip_reasons(module: nn.Module, scheme, filter_fn=None) -> dict[str, str | None]:
-    "For each Linear in `module` (by fqn): None when `scheme` can quantise it, else the reason it is skipped."
-    s = get_scheme(scheme)
-    if s is None: raise ValueError(f'skip_reasons needs a concrete scheme, got {scheme!r}; {scheme_choices()}')
-    if filter_fn is None: filter_fn = make_filter_fn()
-    if not callable(filter_fn): raise ValueError(f'filter_fn must be callable(module, fqn), got {filter_fn!r}')
-    tied = _tied_weights(module) if s.casts_in_place else set()
-    return {fqn: _user_reason(filter_fn, m, fqn) or rule_reason(s, m, tied)
-            for fqn, m in module.named_modules() if isinstance(m, nn.Linear) or is_quantized_linear(m)}
-
-# %% ../nbs/01_schemes.ipynb #07c9b8bf
-def apply_kernel(module: nn.Module, scheme, fqns) -> None:
-    "Convert the Linears `fqns` of `module` in place with `scheme`'s real torchao (or diffusers) path."
-    s, fqns = get_scheme(scheme), set(fqns)
-    if s.library not in ('torchao', 'diffusers'):  # nunchaku's low-rank kernels: the probe reports this, plans emulate
-        raise NotImplementedError(f"{s.name}: its kernel is {s.library}'s, which the lab does not call; "
-                                  "use backend='emulate'")
-    if s.library == 'diffusers':
-        from diffusers.hooks import apply_layerwise_casting_hook
-        for fqn, m in module.named_modules():
-            if fqn in fqns: apply_layerwise_casting_hook(m, torch.float8_e4m3fn, m.weight.dtype, non_blocking=False)
-        return
-    from torchao.quantization import quantize_
-    quantize_(module, s.make_config(), filter_fn=lambda m, fqn: fqn in fqns and isinstance(m, nn.Linear)
-              and not is_quantized_linear(m))
-
-# %% ../nbs/01_schemes.ipynb #d8f2e48f
-@contextlib.contextmanager
-def fp8_gate_bypassed():
-    "Within this context torchao's fp8 dynamic hardware gate lets a CPU through (CPU `torch._scaled_mm` runs fp8)."
-    import torchao.quantization.quant_api as qa
-    # private: torchao's gate is this function, imported by name into quant_api (0.15-0.18); 0.15 also asserts
-    # is_sm_at_least_89() without first asking whether CUDA is there, so on a CPU-only machine that goes too
-    names = ['_check_hardware_support'] + ([] if torch.cuda.is_available() else ['is_sm_at_least_89'])
-    missing = [n for n in names if not hasattr(qa, n)]
-    if missing:
-        raise RuntimeError(f"torchao {package_version('torchao')} moved quant_api.{missing}: update fp8_gate_bypassed")
-    old = {n: getattr(qa, n) for n in names}
-    qa._check_hardware_support = lambda *a, **k: None
-    if 'is_sm_at_least_89' in old: qa.is_sm_at_least_89 = lambda: True
-    _BYPASSED[0] += 1
-    try: yield
-    finally:
-        _BYPASSED[0] -= 1
-        for n, f in old.items(): setattr(qa, n, f)
-
-_BYPASSED = [0]  # how many fp8_gate_bypassed contexts are open
-
-# %% ../nbs/01_schemes.ipynb #0efb2854
-def gate_bypassed() -> bool:
-    "Whether an `fp8_gate_bypassed` context is open: what runs now says nothing about the device (never cache it)."
-    return _BYPASSED[0] > 0

@@ -21,8 +21,8 @@ from .filters import make_filter_fn
 from .plan import QuantPlan, quantize, restoring
 from .policy import QuantPolicy, as_policy
 from .harness import Experiment, Shared, summary_columns
-from .pipelines import (tiny_pipeline, render, load_pipeline, get_family, family_of, text_encoders,
-                                 weights_digest, remember_encodings)
+from .pipelines import tiny_pipeline, render, get_family, family_of, text_encoders, remember_encodings
+from .weights import load_pipeline, weights_digest
 from .transformer import denoisers
 from .memory import module_bytes
 from .loader import load_pipeline_quantized

@@ -11,11 +11,13 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import device_name, module_device, resolve_device
-from .schemes import SCHEMES, get_scheme, normalize_scheme, make_filter_fn, quantized_linears
-from .schemes import is_quantized_linear
+from .schemes import SCHEMES, get_scheme, normalize_scheme
+from .filters import make_filter_fn, quantized_linears
+from .filters import is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
-from .plan import ComponentPlan, QuantPlan, QuantPolicy, REAL_MIN_FEATURES, as_policy, apply_plan, plan_linears
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
+from .policy import QuantPolicy, REAL_MIN_FEATURES, as_policy
 from .plan import quantize
 from .harness import Experiment, append_frame
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, Family

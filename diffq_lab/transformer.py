@@ -10,9 +10,11 @@ import pandas as pd
 import torch
 from torch import nn
 from .core import device_name, module_device, resolve_device
-from .schemes import get_scheme, make_filter_fn, normalize_scheme, scheme_choices
+from .schemes import get_scheme, normalize_scheme, scheme_choices
+from .filters import make_filter_fn
 from .capability import select_scheme
-from .plan import ComponentPlan, QuantPolicy, apply_plan, as_policy, plan_linears
+from .plan import ComponentPlan, apply_plan, plan_linears
+from .policy import QuantPolicy, as_policy
 from .pipelines import FAMILIES, get_family, render
 
 # %% auto #0

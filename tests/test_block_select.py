@@ -14,7 +14,7 @@ from diffq_lab import remedies as rm
 from diffq_lab import lab_encoders as le
 from diffq_lab.core import load_table, results_dir
 from diffq_lab.capability import SchemeUnavailableError
-from diffq_lab.schemes import quantized_linears
+from diffq_lab.filters import quantized_linears
 from diffq_lab.pipelines import tiny_pipeline
 
 
@@ -223,7 +223,7 @@ def test_schedule_for_family(mini, spiked):
 
 def test_policy_and_probe_settings_are_one_call(mini):
     "A QuantPolicy / Probe passed whole and the same fields passed as keywords give the same measurement."
-    from diffq_lab.plan import QuantPolicy
+    from diffq_lab.policy import QuantPolicy
     model, tok, inp = mini
     by_kw = bs.measure_schedule(model, inp, (1, 0), 'int8', read_layer=3, min_features=256, exclude_tokens='pooler')
     whole = bs.measure_schedule(model, inp, (1, 0), 'int8', probe=bs.Probe(read_layer=3, exclude_tokens='pooler'),

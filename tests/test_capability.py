@@ -11,7 +11,8 @@ from diffq_lab.capability import (arch_name, as_capability, auto_ladder, classif
                                   KNOWN_GPUS, PROBE_TOL)
 from diffq_lab.core import device_name, load_table
 from diffq_lab.lab import record_capability
-from diffq_lab.schemes import REGISTRY, SCHEMES, FakeQuantLinear
+from diffq_lab.schemes import REGISTRY, SCHEMES
+from diffq_lab.filters import FakeQuantLinear
 
 CPU = device_name('cpu')
 

@@ -16,7 +16,8 @@ from diffq_lab.fakequant import AMAX_FLOOR, e2m1_round, fp8_rowwise, fp8_tensorw
 from diffq_lab.core import load_table
 from diffq_lab.lab import record_agreement, record_numerics
 from diffq_lab.plan import quantize
-from diffq_lab.schemes import REGISTRY, SCHEMES, fp8_gate_bypassed, make_config, make_filter_fn
+from diffq_lab.schemes import REGISTRY, SCHEMES, make_config
+from diffq_lab.filters import fp8_gate_bypassed, make_filter_fn
 
 BF16 = torch.bfloat16
 

@@ -10,7 +10,7 @@ from torch import nn
 from diffq_lab.cli import BAD_INPUTS, BAD_WITHOUT_GPU, main
 from diffq_lab.core import load_table, DamagedTable
 from diffq_lab.store import append_rows, append_tables
-from diffq_lab.schemes import quantized_linears, make_filter_fn
+from diffq_lab.filters import quantized_linears, make_filter_fn
 from forked import Forked, stop as stop_fork_server
 
 ROOT = Path(__file__).resolve().parent.parent

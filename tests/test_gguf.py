@@ -10,7 +10,8 @@ import diffq_lab.gguf as G
 import diffq_lab.loader as L
 from diffq_lab.capability import smoke_probe
 from diffq_lab.pipelines import TINY_FAMILIES, render, tiny_pipeline
-from diffq_lab.schemes import SCHEMES, quantized_linears
+from diffq_lab.schemes import SCHEMES
+from diffq_lab.filters import quantized_linears
 from diffq_lab.memory import GGUF_TYPES, plan_memory
 from diffq_lab.transformer import denoisers, is_gguf_linear, plan_transformer, quantize_transformer
 from diffq_lab.gguf import write_gguf

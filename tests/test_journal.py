@@ -245,7 +245,8 @@ def test_a_report_alone_into_its_stages_folder_lands_there(elsewhere, kind):
 def test_the_clis_report_and_plan_writers_put_files_where_out_says(elsewhere, kind):
     "`study`'s staged report and `export`/`recommend`'s plan file, through the cli's own --out resolution."
     from diffq_lab import cli_jobs as cli
-    from diffq_lab.plan import QuantPlan, write_plan
+    from diffq_lab.plan import QuantPlan
+    from diffq_lab.snippet import write_plan
     given, real = _base(kind, elsewhere)
     with cli._staged_report(cli._out_path(str(given/'study'))) as stage: (stage/'report.md').write_text('new')
     assert (real/'study'/'report.md').read_text() == 'new'

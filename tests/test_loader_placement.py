@@ -8,7 +8,7 @@ from torch import nn
 import diffq_lab.loader as G
 from diffq_lab.capability import SchemeUnavailableError
 from diffq_lab.memory import module_bytes, plan_memory
-from diffq_lab.schemes import quantized_linears
+from diffq_lab.filters import quantized_linears
 
 
 def _sizes(pipe):

@@ -6,7 +6,8 @@ os.environ.setdefault('HF_HUB_OFFLINE', '1')
 import pytest
 import torch
 from torch import nn
-from diffq_lab.schemes import REGISTRY, SCHEMES, get_scheme, lowrank_bytes, make_filter_fn, normalize_scheme, unregister_scheme
+from diffq_lab.schemes import REGISTRY, SCHEMES, get_scheme, lowrank_bytes, normalize_scheme, unregister_scheme
+from diffq_lab.filters import make_filter_fn
 from diffq_lab.emulate import EMULATIONS, EmulatedLinear, lowrank_variant, svdquant_linear, svdquant_weight, nvfp4
 
 BF16 = torch.bfloat16

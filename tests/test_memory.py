@@ -8,7 +8,9 @@ from torch import nn
 from diffq_lab.gguf import write_gguf
 from diffq_lab.loader import load_pipeline_quantized
 import diffq_lab.memory as M
-from diffq_lab.memory import linear_bytes, module_bytes, plan_memory, real_dims_components
+import diffq_lab.meta as MT
+from diffq_lab.memory import linear_bytes, module_bytes, plan_memory
+from diffq_lab.meta import real_dims_components
 from diffq_lab.pipelines import render, tiny_pipeline
 from diffq_lab.transformer import plan_transformer
 
@@ -18,7 +20,7 @@ warnings.filterwarnings('ignore', message='.*Tensor objects.*')
 @pytest.mark.parametrize('family', ['z-image', 'flux.1-dev', 'qwen-image'])
 def test_real_dims_plan_matches_the_parameter_counts(family):
     p = plan_memory(family, 'int8', 'cpu', free_bytes=2**40)
-    tr = M.meta_transformer(family)  # the parameter counts and dense bytes: 09_memory (the transformer alone: one builder)
+    tr = MT.meta_transformer(family)  # the parameter counts and dense bytes: 08a_meta (the transformer alone: one builder)
     assert p.transformer_params == sum(t.numel() for t in tr.parameters())
     # the int8 plan: every quantised Linear at one byte a weight plus 5 bytes of scale a row, the rest bf16
     lin = {f: m for f, m in tr.named_modules() if isinstance(m, nn.Linear)}
@@ -41,7 +43,8 @@ def test_linear_bytes_match_the_stored_bytes_without_bias_and_with_padding():
     "09_memory checks biased Linears whose dims tile; here no bias, dims the kernels pad, and diffusers' fp8 (bias cast too)."
     from torchao.quantization import quantize_
     from diffq_lab.plan import quantize
-    from diffq_lab.schemes import fp8_gate_bypassed, make_config, make_filter_fn
+    from diffq_lab.schemes import make_config
+    from diffq_lab.filters import fp8_gate_bypassed, make_filter_fn
     for k, n, bias in ((160, 272, False), (2048, 384, False), (64, 16, True)):
         for s in ('int8', 'int8wo', 'fp8', 'fp8wo', 'nvfp4wo', 'mxfp8'):
             m = nn.Sequential(nn.Linear(k, n, bias=bias)).to(torch.bfloat16)
@@ -72,7 +75,7 @@ def test_plan_from_a_pipeline_folder_equals_the_plan_of_the_pipeline(tmp_path):
     b = plan_memory(str(tmp_path/'flux'), 'int8', 'cpu', free_bytes=2**30, min_features=0)
     for k in ('transformer_params', 'linears', 'quantized_linears', 'dense_bytes', 'quant_bytes', 'gguf_bytes', 'encoder_bytes', 'vae_bytes'):
         assert getattr(a, k) == getattr(b, k), k
-    # and the loader takes the folder through diffq_lab.pipelines.load_pipeline
+    # and the loader takes the folder through diffq_lab.weights.load_pipeline
     out, st = load_pipeline_quantized(str(tmp_path/'flux'), transformer_quant='int8', compile=False, min_features=0)
     assert st.path == 'quant' and st.linears_quantized == a.quantized_linears > 0
     assert torch.isfinite(render(out, steps=1)).all()
@@ -90,8 +93,9 @@ def test_plan_bad_inputs():
 # ---- the whole-pipeline memory model (pipeline_memory, trace_ops) ----------------------------------
 
 import diffq_lab.memory as M
-from diffq_lab.memory import pipeline_memory, pipeline_trace, quantised_linears, trace_ops
-from diffq_lab.plan import QuantPolicy
+from diffq_lab.memory import pipeline_memory
+from diffq_lab.meta import pipeline_trace, quantised_linears, trace_ops
+from diffq_lab.policy import QuantPolicy
 
 
 def test_trace_counts_a_known_forward_exactly():
@@ -154,12 +158,12 @@ def test_a_workload_is_one_record_whether_given_or_spelled_out():
 
 def test_one_way_to_build_a_real_denoiser_on_meta():
     "meta_transformer is real_dims_components' transformer (one builder), also for a family whose other parts are unknown."
-    a, b = M.meta_transformer('z-image'), real_dims_components('z-image')['transformer']
+    a, b = MT.meta_transformer('z-image'), real_dims_components('z-image')['transformer']
     assert type(a) is type(b) and a.config == b.config and all(t.device.type == 'meta' for t in a.parameters())
     assert [(n, t.shape, t.dtype) for n, t in a.named_parameters()] == [(n, t.shape, t.dtype) for n, t in b.named_parameters()]
-    only = [f for f in M.MODELS if not M.get_family(f).real_dims]
+    only = [f for f in MT.MODELS if not MT.get_family(f).real_dims]
     for f in only:  # a transformer alone: the family's pipeline is not known at real dims
-        assert type(M.meta_transformer(f)).__name__ == M.get_family(f).denoiser
+        assert type(MT.meta_transformer(f)).__name__ == MT.get_family(f).denoiser
         with pytest.raises(ValueError, match='no real-dims configs'): real_dims_components(f)
 
 
@@ -167,8 +171,8 @@ def test_layerwise_casting_skips_diffusers_patterns_and_encoders_keep_their_floo
     "fp8_layerwise under 'all' is diffusers' enable_layerwise_casting (its skip patterns); encoder_plan keeps narrow Linears."
     tr = nn.ModuleDict(dict(norm1=nn.ModuleDict(dict(linear=nn.Linear(8, 8))), proj_out=nn.Linear(8, 8),
                             ff=nn.Linear(8, 8))).to('meta')
-    assert M.linears_under_rules(tr, 'fp8_layerwise', 'all', 0) == {'ff'}
-    assert M.linears_under_rules(tr, 'fp8wo', 'all', 0) == {'norm1.linear', 'proj_out', 'ff'}
+    assert MT.linears_under_rules(tr, 'fp8_layerwise', 'all', 0) == {'ff'}
+    assert MT.linears_under_rules(tr, 'fp8wo', 'all', 0) == {'norm1.linear', 'proj_out', 'ff'}
     enc = nn.ModuleDict(dict(wide=nn.Linear(1024, 1024), narrow=nn.Linear(64, 1024), lm_head=nn.Linear(1024, 1024)))
     assert M.encoder_plan(enc, 'int8', 512) == {'wide': 'int8'}
     with pytest.raises(ValueError, match='choose one of bf16'): M.encoder_plan(enc, 'fp7', 512)

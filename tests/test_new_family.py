@@ -31,7 +31,7 @@ def toy():
                        tokenizer='qwen')))
     yield f
     assert unregister_family(NAME) is f
-    assert NAME not in FAMILIES and 'toy' not in P.ALIASES  # the registry as it was: every spelling gone
+    assert NAME not in FAMILIES and 'toy' not in P._ALIASES  # the registry as it was: every spelling gone
 
 
 def test_it_is_found_by_name_and_alias(toy):

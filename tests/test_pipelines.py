@@ -5,8 +5,9 @@ import pytest
 import torch
 from diffq_lab import parts, pipelines as P
 from diffq_lab.parts import load_tokenizer
-from diffq_lab.pipelines import (FAMILIES, TINY_FAMILIES, Family, families_table, family_of, get_family, load_pipeline,
-                                 render, text_encoders, tiny_pipeline)
+from diffq_lab.pipelines import (FAMILIES, TINY_FAMILIES, Family, families_table, family_of, get_family, render,
+    text_encoders, tiny_pipeline)
+from diffq_lab.weights import load_pipeline
 
 # --- the registry ------------------------------------------------------------------------------
 

@@ -11,7 +11,7 @@ from typing import Callable, NamedTuple
 import pytest
 import torch
 from torch import nn
-from diffq_lab import schemes
+from diffq_lab import filters, schemes
 from diffq_lab import text_encoder as te
 from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.pipelines import text_encoders, tiny_pipeline
@@ -62,7 +62,7 @@ def _rows(comps: dict) -> list[Planned]:
     return [Planned(c, f'{c}.{f}', p.linears[f].backend, p.linears[f].scheme) for c, p in comps.items() for f in p.quantized]
 
 def _plan_module(pipe, scheme, backend):
-    p = plan_linears(_both(pipe), scheme, schemes.make_filter_fn(0), backend)
+    p = plan_linears(_both(pipe), scheme, filters.make_filter_fn(0), backend)
     return [Planned(f.split('.')[0], f, l.backend, l.scheme) for f, l in p.linears.items() if l.scheme]
 
 def _plan_encoders(pipe, scheme, backend):
@@ -81,7 +81,7 @@ def _all_roots(pipe): return [*text_encoders(pipe).values(), pipe.transformer]
 
 ENTRY_POINTS = [
     EntryPoint('plan.quantize', ENCODERS, _plan_module,
-               lambda pipe, s, b: quantize(_both(pipe), s, schemes.make_filter_fn(0), backend=b), _encoder_roots),
+               lambda pipe, s, b: quantize(_both(pipe), s, filters.make_filter_fn(0), backend=b), _encoder_roots),
     EntryPoint('quantize_text_encoders', ENCODERS, _plan_encoders,
                lambda pipe, s, b: te.quantize_text_encoders(pipe, s, backend=b, keep=KEEP), _encoder_roots),
     EntryPoint('quantize_transformer', ('transformer',), _plan_transformer,
@@ -146,10 +146,10 @@ def assert_same_state(before: dict, after: dict):
 def assert_dense(pipe, only=None):
     for c, root in modules_of(pipe).items():
         if only is not None and c not in only: continue
-        assert schemes.quantized_linears(root) == [], c
-        assert all(schemes.layerwise_registry(m) is None for m in root.modules()), c
+        assert filters.quantized_linears(root) == [], c
+        assert all(filters.layerwise_registry(m) is None for m in root.modules()), c
 
-def n_quantized(roots) -> int: return sum(len(schemes.quantized_linears(r)) for r in roots)
+def n_quantized(roots) -> int: return sum(len(filters.quantized_linears(r)) for r in roots)
 
 
 def expected_outcome(entry, failed_component: str, exc, persist: bool) -> str:
@@ -207,7 +207,7 @@ def check_fallback(pipe, entry, scheme, out, status, planned, at, before, when, 
     assert tuple(qp.components) == entry.components
     want = {c: {p.name.split('.', 1)[1] for p in planned if p.component == c} for c in entry.components}
     for c, p in qp.components.items():
-        done = set(schemes.quantized_linears(getattr(pipe, c)))
+        done = set(filters.quantized_linears(getattr(pipe, c)))
         assert done == set(p.quantized), (c, 'the status says otherwise than the module')
         assert done in (set(), want[c]), (c, 'half-quantised', len(done), len(want[c]))
         if not done:  # dense: bit-identical to before, no hook left behind
@@ -279,7 +279,7 @@ def test_a_linear_the_library_silently_skips_is_recorded_dense(monkeypatch):
     with pytest.warns(UserWarning, match=r"1 planned Linear\(s\) left dense by the library: \['1'\]"):
         p = quantize(model, 'int8wo', backend='torchao')
     assert p.quantized == ['0', '2'] and p.skipped == {'1': 'left dense by torchao'}
-    assert schemes.quantized_linears(model) == ['0', '2'] and len(seen) == 3
+    assert filters.quantized_linears(model) == ['0', '2'] and len(seen) == 3
 
 
 @pytest.mark.parametrize('scheme,backend', [('int8wo', 'torchao'), ('nvfp4', 'emulate')])

@@ -71,7 +71,8 @@ def test_the_plan_clears_its_bar_in_a_fresh_process(planted_rec, tmp_path):
 
 def test_the_plan_exports_to_diffusers_where_torchao_carries_it(planted_rec):
     "A low-rank Linear is nunchaku's kernel, no torchao config: refused in one line; the same plan without the branch exports."
-    from diffq_lab.plan import QuantPlan, as_policy
+    from diffq_lab.plan import QuantPlan
+    from diffq_lab.policy import as_policy
     from diffq_lab.recommend import _plan_for
     pipe, _, rec = planted_rec
     with pytest.raises(ValueError, match='apply_plan'): to_pipeline_config(rec.plan)

@@ -5,9 +5,10 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
-from diffq_lab import schemes
-from diffq_lab.schemes import (REGISTRY, SCHEMES, normalize_scheme, make_config, make_filter_fn, skip_reason, skip_reasons,
-                               has_zero_output_row, quantized_linears, is_quantized_linear, fp8_gate_bypassed)
+from diffq_lab import filters, schemes
+from diffq_lab.schemes import REGISTRY, SCHEMES, normalize_scheme, make_config
+from diffq_lab.filters import (make_filter_fn, skip_reason, skip_reasons, has_zero_output_row, quantized_linears,
+    is_quantized_linear, fp8_gate_bypassed)
 from diffq_lab.plan import QuantizationError, plan_linears, quantize
 from diffq_lab.capability import SchemeUnavailableError, smoke_probe
 
@@ -165,7 +166,7 @@ def test_zero_row_guard_off_gives_nan_on(scheme, monkeypatch):
     with torch.no_grad(): ref = model(x)
     with fp8_gate_bypassed():
         with monkeypatch.context() as mp:
-            mp.setattr(schemes, 'has_zero_output_row', lambda linear: False)  # guard off
+            mp.setattr(filters, 'has_zero_output_row', lambda linear: False)  # guard off
             bad = copy.deepcopy(model)
             assert quantize(bad, scheme, make_filter_fn(0), backend='torchao').quantized == ['0', '1', '2']
             with torch.no_grad(): assert torch.isnan(bad[:2](x)).any(0).nonzero().flatten().tolist() == [3]
@@ -258,9 +259,9 @@ def test_layerwise_detection_uses_the_private_registry():
     "Notices when diffusers moves where it keeps its hooks (`layerwise_registry` reads `_diffusers_hook`)."
     from diffusers.hooks import apply_layerwise_casting_hook
     lin = nn.Linear(512, 512, **BF)
-    assert not is_quantized_linear(lin) and schemes.layerwise_registry(lin) is None
+    assert not is_quantized_linear(lin) and filters.layerwise_registry(lin) is None
     apply_layerwise_casting_hook(lin, torch.float8_e4m3fn, torch.bfloat16, False)
-    assert hasattr(lin, '_diffusers_hook') and schemes.layerwise_registry(lin) is lin._diffusers_hook
+    assert hasattr(lin, '_diffusers_hook') and filters.layerwise_registry(lin) is lin._diffusers_hook
     assert is_quantized_linear(lin) and lin.weight.dtype == torch.float8_e4m3fn
 
 

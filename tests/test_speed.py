@@ -263,7 +263,7 @@ def test_the_cli_keyword_call_and_the_workload_agree():
 
 
 def test_min_features_is_a_policy_setting():
-    from diffq_lab.plan import QuantPolicy
+    from diffq_lab.policy import QuantPolicy
     w = sp.Workload(steps=8)
     lo = sp.forward_time('b200', 'z-image', 'fp8', w, min_features=0)['quantised_linears']
     hi = sp.forward_time('b200', 'z-image', 'fp8', w, policy=QuantPolicy(min_features=4096))['quantised_linears']

@@ -115,7 +115,7 @@ def test_forked_arms_give_the_rows_one_process_gives():
 def test_the_shared_encoder_is_given_back_dense_after_every_arm():
     "Arms quantise dense's own text encoder in place and restore it: after a study it is bit-identical, with no hooks."
     import torch
-    from diffq_lab.pipelines import weights_digest
+    from diffq_lab.weights import weights_digest
     pipe = tiny_pipeline('z-image')
     before = {k: v.clone() for k, v in pipe.text_encoder.state_dict().items()}
     job = S._StudyJob(lambda: pipe, S.Renders(seeds=(0,)).resolved(False), S.as_policy(None, min_features=0),

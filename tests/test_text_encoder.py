@@ -7,12 +7,13 @@ import torch
 from torch import nn
 import transformers as T
 
-import diffq_lab.schemes as schemes
+import diffq_lab.filters as filters
 import diffq_lab.text_encoder as te
 from diffq_lab.capability import ProbeResult, SchemeUnavailableError
 from diffq_lab.pipelines import TINY_FAMILIES, tiny_pipeline, text_encoders
 from diffq_lab.plan import QuantizationError
-from diffq_lab.schemes import SCHEMES, quantized_linears
+from diffq_lab.schemes import SCHEMES
+from diffq_lab.filters import quantized_linears
 
 IDS = torch.randint(3, 256, (2, 12), generator=torch.Generator().manual_seed(0))
 EIGHT_BIT = ('int8', 'int8wo', 'fp8', 'fp8wo', 'fp8_layerwise', 'mxfp8')
@@ -119,7 +120,7 @@ def test_int8_without_schedule_falls_back_with_a_logged_note(fresh, caplog):
 def test_tied_embedding_guard(build, monkeypatch):
     m = build(); ref = hidden(m)
     with monkeypatch.context() as mp:
-        mp.setattr(schemes, '_tied_weights', lambda module: set())  # guard off
+        mp.setattr(filters, '_tied_weights', lambda module: set())  # guard off
         bad = build()
         te.quantize_encoder(bad, 'fp8_layerwise')
         assert bad.get_input_embeddings().weight.dtype == torch.float8_e4m3fn  # dragged along by lm_head's hook
@@ -149,10 +150,10 @@ def test_t5_wo_guard(umt5, monkeypatch):
 @pytest.mark.parametrize('scheme', ['fp8', 'fp8wo'])
 def test_zero_row_guard_real_torchao(scheme, monkeypatch):
     "Real torchao per-row fp8 (fp8 dynamic runs on a CPU once its hardware gate is bypassed): NaN without the guard."
-    gate = schemes.fp8_gate_bypassed if scheme == 'fp8' else __import__('contextlib').nullcontext
+    gate = filters.fp8_gate_bypassed if scheme == 'fp8' else __import__('contextlib').nullcontext
     m = clip_dead_row(); ref = hidden(m)
     with monkeypatch.context() as mp, gate():
-        mp.setattr(schemes, 'has_zero_output_row', lambda linear: False)  # guard off
+        mp.setattr(filters, 'has_zero_output_row', lambda linear: False)  # guard off
         bad = clip_dead_row()
         rep = te.quantize_encoder(bad, scheme, backend='torchao')
         assert 'encoder.layers.0.mlp.fc1' in rep.quantized
@@ -173,7 +174,7 @@ def test_zero_row_guard_in_a_pipeline(fresh, monkeypatch):
     dense_encs = {a: copy.deepcopy(e) for a, e in text_encoders(pipe).items()}
     dense = te.prompt_embeddings(pipe)
     with monkeypatch.context() as mp:
-        mp.setattr(schemes, 'has_zero_output_row', lambda linear: False)
+        mp.setattr(filters, 'has_zero_output_row', lambda linear: False)
         te.quantize_text_encoders(pipe, 'fp8wo', backend='torchao')
         assert not te.embedding_cosine(dense, te.prompt_embeddings(pipe))['finite']
     for a, e in dense_encs.items(): setattr(pipe, a, copy.deepcopy(e))
@@ -282,9 +283,9 @@ def test_real_library_failure_raises_and_leaves_encoders_dense(fresh):
 
 
 def test_private_api_still_there():
-    "The one private helper used (FLUX.2's stacked-layer kwargs) and the guards' hooks in schemes."
+    "The one private helper used (FLUX.2's stacked-layer kwargs) and the guards' hooks in filters."
     from diffq_lab.pipelines import _derived_kwargs
-    assert callable(_derived_kwargs) and callable(schemes._tied_weights) and callable(schemes.has_zero_output_row)
+    assert callable(_derived_kwargs) and callable(filters._tied_weights) and callable(filters.has_zero_output_row)
 
 
 def test_record_te_cosine_writes_only_under_root(tmp_path):
@@ -310,7 +311,7 @@ def test_real_kernels_on_gpu(scheme):
 
 def test_a_policy_passed_whole_is_the_same_call_as_its_fields_by_keyword(fresh):
     "The QuantPolicy convention: policy=QuantPolicy(...) and the same fields as keywords plan alike; keep=None is the family's."
-    from diffq_lab.plan import QuantPolicy
+    from diffq_lab.policy import QuantPolicy
     pipe = fresh('qwen-image')
     by_kw = te.plan_text_encoders(pipe, 'int8', backend='emulate', keep=(1, 0), min_features=0).components['text_encoder']
     whole = te.plan_text_encoders(pipe, 'int8', policy=QuantPolicy(backend='emulate', keep=(1, 0), min_features=0))

@@ -8,8 +8,8 @@ from torch import nn
 import diffq_lab.transformer as T
 from diffq_lab.loader import load_pipeline_quantized
 from diffq_lab.pipelines import TINY_FAMILIES, get_family, render, tiny_pipeline
-from diffq_lab.plan import QuantPolicy
-from diffq_lab.schemes import quantized_linears
+from diffq_lab.policy import QuantPolicy
+from diffq_lab.filters import quantized_linears
 from diffq_lab.transformer import denoisers, plan_transformer, quantize_transformer
 
 warnings.filterwarnings('ignore', message='.*Tensor objects.*')
