@@ -73,7 +73,7 @@ def _staged_report(out):
     "A temp folder beside `out` for the report; its files replace `out`'s (stale ones removed) when the run finished."
     from diffq_lab.core import recover_commits
     from diffq_lab.store import append_tables
-    from diffq_lab.study import REPORT_FILES
+    from diffq_lab.report import REPORT_FILES
     out = _check_out(out)
     recover_commits(out.parent)  # finish (or drop) a report commit a kill cut short
     _drop_dead_stages(out)

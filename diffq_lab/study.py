@@ -4,15 +4,15 @@
 
 # %% ../nbs/15_study.ipynb #bed83bcf
 from __future__ import annotations
-import contextlib, copy, html, math, re, subprocess, textwrap, time
+import contextlib, copy, math, re, subprocess, textwrap, time
 from dataclasses import dataclass, replace
 from pathlib import Path
 import numpy as np
 import pandas as pd
 import torch
 from torch import nn
-from .core import (resolve_device, device_name, markdown_table, atomic_write_text, utc_now,
-    check_writable, memory_mark, peak_extra_bytes, fingerprint, provenance, TERM_WIDTH, fidelity)
+from .core import (resolve_device, device_name, utc_now, check_writable, memory_mark, peak_extra_bytes,
+                            fingerprint, TERM_WIDTH, fidelity)
 from .store import check_recordable, append_tables
 from .agreement import outlier_channels
 from .capability import capability_report, format_report, real_path
@@ -29,12 +29,11 @@ from .loader import load_pipeline_quantized
 from .quality import METRICS, quality_metrics
 from .stats import speed_vs, time_once
 from .gpus import COMPILER_SETTINGS, same_compiler_settings
-from .compare import compare_grid_png, compare_html
+from .report import REPORT_FILES, _blank, study_cols, write_report
 from .trained import load_trained_pipeline, heldout_prompts, adherence, TRAINED_STEPS, TRAINED_GUIDANCE
 
 # %% auto #0
-__all__ = ['REPORT_FILES', 'scheme_numerics', 'Renders', 'run_study', 'study_cols', 'write_report', 'short_table',
-           'default_study']
+__all__ = ['scheme_numerics', 'Renders', 'run_study', 'short_table', 'default_study']
 
 # %% ../nbs/15_study.ipynb #a95fdc08
 def probe_block(width=512, mult=2, seed=0, dtype=torch.bfloat16, device=None) -> nn.Module:
@@ -319,95 +318,6 @@ def _floored(policy: QuantPolicy, pipe) -> QuantPolicy:
     "`policy` with its width floor fixed from `pipe`'s denoiser: 0 for the lab's tiny pipelines, 512 for real ones."
     return replace(policy, min_features=policy.floor(next(iter(denoisers(pipe).values()))))
 def _mib(b): return None if b is None else b / 2**20
-
-# %% ../nbs/15_study.ipynb #d3647d3d
-def study_cols() -> list[str]:
-    "The study report's columns: what ran, speed and memory, adherence, each registered `default` metric, why not."
-    ran = ['requested', 'te_scheme', 'te_backend', 'transformer_scheme', 'transformer_backend', 'transformer_quantized',
-           'latency_s', 'vs_dense', 'vs_dense_lo', 'vs_dense_hi', 'speed', 'te_MiB', 'transformer_MiB', 'peak_gen_MiB',
-           'adherence', 'adherence_lo', 'adherence_hi']
-    return ran + [c for m in METRICS.values() if m.default for c in m.columns] + ['fallback_reason', 'plan', 'error']
-
-def _blank(v) -> bool: return v is None or v == '' or (pd.api.types.is_scalar(v) and bool(pd.isna(v)))
-
-# %% ../nbs/15_study.ipynb #7d0c2dbe
-def blank_reason(row: dict, col: str) -> str:
-    "Why cell `col` of a study row is blank: the report says so instead of printing NaN."
-    if row.get('status') == 'failed' and col not in ('fallback_reason', 'error'): return 'the scheme failed (see error)'
-    if col in METRICS and (METRICS[col].optional or row.get(f'{col}_unavailable')):
-        return f'{METRICS[col].label} not measured: ' + str(row.get(f'{col}_unavailable') or 'no score')[:120]
-    if col.startswith('adherence'): return 'adherence is scored on the trained pipeline only'
-    if col in ('fallback_reason', 'error'): return 'none'
-    if row.get('requested') == 'dense': return 'the dense reference itself: nothing quantised, nothing to compare'
-    if col.endswith(('_backend', '_scheme')): return 'this part stays dense'
-    if col.endswith(('_lo', '_hi')) and row.get('pairs', 2) < 2:
-        return 'an interval needs at least two (seed, prompt) pairs'
-    return 'not measured'
-
-# %% ../nbs/15_study.ipynb #bee2c545
-def blank_notes(df: pd.DataFrame, cols, reason=blank_reason) -> list[str]:
-    "One line per reason a cell of `df[cols]` is blank, naming the columns and rows it applies to."
-    seen = {}
-    for r in df.to_dict('records'):
-        for col in (c for c in cols if c in df and _blank(r.get(c))):
-            cs, rs = seen.setdefault(reason(r, col), ({}, {}))
-            cs[col] = rs[str(r.get('requested', r.get('scheme', '')))] = 1
-    return [f'{why}: {", ".join(cs)} ({", ".join(rs)})' for why, (cs, rs) in seen.items()]
-
-# %% ../nbs/15_study.ipynb #60eba87a
-def html_table(df: pd.DataFrame, cols=None, reason=blank_reason) -> str:
-    "`df` as a scrolling HTML table: floats to 4 significant digits, a blank cell (never NaN) titled with its reason."
-    cols, esc = [c for c in (cols or list(df.columns)) if c in df], lambda s: html.escape(str(s), quote=True)
-    def td(r, col):
-        v = r.get(col)
-        if _blank(v): return f'<td class="blank" title="{esc(reason(r, col))}"></td>'
-        if isinstance(v, (float, np.floating)): return f'<td class="num">{v:.4g}</td>'
-        if isinstance(v, (int, np.integer)) and not isinstance(v, bool): return f'<td class="num">{v}</td>'
-        return f'<td>{esc(v)}</td>'
-    rows = ''.join('<tr>' + ''.join(td(r, col) for col in cols) + '</tr>' for r in df.to_dict('records'))
-    head = ''.join(f'<th>{esc(c)}</th>' for c in cols)
-    return f'<div class="scroll"><table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table></div>'
-
-REPORT_CSS = """body{font:14px/1.45 system-ui,sans-serif;margin:2em auto;max-width:96em;padding:0 1em;color:#222}
-h1{font-size:1.5em}h2{font-size:1.2em;margin-top:1.6em;border-bottom:1px solid #ddd}
-.scroll{overflow-x:auto}table{border-collapse:collapse;font-size:12px;margin:.5em 0}
-th,td{border:1px solid #ddd;padding:3px 7px;white-space:nowrap}th{background:#f0f2f7;position:sticky;top:0}
-tr:nth-child(even) td{background:#fafafa}td.num{text-align:right;font-variant-numeric:tabular-nums}
-td.blank{background:#f6f6f6}.prov,.notes{color:#555;font-size:12px}"""
-
-# %% ../nbs/15_study.ipynb #73f0f599
-def _report_md(title, df, tables) -> str:
-    secs = ''.join(f'## {name}\n\n{markdown_table(t, cols=cols)}\n\n' for name, (t, cols) in tables.items())
-    notes = ''.join(f'- blank: {n}\n' for n in blank_notes(df, study_cols()))
-    per = markdown_table(df, cols=study_cols())
-    return f'# {title}\n\n{provenance(df)}\n\n{secs}## Per scheme\n\n{per}\n\n{notes}\n![renders](grid.png)\n'
-
-# %% ../nbs/15_study.ipynb #b8b3600b
-def _report_html(title, df, tables, renders, ref, metrics) -> str:
-    esc = html.escape
-    other = lambda r, c: 'not measured'
-    secs = ''.join(f'<h2>{esc(name)}</h2>{html_table(t, cols, other)}' for name, (t, cols) in tables.items())
-    notes = ''.join(f'<li>blank: {esc(n)}</li>' for n in blank_notes(df, study_cols()))
-    grid = compare_html(renders, ref, metrics) if renders else ''
-    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{esc(title)}</title>'
-            f'<style>{REPORT_CSS}</style></head>'
-            f'<body><h1>{esc(title)}</h1><p class="prov">{esc(provenance(df))}</p><h2>Renders</h2>{grid}{secs}'
-            f'<h2>Per scheme</h2>{html_table(df, study_cols())}<ul class="notes">{notes}</ul></body></html>\n')
-
-# %% ../nbs/15_study.ipynb #d5712bc0
-def write_report(df: pd.DataFrame, out, title='diffq_lab study', tables: dict | None = None) -> Path:
-    "Write `report.md`, `report.html` (styled, every table) and the render grid `grid.png` of a study under `out`."
-    out = Path(out)
-    tables = {k: v if isinstance(v, tuple) else (v, None) for k, v in (tables or {}).items()}  # name: df or (df, cols)
-    renders, ref = df.attrs.get('renders', {}), df.attrs.get('reference')
-    metrics = {r['requested']: {k: r[k] for k in METRICS if k in r and pd.notna(r[k])}
-               for r in df.to_dict('records') if r.get('requested') in renders}
-    atomic_write_text(out/'report.md', _report_md(title, df, tables))
-    if renders: compare_grid_png(renders, ref, metrics, path=out/'grid.png')
-    atomic_write_text(out/'report.html', _report_html(title, df, tables, renders, ref, metrics))
-    return out
-
-REPORT_FILES = ('report.md', 'report.html', 'grid.png')  # what a study writes into its report folder
 
 # %% ../nbs/15_study.ipynb #b32097dc
 def _short_numerics(summary: pd.DataFrame) -> str:

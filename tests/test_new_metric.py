@@ -30,7 +30,8 @@ def test_measured_with_every_render(mae):
 
 
 def test_the_study_row_and_its_report_columns_carry_it(mae):
-    from diffq_lab.study import STUDY_PROMPTS, run_study, study_cols
+    from diffq_lab.report import study_cols
+    from diffq_lab.study import STUDY_PROMPTS, run_study
     assert NAME in study_cols() and study_cols().index(NAME) < study_cols().index('fallback_reason')
     st = run_study(schemes=['int8wo'], seeds=(0,), prompts=STUDY_PROMPTS[:1], device='cpu', progress=False,
                    control=False, parts=('transformer',))
