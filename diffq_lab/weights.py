@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 from torch import nn
 from .core import as_dtype, compute_dtype, resolve_device
-from .pipelines import FAMILIES, families_for_class, family_of, get_family
+from .pipelines import FAMILIES, family_of, get_family
 
 # %% auto #0
 __all__ = ['weights_digest', 'load_pipeline']
@@ -120,7 +120,7 @@ def load_pipeline(model, family=None, dtype=None, device=None, **kwargs):
     else:  # check the class before fetching gigabytes of weights
         hub = {k: kwargs[k] for k in ('revision', 'token', 'cache_dir', 'local_files_only') if k in kwargs}
         cls_name = diffusers.DiffusionPipeline.load_config(str(model), **hub)['_class_name']
-        if not families_for_class(cls_name):
+        if not any(f.pipeline == cls_name for f in FAMILIES.values()):
             raise ValueError(f'{model}: no known family uses {cls_name}; pass family= one of {", ".join(FAMILIES)}')
         fam = None
     cls = getattr(diffusers, fam.pipeline) if fam else diffusers.DiffusionPipeline
