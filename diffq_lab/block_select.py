@@ -13,8 +13,8 @@ from .core import as_dtype, fidelity, module_device
 from .schemes import normalize_scheme
 from .filters import quantized_linears
 from .capability import resolve_backend
-from .plan import quantize
 from .policy import QuantPolicy, as_policy
+from .plan import quantize
 from .text_encoder import block_lists, encoder_filter, token_cosines
 from .encoder_io import READ_LAST, encoder_run
 

@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from .core import markdown_table, module_device
 from .schemes import make_config, normalize_scheme
-from .plan import LinearPlan, QuantPlan, SMOOTHQUANT_SCHEMES, Smoothing, quantize
 from .policy import QuantPolicy, as_policy
+from .plan import LinearPlan, QuantPlan, SMOOTHQUANT_SCHEMES, Smoothing, quantize
 from .pipelines import get_family
 from .text_encoder import plan_encoder, quantize_encoder
 from .encoder_io import (MINILM, REAL_READ_LAYER, check_read_layer, encoder_inputs, encoder_run,

@@ -16,8 +16,8 @@ from .filters import make_filter_fn, quantized_linears
 from .filters import is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
-from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
 from .policy import QuantPolicy, REAL_MIN_FEATURES, as_policy
+from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
 from .plan import quantize
 from .harness import Experiment, append_frame
 from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, Family
