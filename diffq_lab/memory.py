@@ -13,7 +13,8 @@ from torch import nn
 from .core import as_dtype, resolve_device
 from .schemes import SCHEMES, get_scheme, normalize_scheme
 from .policy import QuantPolicy, as_policy
-from .pipelines import get_family, family_of, cast_as_loaded
+from .pipelines import get_family, family_of
+from .parts import cast_as_loaded
 from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
 

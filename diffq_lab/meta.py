@@ -16,7 +16,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from .core import resolve_device
 from .schemes import get_scheme
 from .policy import QuantPolicy, as_policy
-from .pipelines import get_family, load_tokenizer, cast_as_loaded, FAMILIES, Family
+from .pipelines import get_family, FAMILIES, Family
+from .parts import load_tokenizer, cast_as_loaded
 from .transformer import plan_transformer
 
 # %% auto #0

@@ -11,9 +11,9 @@ import pandas as pd
 import torch
 from .core import as_dtype
 from .schemes import SCHEMES
-# each family's tiny builder, and the cast a real load applies (load_tokenizer: for the notebooks that import it here)
-from .parts import (cast_as_loaded, load_tokenizer, tiny_flux1, tiny_flux2, tiny_flux2_klein, tiny_qwen_image,
-                             tiny_sana, tiny_sd3, tiny_sdxl, tiny_wan, tiny_z_image)
+# each family's tiny builder, and the cast a real load applies
+from .parts import (cast_as_loaded, tiny_flux1, tiny_flux2, tiny_flux2_klein, tiny_qwen_image, tiny_sana, tiny_sd3,
+                             tiny_sdxl, tiny_wan, tiny_z_image)
 # diffusers and transformers take seconds to import: they are imported inside the functions that build or
 # load pipelines, so reading the registry stays cheap.
 

@@ -14,7 +14,8 @@ from torch import nn
 from .core import TERM_WIDTH, markdown_table, repo_root
 from .schemes import SCHEMES, get_scheme
 from .policy import QuantPolicy, as_policy
-from .pipelines import FAMILIES, Family, cast_as_loaded, get_family
+from .pipelines import FAMILIES, Family, get_family
+from .parts import cast_as_loaded
 from .memory import (LOAD_MODES, linear_bytes, pipeline_memory, linear_plan, memory_estimate,
     Workload as MemoryWorkload)
 from .meta import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, pipeline_trace, denoiser_trace, linear_calls,

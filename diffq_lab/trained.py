@@ -10,7 +10,8 @@ import numpy as np
 import pandas as pd
 import torch
 from .core import as_dtype, package_version, repo_root
-from .pipelines import cast_as_loaded, render
+from .pipelines import render
+from .parts import cast_as_loaded
 from .weights import weights_digest
 from .encoder_io import get_real_encoder, real_encoder
 from .export import digest_difference

@@ -105,7 +105,7 @@ def test_committed_weights_are_small_safetensors():
 def test_data_trained_is_a_standard_diffusers_folder(pipe):
     "DiffusionPipeline.from_pretrained opens it offline with the encoder passed in, and renders what the lab renders."
     from diffusers import DiffusionPipeline
-    from diffq_lab.pipelines import cast_as_loaded
+    from diffq_lab.parts import cast_as_loaded
     enc, tok = trained_encoder()
     lab, pipe = pipe, DiffusionPipeline.from_pretrained(trained_dir(), text_encoder=enc, tokenizer=tok, local_files_only=True)
     assert type(pipe).__name__ == 'ZImagePipeline' and type(pipe.text_encoder).__name__ == 'LlamaModel'

@@ -336,7 +336,7 @@ def te_bench(device,
     from transformers import Qwen3Config, Qwen3Model
     from diffq_lab.core import fidelity, memory_mark, peak_extra_bytes
     from diffq_lab.memory import module_bytes
-    from diffq_lab.pipelines import cast_as_loaded
+    from diffq_lab.parts import cast_as_loaded
     from diffq_lab.stats import interleaved_times, speed_vs, warm_up
     from diffq_lab.text_encoder import quantize_encoder
     with torch.random.fork_rng(devices=[device] if device.type == 'cuda' else []):
@@ -489,7 +489,7 @@ def trained_without_encoder(device, states: dict):
     "The committed trained pipeline on `device` with no text encoder: its prompts' states come from `states`."
     import torch, diffusers as D
     import diffq_lab.trained as T
-    from diffq_lab.pipelines import cast_as_loaded
+    from diffq_lab.parts import cast_as_loaded
     T.check_trained()  # a tampered or half-replaced data/trained never passes as the committed one
     with T.quiet_loading():
         pipe = D.ZImagePipeline.from_pretrained(T.trained_dir(), text_encoder=None, tokenizer=None,
