@@ -10,15 +10,14 @@ from .schemes import VOCABULARIES
 from .capability import BACKENDS
 
 # %% auto #0
-__all__ = ['REAL_MIN_FEATURES', 'QuantPolicy', 'as_policy']
+__all__ = ['QuantPolicy', 'as_policy']
 
 # %% ../nbs/03a_policy.ipynb #be96fb3c
 TINY_MIN_FEATURES = 0  # the lab's tiny models have 32-64-wide Linears: every one is a candidate
+REAL_MIN_FEATURES = 512  # real models' Linears narrower than this stay dense (`QuantPolicy().features(tiny=False)`)
 ON_UNAVAILABLE = ('dense', 'raise')  # a scheme that cannot run: fall back to dense with the reason, or refuse
 
 # %% ../nbs/03a_policy.ipynb #be96f8bf
-REAL_MIN_FEATURES = 512  # real models' Linears narrower than this stay dense (the lab's tiny ones are 32-64 wide: 0)
-
 @dataclass(frozen=True)
 class QuantPolicy:
     "The settings every layer of the lab needs, built once at the boundary, checked once, with one set of defaults."

@@ -16,7 +16,7 @@ from .filters import make_filter_fn, quantized_linears
 from .filters import is_quantized_linear
 from . import capability
 from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
-from .policy import QuantPolicy, REAL_MIN_FEATURES, as_policy
+from .policy import QuantPolicy, as_policy
 from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
 from .plan import quantize
 from .harness import Experiment, append_frame
@@ -81,7 +81,7 @@ def keep_blocks(model: nn.Module, first: int = 0, last: int = 0) -> dict[str, st
     return out
 
 # %% ../nbs/06_text_encoders.ipynb #07a4e2d5
-ENCODER_MIN_FEATURES = REAL_MIN_FEATURES  # the seed's: a real encoder's narrow Linears (ByT5's 1472 -> 384) stay dense
+ENCODER_MIN_FEATURES = QuantPolicy().features(tiny=False)  # the seed's: narrow Linears (ByT5's 1472 -> 384) stay dense
 
 def encoder_min_features(model: nn.Module) -> int:
     "The width floor `encoder_filter` gives `model` by default: `QuantPolicy().floor(model)` (512 real, 0 tiny)."
