@@ -12,7 +12,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from .core import resolve_device
-from .schemes import REGISTRY, SMOOTH_ALPHA, Scheme, get_scheme, lowrank_bytes, register_scheme, register_scheme_factory
+from .schemes import (REGISTRY, SMOOTH_ALPHA, Scheme, get_scheme, lowrank_bytes, register_scheme,
+    register_scheme_factory)
 from .filters import FakeQuantLinear, fp8_gate_bypassed
 # each format's tensor numerics (the codes helpers are the package's own; NVFP4_BLOCK, lowrank_split and smooth_scales
 # also for 02a_lowrank, which imports them from here)

@@ -13,8 +13,8 @@ from .core import as_dtype, device_name, resolve_device
 from .schemes import get_scheme, normalize_scheme
 from .emulate import lowrank_calibration
 from .capability import SchemeUnavailableError, select_scheme
-from .plan import (ComponentPlan, QuantPlan, QuantizationError, RestoreError, apply_plan, component_role, dense_plan,
-    resolve_here)
+from .plan import (ComponentPlan, QuantPlan, QuantizationError, RestoreError, apply_plan, component_role,
+    dense_plan, resolve_here)
 from .policy import QuantPolicy
 from .pipelines import get_family, family_of, render
 from .weights import load_pipeline, weights_digest
