@@ -79,7 +79,7 @@ def real_dims_pipeline(family, device=None, dtype=torch.bfloat16, seed: int = 0)
     return pipe
 
 # %% ../nbs/08a_meta.ipynb #7dd45be7
-MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the families with real denoiser dims
+MODELS = tuple(f.name for f in FAMILIES.values() if f.denoiser_dims is not None)  # the built-in ones with real dims
 PIXELS_PER_TOKEN = 16   # VAE /8 then a 2x2 patch (Z-Image, SD3.5, Wan) or 2x2 packing (FLUX, Qwen-Image)
 
 def get_model(model) -> Family:
@@ -87,7 +87,8 @@ def get_model(model) -> Family:
     try: fam = get_family(model)
     except ValueError: fam = None
     if fam is None or fam.denoiser_dims is None:
-        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(MODELS)}')
+        have = [f.name for f in FAMILIES.values() if f.denoiser_dims is not None]  # registered since import too
+        raise ValueError(f'no real-dims transformer for {model!r}; choose one of {", ".join(have)}')
     return fam
 
 # %% ../nbs/08a_meta.ipynb #4a61c40b

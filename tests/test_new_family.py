@@ -35,7 +35,8 @@ def toy():
 
 
 def test_it_is_found_by_name_and_alias(toy):
-    assert get_family('Toy') is toy and FAMILIES[NAME] is toy
+    from diffq_lab.meta import get_model
+    assert get_family('Toy') is toy and FAMILIES[NAME] is toy and get_model('toy') is toy  # real dims: memory, speed
     with pytest.raises(ValueError, match='already registered'): register_family(toy)
 
 
