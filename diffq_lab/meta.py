@@ -287,7 +287,7 @@ def _vae_trace(vae: nn.Module, size: int, frames: int, batch: int) -> OpTrace:
     c = vae.config
     ch = getattr(c, 'latent_channels', None) or getattr(c, 'z_dim', None)
     h = size // 8
-    five_d = 'Qwen' in type(vae).__name__ or 'Wan' in type(vae).__name__
+    five_d = any(isinstance(m, nn.Conv3d) for m in vae.modules())  # a video VAE (Qwen-Image's, Wan's): (B, C, F, H, W)
     z = torch.empty(batch, ch, frames, h, h, device='meta', dtype=torch.bfloat16) if five_d else \
         torch.empty(batch, ch, h, h, device='meta', dtype=torch.bfloat16)
     return trace_ops(lambda: vae.decode(z))
