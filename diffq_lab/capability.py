@@ -18,9 +18,9 @@ from .emulate import EMULATIONS
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['BACKENDS', 'gpu_capability', 'is_consumer_gpu', 'auto_ladder', 'hardware_gate', 'ProbeResult', 'probe_cache_path',
-           'clear_probe_cache', 'smoke_probe', 'SchemeUnavailableError', 'select_scheme', 'resolve_backend',
-           'real_path', 'capability_report', 'format_report']
+__all__ = ['BACKENDS', 'gpu_capability', 'is_consumer_gpu', 'auto_ladder', 'hardware_gate', 'ProbeResult', 'clear_probe_cache',
+           'smoke_probe', 'SchemeUnavailableError', 'select_scheme', 'resolve_backend', 'real_path',
+           'capability_report', 'format_report']
 
 # %% ../nbs/03_capability.ipynb #2f2c7302
 def gpu_capability(device=None) -> tuple[int, int] | None:

@@ -12,10 +12,9 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['TERM_WIDTH', 'resolve_device', 'module_device', 'check_device', 'device_name', 'as_dtype', 'compute_dtype',
-           'memory_mark', 'peak_extra_bytes', 'fidelity', 'file_sha256', 'repo_root', 'package_version', 'git_sha',
-           'utc_now', 'fingerprint', 'results_dir', 'atomic_write_text', 'check_writable', 'load_table',
-           'recover_commits', 'latest_run', 'markdown_table', 'provenance']
+__all__ = ['TERM_WIDTH', 'resolve_device', 'module_device', 'check_device', 'device_name', 'as_dtype', 'fidelity', 'file_sha256',
+           'repo_root', 'fingerprint', 'results_dir', 'check_writable', 'load_table', 'recover_commits', 'latest_run',
+           'markdown_table', 'provenance']
 
 # %% ../nbs/00_core.ipynb #21f67fcd
 DEVICE_CHOICES = "'cpu', 'cuda' or 'cuda:N' (N a GPU index)"

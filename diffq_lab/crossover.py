@@ -19,9 +19,8 @@ from .pipelines import Family
 from .meta import MODELS, _meta_transformer, denoiser_kwargs, get_model, latent_grid, linear_calls
 
 # %% auto #0
-__all__ = ['roofline_formats', 'as_shape', 'predict_time', 'roofline', 'Crossover', 'find_crossover', 'model_linear_shapes',
-           'analyse_layers', 'summarise_layers', 'layer_pattern', 'layers_table', 'wrap_note', 'crossover_data',
-           'crossover_text', 'cli_crossover', 'plot_crossover']
+__all__ = ['predict_time', 'roofline', 'Crossover', 'find_crossover', 'model_linear_shapes', 'analyse_layers', 'layers_table',
+           'plot_crossover']
 
 # %% ../nbs/12_crossover.ipynb #7b60eb10
 def roofline_formats() -> tuple[str, ...]:

@@ -23,8 +23,8 @@ from .fakequant import (AMAX_FLOOR, E4M3_MAX, E4M3_TINY, GRANULARITIES, INT4_GRO
                                  svdquant_linear, svdquant_weight, torchao_mx_scaling)
 
 # %% auto #0
-__all__ = ['EMULATIONS', 'Emulation', 'register_emulation', 'get_emulation', 'EmulatedLinear', 'emulate_linears', 'reference_for',
-           'reference_kind', 'NVFP4ScaleWarning', 'lowrank_variant', 'lowrank_calibration']
+__all__ = ['EMULATIONS', 'Emulation', 'register_emulation', 'get_emulation', 'EmulatedLinear', 'emulate_linears',
+           'NVFP4ScaleWarning', 'lowrank_variant', 'lowrank_calibration']
 
 # %% ../nbs/02_emulate.ipynb #2866c7b2
 @dataclass(frozen=True)

@@ -12,9 +12,8 @@ from .core import as_dtype, file_sha256, package_version, repo_root, resolve_dev
 from . import capability
 
 # %% auto #0
-__all__ = ['MINILM', 'READ_LAST', 'REAL_READ_LAYER', 'real_encoders', 'get_real_encoder', 'real_encoder', 'load_encoder',
-           'load_minilm', 'prompts_path', 'load_prompts', 'prompt_set', 'encoder_inputs', 'check_read_layer',
-           'read_hidden', 'encoder_run']
+__all__ = ['MINILM', 'REAL_READ_LAYER', 'real_encoders', 'get_real_encoder', 'real_encoder', 'load_encoder', 'load_minilm',
+           'prompts_path', 'load_prompts', 'prompt_set', 'encoder_inputs', 'read_hidden']
 
 # %% ../nbs/06a_encoder_io.ipynb #e10a0007
 log = logging.getLogger(__name__)

@@ -22,8 +22,7 @@ from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, trans
 from .meta import real_dims_components
 
 # %% auto #0
-__all__ = ['plan_pipeline', 'expand_plan', 'file_digests', 'digest_difference', 'save_quantized', 'DamagedFolder',
-           'load_quantized']
+__all__ = ['plan_pipeline', 'expand_plan', 'save_quantized', 'DamagedFolder', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
 _PLAN_ROLES = ('te', 'denoiser')  # what a plan covers: the text encoders, the denoisers (`plan.component_role`)

@@ -11,9 +11,8 @@ import torch.nn.functional as F
 from .schemes import SMOOTH_ALPHA, make_config
 
 # %% auto #0
-__all__ = ['E4M3_MAX', 'E4M3_TINY', 'INT8_EPS', 'AMAX_FLOOR', 'NVFP4_BLOCK', 'GRANULARITIES', 'INT4_GROUP', 'INT4_W4A4_GROUP',
-           'fp8_to', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'mxfp8', 'torchao_mx_scaling', 'nvfp4',
-           'int4_groupwise', 'int4_symmetric', 'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear']
+__all__ = ['INT4_GROUP', 'fp8_rowwise', 'fp8_tensorwise', 'fp8_cast', 'mxfp8', 'nvfp4', 'int4_groupwise', 'int4_symmetric',
+           'smooth_scales', 'lowrank_split', 'svdquant_weight', 'svdquant_linear']
 
 # %% ../nbs/01a_fakequant.ipynb #3222a119
 E4M3_MAX = 448.0                                      # torch.finfo(torch.float8_e4m3fn).max

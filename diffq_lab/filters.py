@@ -13,7 +13,7 @@ from .schemes import Scheme, get_scheme, scheme_choices
 
 # %% auto #0
 __all__ = ['FakeQuantLinear', 'is_quantized_linear', 'quantized_linears', 'skip_reason', 'make_filter_fn', 'skip_reasons',
-           'apply_kernel', 'fp8_gate_bypassed', 'gate_bypassed']
+           'apply_kernel']
 
 # %% ../nbs/01b_filters.ipynb #7044d515
 class FakeQuantLinear(nn.Module):

@@ -19,8 +19,8 @@ from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'Workload', 'linear_plan', 'encoder_plan',
-           'reserved_bytes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'plan_memory']
+__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'Workload', 'reserved_bytes', 'memory_estimate',
+           'pipeline_memory', 'free_memory', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)

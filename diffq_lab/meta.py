@@ -21,9 +21,8 @@ from .parts import load_tokenizer, cast_as_loaded
 from .transformer import plan_transformer
 
 # %% auto #0
-__all__ = ['MODELS', 'PIXELS_PER_TOKEN', 'QUANT_RULES', 'real_dims_components', 'real_dims_pipeline', 'get_model', 'latent_grid',
-           'denoiser_kwargs', 'trace_ops', 'linear_calls', 'denoiser_trace', 'pipeline_trace', 'layerwise_skipped',
-           'linears_under_rules', 'quantised_linears']
+__all__ = ['MODELS', 'PIXELS_PER_TOKEN', 'QUANT_RULES', 'real_dims_components', 'real_dims_pipeline', 'get_model',
+           'denoiser_kwargs', 'denoiser_trace', 'pipeline_trace', 'linears_under_rules', 'quantised_linears']
 
 # %% ../nbs/08a_meta.ipynb #ce29eb76
 def _build(library: str, cls_name: str, cfg: dict) -> nn.Module:

@@ -19,7 +19,7 @@ from .parts import (cast_as_loaded, tiny_flux1, tiny_flux2, tiny_flux2_klein, ti
 
 # %% auto #0
 __all__ = ['FAMILIES', 'TINY_FAMILIES', 'Family', 'get_family', 'register_family', 'unregister_family', 'family_of',
-           'text_encoders', 'tiny_pipeline', 'render', 'remember_encodings']
+           'text_encoders', 'tiny_pipeline', 'render']
 
 # %% ../nbs/05_pipelines.ipynb #9183ab46
 _MEASURED_FACTS = ('keep_bf16', 'deny', 'auto_dense')  # the fields that need a source note

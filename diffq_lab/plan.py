@@ -18,9 +18,8 @@ from .emulate import emulate_linears
 from .capability import resolve_backend, select_scheme
 
 # %% auto #0
-__all__ = ['SMOOTHQUANT_SCHEMES', 'LinearPlan', 'ComponentPlan', 'Smoothing', 'component_role', 'QuantPlan', 'dense_plan',
-           'plan_linears', 'QuantizationError', 'RestoreError', 'resolve_here', 'apply_plan', 'restoring', 'quantize',
-           'component_config', 'to_pipeline_config']
+__all__ = ['SMOOTHQUANT_SCHEMES', 'LinearPlan', 'ComponentPlan', 'Smoothing', 'QuantPlan', 'dense_plan', 'plan_linears',
+           'QuantizationError', 'RestoreError', 'apply_plan', 'quantize', 'component_config', 'to_pipeline_config']
 
 # %% ../nbs/04_plan.ipynb #aa16d553
 @dataclass(frozen=True)

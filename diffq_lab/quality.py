@@ -18,9 +18,8 @@ from .core import package_version
 _log = logging.getLogger(__name__)
 
 # %% auto #0
-__all__ = ['METRICS', 'as_frames', 'psnr', 'ssim', 'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance',
-           'st_lpips', 'Metric', 'register_metric', 'get_metric', 'unregister_metric', 'quality_metrics',
-           'quality_table']
+__all__ = ['METRICS', 'psnr', 'ssim', 'hidden_cosine', 'MetricUnavailable', 'lpips_available', 'lpips_distance', 'st_lpips',
+           'Metric', 'register_metric', 'get_metric', 'unregister_metric', 'quality_metrics', 'quality_table']
 
 # %% ../nbs/11_quality.ipynb #06f6f997
 def as_frames(x, name: str = 'img', data_range: float = 1.0, finite: bool = True) -> torch.Tensor:

@@ -32,7 +32,7 @@ from .crossover import layer_pattern
 from .speed import Workload, denoiser_calls, memory_fit, pipeline_time, residual_bands
 
 # %% auto #0
-__all__ = ['RenderWork', 'RealTarget', 'EncoderBar', 'recommend_encoders', 'pattern_times', 'distinguishable', 'recommend_plan',
+__all__ = ['RenderWork', 'RealTarget', 'EncoderBar', 'recommend_encoders', 'pattern_times', 'recommend_plan',
            'recommend_on_trained']
 
 # %% ../nbs/16_recommend.ipynb #r0000008

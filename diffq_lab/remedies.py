@@ -25,7 +25,7 @@ from .family_blocks import schedule_for_family
 
 # %% auto #0
 __all__ = ['EVERY_LINEAR', 'N_CALIB', 'smoothquant_cast', 'Calibration', 'smoothquant_plan', 'choose_remedy', 'remedy_plan',
-           'remedy_verdict', 'encoder_remedy', 'cli_blocks']
+           'encoder_remedy', 'cli_blocks']
 
 # %% ../nbs/07b_remedies.ipynb #b8f43935
 EVERY_LINEAR = QuantPolicy(min_features=0)  # the real-encoder findings' default policy: no width floor

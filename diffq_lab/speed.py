@@ -26,9 +26,8 @@ from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _enco
 from .crossover import wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'speed_family', 'token_grid',
-           'denoiser_calls', 'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions',
-           'residual_bands']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'denoiser_calls', 'fuse_qkv',
+           'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'residual_bands']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs

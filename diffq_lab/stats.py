@@ -12,8 +12,7 @@ import pandas as pd
 import torch
 
 # %% auto #0
-__all__ = ['EMULATED_SPEED', 'MIN_ROUNDS', 'summarise', 'paired_bootstrap', 'rank_schemes', 'time_once', 'warm_up',
-           'interleaved_times', 'speed_vs']
+__all__ = ['summarise', 'paired_bootstrap', 'rank_schemes', 'interleaved_times', 'speed_vs']
 
 # %% ../nbs/00a_stats.ipynb #66b4f302
 @dataclass

@@ -19,7 +19,7 @@ from .pipelines import FAMILIES, get_family, render
 
 # %% auto #0
 __all__ = ['DENOISER_ATTRS', 'denoisers', 'concrete_scheme', 'transformer_filter', 'is_gguf_linear', 'plan_transformer',
-           'quantize_transformer', 'compile_stats', 'compile_transformer']
+           'quantize_transformer', 'compile_transformer']
 
 # %% ../nbs/08_transformer.ipynb #747c5a32
 log = logging.getLogger(__name__)
