@@ -33,7 +33,7 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
                   *, family=None, # the pipeline's family (default: found from it)
                   device=None, # where it will run (default: where the weights are)
                   policy: QuantPolicy | None = None, # denoisers' width floor, backend, keep (encoder blocks)
-                  roles=_PLAN_ROLES, # the roles planned: 'te' (only if `te_scheme`), 'denoiser' (every denoiser)
+                  roles=_PLAN_ROLES, # the roles planned: 'te' (with `te_scheme`; alone, also None: dense), 'denoiser' (every one)
                   **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0, keep=(0, 0))
                  ) -> QuantPlan:
     "The lab's one planner: `te_scheme` on `pipe_or_family`'s text encoders, `scheme` on its denoisers; nothing changes."
@@ -46,7 +46,7 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
     else: pipe, family = pipe_or_family, family or family_of(pipe_or_family)
     # each role reads its own width floor: the denoisers' min_features, the encoders' te_min_features (None: by width)
     te = plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=policy.for_role('te')) \
-        if te_scheme and 'te' in roles else QuantPlan()
+        if 'te' in roles and (te_scheme or 'denoiser' not in roles) else QuantPlan()  # asked alone: planned, dense too
     if 'denoiser' not in roles: return te
     dens = {a: m for a, m in pipe.components.items() if a in DENOISER_ATTRS and isinstance(m, nn.Module)}
     if not dens: raise ValueError(f'{family} has no denoiser among {list(pipe.components)}')

@@ -155,3 +155,14 @@ def test_recommend_plan_carries_the_encoder_remedy(planted_rec):
     assert te.n_quantized == chosen.n_low < 14 and len(_kept(te)) == 14 - chosen.n_low  # the chosen remedy, not the rules'
     assert f'text_encoder: {remedy_verdict(df)}' in got.summary() and not df.clears.iloc[0]
     with pytest.raises(ValueError, match='EncoderBar'): recommend_plan(pipe, 'h200', 20.0, te_scheme='int8', te_bar=0.99)
+
+
+def test_recommend_encoders_reads_min_features_as_the_encoders_floor():
+    "The encoders planned alone: a policy's `min_features` is their floor (as documented), not dropped for the denoisers'."
+    from diffq_lab.pipelines import tiny_pipeline
+    from diffq_lab.policy import QuantPolicy
+    from diffq_lab.recommend import recommend_encoders
+    plan = lambda mf: recommend_encoders(tiny_pipeline('z-image'), 'fp8_layerwise', None, policy=QuantPolicy(min_features=mf))[0]
+    wide, none = plan(0).components['text_encoder'], plan(10**6).components['text_encoder']
+    assert wide.n_quantized > 0 and none.n_quantized == 0, (wide.summary(), none.summary())
+    assert plan(None).components['text_encoder'].n_quantized == wide.n_quantized  # tiny: by width, every Linear
