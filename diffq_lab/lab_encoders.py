@@ -243,7 +243,7 @@ class PromptPath:
     source: str = ''             # where the path comes from
 
 # %% ../nbs/21_lab_encoders.ipynb #a38e0012
-# the trained pipeline's template (14_trained.CHAT_TEMPLATE): SmolLM2's own without its system line, the user turn
+# the trained pipeline's template (14_trained.CAPTION_TEMPLATE): SmolLM2's own without its system line, the user turn
 # alone, as Z-Image templates a prompt for Qwen3
 USER_TURN = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
              "'<|im_end|>' + '\\n'}}{% endfor %}"

@@ -24,7 +24,7 @@ from . import kernels
 from .kernels import (_csv, _encoder_time, _lone_extra, _path_rows, calibrate, cpu_per_kernel, cpu_per_linear, default_path,
                                kernel_points, linear_kernels, linear_time)
 from .crossover import as_shape
-from .speed import BACKENDS, VALIDATION_FILE, pipeline_time, residual_bands
+from .speed import WEIGHT_BACKENDS, VALIDATION_FILE, pipeline_time, residual_bands
 
 # %% auto #0
 __all__ = ['TE_FAMILY', 'WEIGHT_ONLY', 'BENCH_CALL', 'LOSO_FILE', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL',
@@ -161,7 +161,7 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
                        published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
                        predicted_speedup=b_pred / p)
             if memory and pd.notna(r.resident_GiB) and r.resident_GiB != '':
-                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
+                e = pipeline_memory(r.model, None if r.scheme == 'bf16' else WEIGHT_BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
                                     batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
                 row.update(published_resident=float(r.resident_GiB), predicted_resident=e.resident_GiB,
                            published_peak=float(r.peak_GiB), predicted_peak=e.peak_GiB)
@@ -173,7 +173,7 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
         if f'published_{c}' in out: out[f'{c}_err'] = out[f'predicted_{c}'] / out[f'published_{c}'] - 1
     # int4 weight-only is judged apart (issue 37: within 25%): tinygemm at DiT M is a path of its own, ~5-10x slower than bf16
     # other backends' formats (GGUF, bitsandbytes) likewise: priced from kernel figures on other GPUs, not yet trusted as eager's
-    out['mode'] = np.select([out.scheme.eq('int4wo'), out.scheme.isin(list(BACKENDS)), out['compile'].eq('none')],
+    out['mode'] = np.select([out.scheme.eq('int4wo'), out.scheme.isin(list(WEIGHT_BACKENDS)), out['compile'].eq('none')],
                             ['int4wo', 'backend', 'eager'], 'compiled')
     return out
 

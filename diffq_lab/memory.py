@@ -19,7 +19,7 @@ from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'Workload', 'reserved_bytes', 'memory_estimate',
+__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'RenderShape', 'reserved_bytes', 'memory_estimate',
            'pipeline_memory', 'free_memory', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
@@ -113,7 +113,7 @@ LOAD_MODES = ('after-load', 'at-load', 'saved')
 
 # %% ../nbs/09_memory.ipynb #001de9c5
 @dataclass(frozen=True)
-class Workload:
+class RenderShape:
     "What one pipeline call renders: `batch` images of `size` px (`frames` for video), prompts of `text_tokens`."
     size: int = 1024                # square image size in px
     batch: int = 1                  # images per call
@@ -124,12 +124,12 @@ class Workload:
             raise ValueError(f'batch must be an int >= 1, got {self.batch!r}')
 
 # %% ../nbs/09_memory.ipynb #001de9c4
-def _workload(workload: Workload | None, settings: dict) -> Workload | None:
-    "`workload` with the Workload fields among `settings` (taken out of it) laid over it; None when neither is given."
-    over = {f.name: settings.pop(f.name) for f in fields(Workload) if f.name in settings}
-    if workload is not None and not isinstance(workload, Workload):
-        raise ValueError(f'workload must be a Workload(size, batch, frames, text_tokens), got {workload!r}')
-    return replace(workload or Workload(), **over) if workload is not None or over else None
+def _workload(workload: RenderShape | None, settings: dict) -> RenderShape | None:
+    "`workload` with the RenderShape fields among `settings` (taken out of it) laid over it; None when neither is given."
+    over = {f.name: settings.pop(f.name) for f in fields(RenderShape) if f.name in settings}
+    if workload is not None and not isinstance(workload, RenderShape):
+        raise ValueError(f'workload must be a RenderShape(size, batch, frames, text_tokens), got {workload!r}')
+    return replace(workload or RenderShape(), **over) if workload is not None or over else None
 
 # %% ../nbs/09_memory.ipynb #a7c1e002
 _DENSE = (None, 'bf16', 'dense')   # the names of no scheme
@@ -226,15 +226,15 @@ def memory_estimate(family: str, # the family's name (the record's label)
 # %% ../nbs/09_memory.ipynb #1ada14e0
 def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image', ...)
                     scheme=None, # the transformer's scheme (None, 'bf16' or 'dense': dense), or a plan: fqn -> scheme
-                    workload: Workload | None = None, # what one call renders (default: one 1024 px image)
+                    workload: RenderShape | None = None, # what one call renders (default: one 1024 px image)
                     *, load: str = 'after-load', # when the weights are quantised: one of `LOAD_MODES`
                     rules: str = 'lab', # which Linears take `scheme`: one of `QUANT_RULES`
                     te_scheme=None, # the text encoders' scheme (None: bf16), on their Linears `policy`'s floor wide
                     policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
-                    **settings, # Workload fields (size=, batch=, ...) and QuantPolicy fields laid over those
+                    **settings, # RenderShape fields (size=, batch=, ...) and QuantPolicy fields laid over those
                    ) -> MemoryEstimate:
     "Predicted resident and peak memory (allocated and reserved) of `family`'s pipeline, transformer in `scheme` or a plan."
-    w = _workload(workload, settings) or Workload()
+    w = _workload(workload, settings) or RenderShape()
     policy = as_policy(policy, **settings)
     load = 'saved' if load == 'none' else load   # the first round's name for a saved folder
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
@@ -366,9 +366,9 @@ def plan_memory(target, # a pipeline, a family with real-dims configs (built on 
                 *, gguf_type: str = 'Q8_0', # the type of the GGUF alternative: one of `GGUF_TYPES`
                 gguf: bool = True, # whether a GGUF transformer is an option
                 dtype=torch.bfloat16, # the dense weights' dtype
-                workload: Workload | None = None, # a call whose activations join the rest (None: the weights alone)
+                workload: RenderShape | None = None, # a call whose activations join the rest (None: the weights alone)
                 policy: QuantPolicy | None = None, # the width floor (`policy.floor`), `free_bytes` and `reserve`
-                **settings, # QuantPolicy fields (free_bytes=, reserve=, ...) and Workload fields (size=, batch=)
+                **settings, # QuantPolicy fields (free_bytes=, reserve=, ...) and RenderShape fields (size=, batch=)
                ) -> MemoryPlan:
     "Resident bytes of `target`'s transformer (dense, `scheme`, GGUF), encoders and VAE vs free memory on `device`."
     w = _workload(workload, settings)

@@ -16,8 +16,7 @@ from .schemes import SCHEMES, get_scheme
 from .policy import QuantPolicy, as_policy
 from .pipelines import FAMILIES, Family, get_family
 from .parts import cast_as_loaded
-from .memory import (LOAD_MODES, linear_bytes, pipeline_memory, linear_plan, memory_estimate,
-    Workload as MemoryWorkload)
+from .memory import LOAD_MODES, RenderShape, linear_bytes, pipeline_memory, linear_plan, memory_estimate
 from .meta import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, pipeline_trace, denoiser_trace, linear_calls,
     linears_under_rules, quantised_linears, trace_ops)
 from .gpus import format_peak, gpu_spec
@@ -26,16 +25,16 @@ from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _enco
 from .crossover import wrap_note
 
 # %% auto #0
-__all__ = ['COMPILE_MODES', 'ATTENTION', 'BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'denoiser_calls', 'fuse_qkv',
-           'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'residual_bands']
+__all__ = ['COMPILE_MODES', 'ATTENTION', 'WEIGHT_BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'denoiser_calls',
+           'fuse_qkv', 'forward_time', 'pipeline_time', 'memory_fit', 'predict', 'format_predictions', 'residual_bands']
 
 # %% ../nbs/12a_speed.ipynb #ffc91087
 COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; torch.compile with CUDA graphs
 ATTENTION = ('sdpa', 'cudnn', 'fp8', 'sage')   # torch SDPA's default kernel; its cuDNN backend; FA3 fp8; SageAttention INT8
 # other backends' weight formats (not torchao): each borrows a registered scheme's picks and memory as its stand-in
-BACKENDS = {'gguf_q8_0': 'int8wo', 'gguf_q4_0': 'int4wo', 'gguf_q4_1': 'int4wo', 'gguf_q4_k': 'int4wo', 'gguf_q2_k': 'int4wo',
+WEIGHT_BACKENDS = {'gguf_q8_0': 'int8wo', 'gguf_q4_0': 'int4wo', 'gguf_q4_1': 'int4wo', 'gguf_q4_k': 'int4wo', 'gguf_q2_k': 'int4wo',
             'bnb_nf4': 'int4wo'}
-PREDICT_SCHEMES = ('bf16', *SCHEMES, *BACKENDS)   # dense, then every registered scheme (a snapshot: the checks read live)
+PREDICT_SCHEMES = ('bf16', *SCHEMES, *WEIGHT_BACKENDS)   # dense, then every registered scheme (a snapshot: the checks read live)
 
 # %% ../nbs/12a_speed.ipynb #3d0fb20f
 def _check_int(name, v, lo, allow_none=False):
@@ -45,8 +44,8 @@ def _check_int(name, v, lo, allow_none=False):
 
 # %% ../nbs/12a_speed.ipynb #b01906f7
 @dataclass(frozen=True)
-class Workload(MemoryWorkload):
-    "`09_memory`'s Workload (size, batch, frames, text_tokens) plus what the time depends on: shape, steps, mode."
+class Workload(RenderShape):
+    "`09_memory`'s RenderShape (size, batch, frames, text_tokens) plus what the time depends on: shape, steps, mode."
     height: int | None = None       # height in pixels (None: square, `size` x `size`)
     steps: int = 28                 # denoising steps
     forwards_per_step: int = 1      # denoiser forwards per step (2: classifier-free guidance)
@@ -170,10 +169,10 @@ def _assignment(m, scheme, shapes: pd.DataFrame, work: Workload, policy: QuantPo
         plan = dict(scheme)
         if unknown := sorted(set(plan) - set(fqns)):
             raise ValueError(f'{m.name} has no Linear {unknown[0]!r}; its Linears: {", ".join(fqns.iloc[:3])}, ...')
-    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES and s not in BACKENDS}):  # `in` builds rank variants
+    if bad := sorted({s for s in plan.values() if s != 'bf16' and s not in SCHEMES and s not in WEIGHT_BACKENDS}):  # `in` builds rank variants
         raise ValueError(f'unknown scheme {bad[0]!r}; choose one of {", ".join(("bf16", *SCHEMES))}')
     # a Linear the rules leave dense for its scheme stays dense, whatever the plan says: as `quantize_` would leave it
-    picked = {s: _picked(m.name, BACKENDS.get(s, s), work.rules, feats) for s in set(plan.values()) - {'bf16'}}
+    picked = {s: _picked(m.name, WEIGHT_BACKENDS.get(s, s), work.rules, feats) for s in set(plan.values()) - {'bf16'}}
     return np.array([s if s != 'bf16' and f in picked[s] else 'bf16' for f in fqns
                      for s in [plan.get(f, 'bf16')]], dtype=object)
 
@@ -220,7 +219,7 @@ def forward_time(gpu, # a GPU name or spec dict
     for s in sorted(set(assigned)):
         q = assigned == s
         p = 'bf16' if s == 'bf16' else (path if path and isinstance(scheme, str) else default_path(s, work.compile, work.lowrank, torchao))
-        rank = None if s == 'bf16' or s in BACKENDS else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
+        rank = None if s == 'bf16' or s in WEIGHT_BACKENDS else get_scheme(s).rank        # a rank variant ('nvfp4_lr16') shares its base's path
         lin += float(linear_time(spec, M[q], K[q], N[q], p, cal, work.compiled, rank=rank).sum())
         if s != 'bf16':
             paths.append(p)
@@ -281,10 +280,10 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy, torchao=None
 def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: str) -> dict:
     "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for a `Family.clip` one."
     load = 'saved' if load == 'none' else load
-    scheme = {k: BACKENDS.get(v, v) for k, v in scheme.items()} if isinstance(scheme, dict) else BACKENDS.get(scheme, scheme)
+    scheme = {k: WEIGHT_BACKENDS.get(v, v) for k, v in scheme.items()} if isinstance(scheme, dict) else WEIGHT_BACKENDS.get(scheme, scheme)
     feats = policy.features(tiny=False)
     if m.clip is None:
-        w = MemoryWorkload(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
+        w = RenderShape(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
         e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy)
     else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer alone
         tr = _video_module(m.name)
@@ -374,7 +373,7 @@ def predict(gpu, # a GPU name or spec dict
            ) -> list[dict]:
     "Per scheme: predicted pipeline seconds, speedup vs bf16 in the same mode, resident and peak GiB, with intervals."
     if isinstance(schemes, str): schemes = tuple(s for s in schemes.split(',') if s)
-    bad = [s for s in schemes if s != 'bf16' and s not in SCHEMES and s not in BACKENDS]
+    bad = [s for s in schemes if s != 'bf16' and s not in SCHEMES and s not in WEIGHT_BACKENDS]
     if bad or not schemes:
         raise ValueError(f'unknown scheme(s) {bad}; choose from {", ".join(PREDICT_SCHEMES)}')
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
@@ -383,7 +382,7 @@ def predict(gpu, # a GPU name or spec dict
     spec, m = gpu_spec(gpu), speed_family(model)
     bands = residual_bands() if intervals else {}
     # int4 weight-only is validated apart (its own residuals, `validate`'s 'int4wo' mode); every other scheme by its mode
-    own = lambda s: 'int4wo' if s == 'int4wo' else 'backend' if s in BACKENDS else None
+    own = lambda s: 'int4wo' if s == 'int4wo' else 'backend' if s in WEIGHT_BACKENDS else None
     band = lambda s: bands.get(own(s) if own(s) in bands else work.mode, (1.0, 1.0, 1.0, 1.0))
     out = [_record(spec, m, s, work, policy, load, band(s), torchao) for s in dict.fromkeys(schemes)]
     # JSON-ready

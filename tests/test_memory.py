@@ -115,7 +115,7 @@ def test_activations_grow_with_batch_and_size():
 
 
 def test_resident_bytes_agree_with_plan_memory_under_the_lab_rules():
-    e = pipeline_memory('z-image', 'int8', M.Workload(1024, 1))
+    e = pipeline_memory('z-image', 'int8', M.RenderShape(1024, 1))
     p = plan_memory('z-image', 'int8', 'cpu', free_bytes=2**40)
     assert e.weights['transformer'] == p.quant_bytes
     assert e.resident_bytes == p.quant_bytes + p.rest_bytes
@@ -124,7 +124,7 @@ def test_resident_bytes_agree_with_plan_memory_under_the_lab_rules():
 def test_load_modes_order_the_peaks():
     peaks = {m: pipeline_memory('z-image', 'nvfp4', size=1024, batch=1, load=m).load_peak for m in ('after-load', 'at-load', 'none')}
     assert peaks['after-load'] > peaks['at-load'] > peaks['none']
-    assert pipeline_memory('z-image', None, M.Workload(), load='after-load').load_peak == pipeline_memory('z-image').resident_bytes
+    assert pipeline_memory('z-image', None, M.RenderShape(), load='after-load').load_peak == pipeline_memory('z-image').resident_bytes
 
 
 def test_rules_choose_the_linears():
@@ -135,16 +135,16 @@ def test_rules_choose_the_linears():
 
 @pytest.mark.parametrize('kw,match', [(dict(load='lazy'), 'after-load'), (dict(batch=0), 'batch'),
                                       (dict(rules='some'), 'selective'), (dict(family='sdxl'), 'z-image'),
-                                      (dict(workload=1024), 'must be a Workload'), (dict(size=1000), 'multiple of 16'),
+                                      (dict(workload=1024), 'must be a RenderShape'), (dict(size=1000), 'multiple of 16'),
                                       (dict(min_feature=0), 'QuantPolicy fields')])
 def test_pipeline_memory_bad_inputs(kw, match):
     args = dict(family='z-image', scheme='int8') | kw
     with pytest.raises(ValueError, match=match): pipeline_memory(**args)
 
 
-def test_a_workload_is_one_record_whether_given_or_spelled_out():
-    "Workload(size, batch, ...) and the same fields as keywords give one estimate; a policy sets the lab rules' floor."
-    w = M.Workload(512, 2, text_tokens=64)
+def test_a_render_shape_is_one_record_whether_given_or_spelled_out():
+    "RenderShape(size, batch, ...) and the same fields as keywords give one estimate; a policy sets the lab rules' floor."
+    w = M.RenderShape(512, 2, text_tokens=64)
     a, b = pipeline_memory('z-image', 'int8', w), pipeline_memory('z-image', 'int8', size=512, batch=2, text_tokens=64)
     assert a == b and (a.size, a.batch) == (512, 2)
     assert pipeline_memory('z-image', 'int8', w, batch=4).batch == 4  # keywords laid over the record

@@ -112,11 +112,11 @@ def test_the_labs_own_runs_are_validation_rows_that_name_their_source():
 
 def test_other_backends_dequantise_per_matmul_priced_from_their_bytes_and_kernel_figures():
     "GGUF / bitsandbytes NF4 (issue 37): the dequantise pass costs stored + bf16 bytes at a kernel-fitted share, never end to end."
-    from diffq_lab.speed import BACKENDS
+    from diffq_lab.speed import WEIGHT_BACKENDS
     from diffq_lab.kernels import DEQUANT_LIKE, calibrate, kernel_points, linear_time
     cal, pts = calibrate(), kernel_points().set_index('path')
     share = float(pts.loc['dequant_kernel'].value)
-    for q in BACKENDS:                  # one fused kernel's share over the PyTorch chain's published slowdown (bnb: one kernel)
+    for q in WEIGHT_BACKENDS:           # one fused kernel's share over the PyTorch chain's published slowdown (bnb: one kernel)
         slow = pts.value.get(q, pts.value.get(DEQUANT_LIKE.get(q), 1.0))
         assert cal[q]['cast_bw'] == pytest.approx(share / float(slow)), q
     t = lambda path, M, **kw: float(linear_time('h100', M, 3072, 3072, path, cal, False, **kw))
