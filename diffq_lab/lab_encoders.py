@@ -16,6 +16,7 @@ from .harness import Experiment, append_frame, concat_frames
 from .pipelines import TINY_FAMILIES, tiny_pipeline
 from dataclasses import dataclass
 from .text_encoder import block_lists, te_cosine
+from .trained import CAPTION_TEMPLATE  # the trained pipeline's template: the user turn alone, as Z-Image templates for Qwen3
 from .encoder_io import (MINILM, REAL_READ_LAYER, encoder_inputs, encoder_run, get_real_encoder, load_minilm,
                                   load_prompts, prompt_set, prompts_path, real_encoder)
 from .block_select import (KeepSchedule, Probe, WORST_BAR, _bench, block_stacks, find_keep_schedule, inject_outliers,
@@ -24,7 +25,7 @@ from .family_blocks import dit_calls, replay_run, schedule_for_family
 from .remedies import (EVERY_LINEAR, Calibration, _cast_copy, choose_remedy, smoothquant_cast)
 
 # %% auto #0
-__all__ = ['REAL_BARS', 'INT8_KEEPS', 'USER_TURN', 'RAW', 'PIPELINE_PATHS', 'TAIL_SCHEMES', 'TAILS_ENCODERS', 'RECORD_SCHEMES',
+__all__ = ['REAL_BARS', 'INT8_KEEPS', 'RAW', 'PIPELINE_PATHS', 'TAIL_SCHEMES', 'TAILS_ENCODERS', 'RECORD_SCHEMES',
            'RECORD_FAMILIES', 'TOY_BAR', 'te_cosine_table', 'record_te_cosine', 'scheme_cosines', 'massive_activations',
            'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
            'record_real_encoder_findings', 'real_encoder_headline', 'PromptPath', 'prompt_path', 'path_inputs',
@@ -243,14 +244,9 @@ class PromptPath:
     source: str = ''             # where the path comes from
 
 # %% ../nbs/21_lab_encoders.ipynb #a38e0012
-# the trained pipeline's template (14_trained.CAPTION_TEMPLATE): SmolLM2's own without its system line, the user turn
-# alone, as Z-Image templates a prompt for Qwen3
-USER_TURN = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + "
-             "'<|im_end|>' + '\\n'}}{% endfor %}"
-             "{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}")
 RAW = PromptPath(source='the tokenizer on the text, no template, read at hidden_states[-2]')
 PIPELINE_PATHS = {
-    'smollm2-135m': PromptPath('pipeline', USER_TURN, -2, 512, source=(
+    'smollm2-135m': PromptPath('pipeline', CAPTION_TEMPLATE, -2, 512, source=(
         "the lab's trained pipeline (14_trained): ZImagePipeline._encode_prompt, the user turn with the generation "
         "prompt, hidden_states[-2]")),
     'gemma3-270m': PromptPath('pipeline', None, 'all', 1024, 'left', True, source=(
