@@ -162,7 +162,8 @@ def test_recommend_encoders_reads_min_features_as_the_encoders_floor():
     from diffq_lab.pipelines import tiny_pipeline
     from diffq_lab.policy import QuantPolicy
     from diffq_lab.recommend import recommend_encoders
-    plan = lambda mf: recommend_encoders(tiny_pipeline('z-image'), 'fp8_layerwise', None, policy=QuantPolicy(min_features=mf))[0]
+    pipe = tiny_pipeline('z-image')  # planned, never cast: one pipeline serves every floor
+    plan = lambda mf: recommend_encoders(pipe, 'fp8_layerwise', None, policy=QuantPolicy(min_features=mf))[0]
     wide, none = plan(0).components['text_encoder'], plan(10**6).components['text_encoder']
     assert wide.n_quantized > 0 and none.n_quantized == 0, (wide.summary(), none.summary())
     assert plan(None).components['text_encoder'].n_quantized == wide.n_quantized  # tiny: by width, every Linear
