@@ -13,7 +13,7 @@ from torch import nn
 from .core import as_dtype, check_writable, file_sha256, package_version, resolve_device
 from .schemes import get_scheme
 from .filters import FakeQuantLinear, make_filter_fn, quantized_linears, skip_reasons
-from .plan import ComponentPlan, LinearPlan, QuantPlan, component_config
+from .plan import ComponentPlan, LinearPlan, QuantPlan, apply_plan, component_config
 from .policy import QuantPolicy, as_policy
 from .snippet import smoothed_components
 from .pipelines import get_family, family_of
@@ -22,7 +22,7 @@ from .transformer import DENOISER_ATTRS, plan_transformer, is_gguf_linear, trans
 from .meta import real_dims_components
 
 # %% auto #0
-__all__ = ['plan_pipeline', 'expand_plan', 'save_quantized', 'DamagedFolder', 'load_quantized']
+__all__ = ['plan_pipeline', 'quantize_text_encoders', 'expand_plan', 'save_quantized', 'DamagedFolder', 'load_quantized']
 
 # %% ../nbs/10a_export.ipynb #ef3888d9
 _PLAN_ROLES = ('te', 'denoiser')  # what a plan covers: the text encoders, the denoisers (`plan.component_role`)
@@ -32,6 +32,7 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
                   te_scheme=None, # the text encoders' scheme, under the family's rules (None: dense)
                   *, family=None, # the pipeline's family (default: found from it)
                   device=None, # where it will run (default: where the weights are)
+                  offload=False, # the offload mode the encoders will run under (`text_encoder.offload_mode`)
                   policy: QuantPolicy | None = None, # denoisers' width floor, backend, keep (encoder blocks)
                   roles=_PLAN_ROLES, # the roles planned: 'te' (with `te_scheme`; alone, also None: dense), 'denoiser' (every one)
                   **settings, # QuantPolicy fields laid over `policy` (e.g. min_features=0, keep=(0, 0))
@@ -43,15 +44,32 @@ def plan_pipeline(pipe_or_family, # a pipeline, or a family (built at real dims 
         family = get_family(pipe_or_family).name
         comps = real_dims_components(family, 'meta')
         pipe = SimpleNamespace(components=comps, **comps)
-    else: pipe, family = pipe_or_family, family or family_of(pipe_or_family)
+    # a whole pipeline needs its family; the encoders alone plan without one (said in the log) when it is unregistered
+    else: pipe, family = pipe_or_family, family if family is not None or 'denoiser' not in roles else family_of(pipe_or_family)
     # each role reads its own width floor: the denoisers' min_features, the encoders' te_min_features (None: by width)
-    te = plan_text_encoders(pipe, te_scheme, family=family, device=device, policy=policy.for_role('te')) \
+    te = plan_text_encoders(pipe, te_scheme, family=family, offload=offload, device=device,
+                            policy=policy.for_role('te')) \
         if 'te' in roles and (te_scheme or 'denoiser' not in roles) else QuantPlan()  # asked alone: planned, dense too
     if 'denoiser' not in roles: return te
     dens = {a: m for a, m in pipe.components.items() if a in DENOISER_ATTRS and isinstance(m, nn.Module)}
     if not dens: raise ValueError(f'{family} has no denoiser among {list(pipe.components)}')
     return QuantPlan({**te.components, **{a: plan_transformer(m, scheme, device=device, policy=policy)
                                           for a, m in dens.items()}})
+
+# %% ../nbs/10a_export.ipynb #qte00001
+def quantize_text_encoders(pipe, # a pipeline with one or more text encoders
+                           scheme, # 'auto', a scheme or None (dense)
+                           *,
+                           family=None, # its family (default: found from `pipe`; unregistered: no family rules, logged)
+                           device=None, # where the encoders run (default: where they lie; cuda if offloaded)
+                           offload=False, # the offload mode the pipeline will run under (`text_encoder.offload_mode`)
+                           policy: QuantPolicy | None = None, # min_features (here the encoders' floor), backend, keep
+                           **settings, # QuantPolicy fields laid over `policy`
+                          ) -> QuantPlan:
+    "Cast every text encoder of `pipe` in place as the planner plans them alone, all or nothing; the applied plan."
+    policy = as_policy(policy, **settings).encoders_alone()
+    return apply_plan(pipe, plan_pipeline(pipe, te_scheme=scheme, family=family, device=device, offload=offload,
+                                          policy=policy, roles=('te',)))
 
 # %% ../nbs/10a_export.ipynb #4b57374b
 _BLOCK = re.compile(r'(.+?)\.(\d+)(?:\.(.+))?')  # 'layers.3.attention.to_q' -> ('layers', '3', 'attention.to_q')

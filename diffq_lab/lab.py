@@ -142,7 +142,8 @@ def quality_pairs(family: str = 'z-image', # the tiny family rendered
     from diffq_lab.pipelines import tiny_pipeline, render
     from diffq_lab.quality import hidden_cosine, quality_metrics
     from diffq_lab.schemes import SCHEMES
-    from diffq_lab.text_encoder import quantize_text_encoders, prompt_embeddings
+    from diffq_lab.export import quantize_text_encoders
+    from diffq_lab.text_encoder import prompt_embeddings
     schemes, device = tuple(SCHEMES if schemes is None else schemes), resolve_device(device)
     if not seeds or not prompts: raise ValueError('quality_pairs needs at least one seed and one prompt')
     def produce(pipe, pair):

@@ -15,7 +15,10 @@ from .policy import QuantPolicy, as_policy
 from .harness import Experiment, append_frame, concat_frames
 from .pipelines import TINY_FAMILIES, tiny_pipeline
 from dataclasses import dataclass
-from .text_encoder import block_lists, te_cosine
+from .text_encoder import OFFLOAD_MODES, PROMPTS, block_lists, embedding_cosine, prompt_embeddings
+from .export import quantize_text_encoders
+from .pipelines import get_family, family_of, text_encoders
+from .core import device_name
 from .trained import CAPTION_TEMPLATE  # the trained pipeline's template: the user turn alone, as Z-Image templates for Qwen3
 from .encoder_io import (MINILM, REAL_READ_LAYER, encoder_inputs, encoder_run, get_real_encoder, load_minilm,
                                   load_prompts, prompt_set, prompts_path, real_encoder)
@@ -26,11 +29,88 @@ from .remedies import (EVERY_LINEAR, Calibration, _cast_copy, choose_remedy, smo
 
 # %% auto #0
 __all__ = ['REAL_BARS', 'INT8_KEEPS', 'RAW', 'PIPELINE_PATHS', 'TAIL_SCHEMES', 'TAILS_ENCODERS', 'RECORD_SCHEMES',
-           'RECORD_FAMILIES', 'TOY_BAR', 'te_cosine_table', 'record_te_cosine', 'scheme_cosines', 'massive_activations',
-           'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
+           'RECORD_FAMILIES', 'TOY_BAR', 'te_cosine', 'te_cosine_table', 'record_te_cosine', 'scheme_cosines',
+           'massive_activations', 'massive_under_schemes', 'tied_guard_effect', 'keep_tradeoff', 'measure_real_encoder',
            'record_real_encoder_findings', 'real_encoder_headline', 'PromptPath', 'prompt_path', 'path_inputs',
            'path_read_layer', 'name_worst', 'encoder_tails', 'calibration_spread', 'measure_encoder_tails',
            'record_encoder_tails', 'deepened', 'measure_block_selection', 'record_block_selection']
+
+# %% ../nbs/21_lab_encoders.ipynb #78f2918b
+def _swap_encoders(pipe, encoders: dict):
+    for attr, enc in encoders.items(): setattr(pipe, attr, enc)
+
+# %% ../nbs/21_lab_encoders.ipynb #c3b12c5b
+def _keep_label(s, applied, keep, fam) -> str:
+    "The keep-bf16 schedule an int8 row ran with, as 'first+last' ('' when int8 did not run)."
+    sched = keep if keep is not None else fam.keep_bf16
+    return '{}+{}'.format(*sched) if 'int8' in applied and sched is not None else ''
+
+# %% ../nbs/21_lab_encoders.ipynb #c6c11a61
+def te_cosine(pipe, # a pipeline of a registered family
+              schemes=SCHEMES, # the text-encoder schemes requested, one row each
+              *,
+              prompts=PROMPTS, # the prompts embedded
+              family=None, # its family (default: found from `pipe`)
+              policy: QuantPolicy | None = None, # backend, min_features, keep (None: the family's schedule)
+              **settings, # QuantPolicy fields laid over `policy`
+             ) -> pd.DataFrame:
+    "Per scheme: what `quantize_text_encoders` applied to copies of `pipe`'s encoders, and the cosine vs dense."
+    policy = as_policy(policy, **settings)
+    fam = get_family(family if family is not None else family_of(pipe))
+    dense_encoders = text_encoders(pipe)
+    dense = prompt_embeddings(pipe, prompts)
+    def one(s):
+        _swap_encoders(pipe, {a: copy.deepcopy(e) for a, e in dense_encoders.items()})
+        plan = quantize_text_encoders(pipe, s, family=fam, policy=policy)
+        comps = plan.components.values()
+        applied = sorted({p.scheme or 'dense' for p in comps})
+        note = ' | '.join(sorted({p.summary() + (f' ({p.note})' if p.note else '') for p in comps}))[:300]
+        backend = '+'.join(sorted({p.backend for p in comps if p.backend})) or None
+        return plan, dict(family=fam.name, encoders='+'.join(type(e).__name__ for e in dense_encoders.values()),
+                          scheme='+'.join(applied), backend=backend,
+                          keep=_keep_label(s, applied, policy.keep, fam), linears=sum(p.n_linear for p in comps),
+                          quantized=sum(p.n_quantized for p in comps),
+                          **embedding_cosine(dense, prompt_embeddings(pipe, prompts)), note=note)
+    ex = Experiment('te_cosine')
+    try: return ex.frame(ex.run(schemes, one))
+    finally: _swap_encoders(pipe, dense_encoders)
+
+# %% ../nbs/21_lab_encoders.ipynb #7932f61b
+def _enable_offload(pipe, mode, device):
+    if mode == 'model': pipe.enable_model_cpu_offload(device=device)
+    elif mode == 'sequential': pipe.enable_sequential_cpu_offload(device=device)
+    else: pipe.enable_group_offload(onload_device=device, offload_device=torch.device('cpu'), offload_type='leaf_level')
+
+# %% ../nbs/21_lab_encoders.ipynb #25abf463
+def pipeline_offload_report(family='sana', # the tiny pipeline's family
+                            schemes=(None, 'int8', 'fp8_layerwise'), # text-encoder schemes (None: dense)
+                            modes=OFFLOAD_MODES, # the offload modes tried
+                            device=None, # the execution device (default: cuda if present)
+                            policy: QuantPolicy | None = None, # backend and min_features of the casts
+                            **settings, # QuantPolicy fields laid over `policy`
+                           ) -> pd.DataFrame:
+    "Per scheme x offload mode: does a tiny `family` pipeline with cast encoders embed the same offloaded?"
+    policy, device, rows = as_policy(policy, **settings), resolve_device(device), []
+    for s in schemes:
+        for mode in modes:
+            row = dict(family=get_family(family).name, scheme=s or 'dense', mode=mode, device_name=device_name(device))
+            stage = 'build'
+            try:
+                pipe = tiny_pipeline(family)
+                stage = 'cast'
+                if s: quantize_text_encoders(pipe, s, policy=policy, keep=(0, 0), device=device)
+                stage = 'reference'
+                ref = prompt_embeddings(pipe.to(device))
+                stage = f'{mode} offload'
+                _enable_offload(pipe.to('cpu'), mode, device)
+                outs = [prompt_embeddings(pipe) for _ in range(2)]
+                diff = max((a - b).abs().max().item() for o in outs for a, b in zip(o, ref))
+                row.update(ok=diff == 0.0, max_abs_diff=diff, error='')
+            except Exception as e:  # noqa: BLE001 -- the report is the point
+                why = ' '.join(str(e).split())[:120]
+                row.update(ok=False, max_abs_diff=None, error=f'{stage}: {type(e).__name__}: {why}')
+            rows.append(row)
+    return pd.DataFrame(rows)
 
 # %% ../nbs/21_lab_encoders.ipynb #52818424
 def te_cosine_table(families=TINY_FAMILIES, # the tiny families measured

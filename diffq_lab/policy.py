@@ -60,6 +60,10 @@ class QuantPolicy:
         if role not in ('denoiser', 'te'): raise ValueError(f"unknown role {role!r}; choose 'denoiser' or 'te'")
         return self if role == 'denoiser' else replace(self, min_features=self.te_min_features)
 
+    def encoders_alone(self) -> QuantPolicy:
+        "This policy for planning the text encoders alone: `min_features` (the one model planned) is their floor too."
+        return self if self.te_min_features is not None else replace(self, te_min_features=self.min_features)
+
     @classmethod
     def split(cls, kw: dict) -> tuple[QuantPolicy, dict]:
         "A policy from the policy fields among `kw`, and the rest of `kw`."

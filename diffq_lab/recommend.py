@@ -113,8 +113,8 @@ def recommend_encoders(pipe, # a pipeline with text encoders (and their tokenize
     policy = as_policy(policy)
     req = normalize_scheme(te_scheme)
     # the encoders alone: `min_features` is their floor (this function's documented meaning), not the denoisers'
-    te_policy = policy if policy.te_min_features is not None else replace(policy, te_min_features=policy.min_features)
-    rules = lambda: plan_pipeline(pipe, te_scheme=te_scheme, family=family, device=device, policy=te_policy, roles=('te',))
+    rules = lambda: plan_pipeline(pipe, te_scheme=te_scheme, family=family, device=device, policy=policy.encoders_alone(),
+                                  roles=('te',))
     if te_bar is None or req is None or (req != 'auto' and get_scheme(req).library != 'torchao'): return rules(), {}
     # a scheme asked for by name is searched as it is: the remedy stands in for a family rule's swap (int8 with no hand
     # schedule -> fp8_layerwise); 'auto' is searched as the rules resolve it

@@ -4,7 +4,7 @@
 
 # %% ../nbs/06_text_encoders.ipynb #90151833
 from __future__ import annotations
-import copy, inspect, logging, re, warnings
+import inspect, logging, re, warnings
 from collections import Counter
 from dataclasses import dataclass, field
 import pandas as pd
@@ -19,12 +19,11 @@ from .capability import BACKENDS, SchemeUnavailableError, resolve_backend
 from .policy import QuantPolicy, as_policy
 from .plan import ComponentPlan, QuantPlan, apply_plan, plan_linears
 from .plan import quantize
-from .harness import Experiment, append_frame
-from .pipelines import get_family, family_of, text_encoders, tiny_pipeline, Family
+from .pipelines import get_family, family_of, text_encoders, Family
 
 # %% auto #0
 __all__ = ['block_lists', 'encoder_filter', 'plan_encoder', 'quantize_encoder', 'offload_probe', 'plan_text_encoders',
-           'quantize_text_encoders', 'prompt_embeddings', 'token_cosines', 'embedding_cosine', 'te_cosine']
+           'prompt_embeddings', 'token_cosines', 'embedding_cosine']
 
 # %% ../nbs/06_text_encoders.ipynb #e0600001
 log = logging.getLogger(__name__)
@@ -351,11 +350,6 @@ def plan_text_encoders(pipe, # a pipeline with one or more text encoders
         comps[attr] = p
     return QuantPlan(comps)
 
-# %% ../nbs/06_text_encoders.ipynb #310d7d97
-def quantize_text_encoders(pipe, scheme, **kwargs) -> QuantPlan:
-    "Cast every text encoder of `pipe` in place as `plan_text_encoders` plans, all or nothing; the applied plan."
-    return apply_plan(pipe, plan_text_encoders(pipe, scheme, **kwargs))
-
 # %% ../nbs/06_text_encoders.ipynb #531ec6bc
 def report_frame(plan: QuantPlan) -> pd.DataFrame:
     "A text-encoder plan as a table, one row per encoder."
@@ -414,80 +408,3 @@ def embedding_cosine(dense: list[torch.Tensor], quant: list[torch.Tensor]) -> di
     if not all(torch.isfinite(q).all() for q in quant):
         return dict(cosine=float('nan'), cosine_min=float('nan'), finite=False)
     return dict(cosine=c.mean().item(), cosine_min=c.min().item(), finite=True)
-
-# %% ../nbs/06_text_encoders.ipynb #78f2918b
-def _swap_encoders(pipe, encoders: dict):
-    for attr, enc in encoders.items(): setattr(pipe, attr, enc)
-
-# %% ../nbs/06_text_encoders.ipynb #c3b12c5b
-def _keep_label(s, applied, keep, fam) -> str:
-    "The keep-bf16 schedule an int8 row ran with, as 'first+last' ('' when int8 did not run)."
-    sched = keep if keep is not None else fam.keep_bf16
-    return '{}+{}'.format(*sched) if 'int8' in applied and sched is not None else ''
-
-# %% ../nbs/06_text_encoders.ipynb #c6c11a61
-def te_cosine(pipe, # a pipeline of a registered family
-              schemes=SCHEMES, # the text-encoder schemes requested, one row each
-              *,
-              prompts=PROMPTS, # the prompts embedded
-              family=None, # its family (default: found from `pipe`)
-              policy: QuantPolicy | None = None, # backend, min_features, keep (None: the family's schedule)
-              **settings, # QuantPolicy fields laid over `policy`
-             ) -> pd.DataFrame:
-    "Per scheme: what `quantize_text_encoders` applied to copies of `pipe`'s encoders, and the cosine vs dense."
-    policy = as_policy(policy, **settings)
-    fam = get_family(family if family is not None else family_of(pipe))
-    dense_encoders = text_encoders(pipe)
-    dense = prompt_embeddings(pipe, prompts)
-    def one(s):
-        _swap_encoders(pipe, {a: copy.deepcopy(e) for a, e in dense_encoders.items()})
-        plan = quantize_text_encoders(pipe, s, family=fam, policy=policy)
-        comps = plan.components.values()
-        applied = sorted({p.scheme or 'dense' for p in comps})
-        note = ' | '.join(sorted({p.summary() + (f' ({p.note})' if p.note else '') for p in comps}))[:300]
-        backend = '+'.join(sorted({p.backend for p in comps if p.backend})) or None
-        return plan, dict(family=fam.name, encoders='+'.join(type(e).__name__ for e in dense_encoders.values()),
-                          scheme='+'.join(applied), backend=backend,
-                          keep=_keep_label(s, applied, policy.keep, fam), linears=sum(p.n_linear for p in comps),
-                          quantized=sum(p.n_quantized for p in comps),
-                          **embedding_cosine(dense, prompt_embeddings(pipe, prompts)), note=note)
-    ex = Experiment('te_cosine')
-    try: return ex.frame(ex.run(schemes, one))
-    finally: _swap_encoders(pipe, dense_encoders)
-
-# %% ../nbs/06_text_encoders.ipynb #7932f61b
-def _enable_offload(pipe, mode, device):
-    if mode == 'model': pipe.enable_model_cpu_offload(device=device)
-    elif mode == 'sequential': pipe.enable_sequential_cpu_offload(device=device)
-    else: pipe.enable_group_offload(onload_device=device, offload_device=torch.device('cpu'), offload_type='leaf_level')
-
-# %% ../nbs/06_text_encoders.ipynb #25abf463
-def pipeline_offload_report(family='sana', # the tiny pipeline's family
-                            schemes=(None, 'int8', 'fp8_layerwise'), # text-encoder schemes (None: dense)
-                            modes=OFFLOAD_MODES, # the offload modes tried
-                            device=None, # the execution device (default: cuda if present)
-                            policy: QuantPolicy | None = None, # backend and min_features of the casts
-                            **settings, # QuantPolicy fields laid over `policy`
-                           ) -> pd.DataFrame:
-    "Per scheme x offload mode: does a tiny `family` pipeline with cast encoders embed the same offloaded?"
-    policy, device, rows = as_policy(policy, **settings), resolve_device(device), []
-    for s in schemes:
-        for mode in modes:
-            row = dict(family=get_family(family).name, scheme=s or 'dense', mode=mode, device_name=device_name(device))
-            stage = 'build'
-            try:
-                pipe = tiny_pipeline(family)
-                stage = 'cast'
-                if s: quantize_text_encoders(pipe, s, policy=policy, keep=(0, 0), device=device)
-                stage = 'reference'
-                ref = prompt_embeddings(pipe.to(device))
-                stage = f'{mode} offload'
-                _enable_offload(pipe.to('cpu'), mode, device)
-                outs = [prompt_embeddings(pipe) for _ in range(2)]
-                diff = max((a - b).abs().max().item() for o in outs for a, b in zip(o, ref))
-                row.update(ok=diff == 0.0, max_abs_diff=diff, error='')
-            except Exception as e:  # noqa: BLE001 -- the report is the point
-                why = ' '.join(str(e).split())[:120]
-                row.update(ok=False, max_abs_diff=None, error=f'{stage}: {type(e).__name__}: {why}')
-            rows.append(row)
-    return pd.DataFrame(rows)

@@ -269,7 +269,7 @@ def test_a_failure_at_the_third_linear_of_the_transformer_restores_it(pipes, fai
 @pytest.mark.parametrize('k,backend,scheme', [(3, 'diffusers', 'fp8_layerwise'), (3, 'emulate', 'nvfp4')])
 def test_a_failure_inside_the_encoders_restores_both(pipes, fail_at_kth_linear, k, backend, scheme):
     from diffq_lab.plan import QuantizationError
-    from diffq_lab.text_encoder import quantize_text_encoders
+    from diffq_lab.export import quantize_text_encoders
     pipe = copy.deepcopy(pipes['flux.1-dev'])
     encs = (pipe.text_encoder, pipe.text_encoder_2)
     before = _state(*encs)
@@ -282,7 +282,7 @@ def test_a_failure_inside_the_encoders_restores_both(pipes, fail_at_kth_linear, 
 def test_a_failure_at_the_first_linear_of_flux1s_second_encoder_is_raised_never_logged(pipes, fail_at_kth_linear):
     "CLIP is converted first; T5 dies at its first Linear: the call raises and CLIP is dense again (never CLIP one way, T5 another)."
     from diffq_lab.plan import QuantizationError
-    from diffq_lab.text_encoder import quantize_text_encoders
+    from diffq_lab.export import quantize_text_encoders
     pipe = copy.deepcopy(pipes['flux.1-dev'])
     before = _state(pipe.text_encoder, pipe.text_encoder_2)
     rec = fail_at_kth_linear('fp8_layerwise', 'diffusers', 1, within=[pipe.text_encoder_2])
@@ -294,7 +294,7 @@ def test_a_failure_at_the_first_linear_of_flux1s_second_encoder_is_raised_never_
 
 def test_a_model_on_the_meta_device_is_refused_never_quantised(pipes):
     from diffq_lab.plan import quantize
-    from diffq_lab.text_encoder import quantize_text_encoders
+    from diffq_lab.export import quantize_text_encoders
     from diffq_lab.transformer import quantize_transformer
     with torch.device('meta'): m = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
     for backend in ('auto', 'torchao', 'emulate'):

@@ -14,6 +14,7 @@ from torch import nn
 from diffq_lab import filters, schemes
 from diffq_lab import text_encoder as te
 from diffq_lab.loader import load_pipeline_quantized
+from diffq_lab.export import quantize_text_encoders
 from diffq_lab.pipelines import text_encoders, tiny_pipeline
 from diffq_lab.plan import QuantizationError, plan_linears, quantize
 from diffq_lab.transformer import plan_transformer, quantize_transformer
@@ -83,7 +84,7 @@ ENTRY_POINTS = [
     EntryPoint('plan.quantize', ENCODERS, _plan_module,
                lambda pipe, s, b: quantize(_both(pipe), s, filters.make_filter_fn(0), backend=b), _encoder_roots),
     EntryPoint('quantize_text_encoders', ENCODERS, _plan_encoders,
-               lambda pipe, s, b: te.quantize_text_encoders(pipe, s, backend=b, keep=KEEP), _encoder_roots),
+               lambda pipe, s, b: quantize_text_encoders(pipe, s, backend=b, keep=KEEP), _encoder_roots),
     EntryPoint('quantize_transformer', ('transformer',), _plan_transformer,
                lambda pipe, s, b: quantize_transformer(pipe.transformer, s, min_features=0, backend=b),
                lambda pipe: [pipe.transformer], prefix='transformer'),

@@ -220,12 +220,12 @@ def test_record_quality_into_tmp_root(tmp_path):
 
 
 def test_quality_pairs_records_a_failing_scheme(monkeypatch):
-    import diffq_lab.text_encoder as te
-    real = te.quantize_text_encoders
+    import diffq_lab.export as ex  # quality_pairs imports it from there when it runs
+    real = ex.quantize_text_encoders
     def flaky(pipe, scheme, **kw):
         if scheme == 'mxfp8': raise RuntimeError('kernel exploded')
         return real(pipe, scheme, **kw)
-    monkeypatch.setattr(te, 'quantize_text_encoders', flaky)
+    monkeypatch.setattr(ex, 'quantize_text_encoders', flaky)
     t = quality_pairs(schemes=('mxfp8', 'fp8wo'), seeds=(0,), prompts=QUALITY_PROMPTS[:1])
     assert list(t.requested) == ['mxfp8', 'fp8wo'] and list(t.status) == ['failed', 'ok']
     assert t.scheme.iloc[1] == 'fp8wo'  # keyed by what ran, read from the applied plan

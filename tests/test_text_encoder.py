@@ -9,6 +9,8 @@ import transformers as T
 
 import diffq_lab.filters as filters
 import diffq_lab.text_encoder as te
+from diffq_lab.export import quantize_text_encoders
+from diffq_lab.lab_encoders import te_cosine
 from diffq_lab.capability import ProbeResult, SchemeUnavailableError
 from diffq_lab.pipelines import TINY_FAMILIES, tiny_pipeline, text_encoders
 from diffq_lab.plan import QuantizationError
@@ -78,8 +80,8 @@ def fresh(pipes, dense_encoders):
 # ---- every tiny family x every scheme ------------------------------------------------------------------------------
 @pytest.mark.parametrize('family', TINY_FAMILIES)
 def test_every_scheme_finite_and_close(pipes, family):
-    t = te.te_cosine(pipes[family], SCHEMES, backend='emulate')
-    extra = te.te_cosine(pipes[family], ('int8',), backend='emulate', keep=(0, 0))  # int8 itself on every architecture
+    t = te_cosine(pipes[family], SCHEMES, backend='emulate')
+    extra = te_cosine(pipes[family], ('int8',), backend='emulate', keep=(0, 0))  # int8 itself on every architecture
     assert list(t.requested) == list(SCHEMES) and (t.status == 'ok').all(), t[t.status != 'ok'].to_dict('records')
     for _, row in [*t.iterrows(), *extra.iterrows()]:
         assert row.finite, row.to_dict()
@@ -99,7 +101,7 @@ def test_every_scheme_finite_and_close(pipes, family):
 
 def test_int8_follows_the_family_schedule():
     pipe = tiny_pipeline('qwen-image', text_layers=14)
-    rep = te.quantize_text_encoders(pipe, 'int8', backend='emulate').components['text_encoder']
+    rep = quantize_text_encoders(pipe, 'int8', backend='emulate').components['text_encoder']
     assert rep.scheme == 'int8'
     layers = {f.split('.layers.')[1].split('.')[0] for f in rep.quantized}
     assert layers == {'6', '7'}  # first 6 and last 6 of 14 kept bf16
@@ -109,7 +111,7 @@ def test_int8_follows_the_family_schedule():
 
 def test_int8_without_schedule_falls_back_with_a_logged_note(fresh, caplog):
     with caplog.at_level('WARNING', logger='diffq_lab.text_encoder'):
-        reps = te.quantize_text_encoders(fresh('z-image'), 'int8', backend='emulate').components
+        reps = quantize_text_encoders(fresh('z-image'), 'int8', backend='emulate').components
     assert reps['text_encoder'].scheme == 'fp8_layerwise' and reps['text_encoder'].requested == 'int8'
     assert 'keep-bf16 schedule' in reps['text_encoder'].note
     assert any('keep-bf16 schedule' in r.message for r in caplog.records)
@@ -175,19 +177,19 @@ def test_zero_row_guard_in_a_pipeline(fresh, monkeypatch):
     dense = te.prompt_embeddings(pipe)
     with monkeypatch.context() as mp:
         mp.setattr(filters, 'has_zero_output_row', lambda linear: False)
-        te.quantize_text_encoders(pipe, 'fp8wo', backend='torchao')
+        quantize_text_encoders(pipe, 'fp8wo', backend='torchao')
         assert not te.embedding_cosine(dense, te.prompt_embeddings(pipe))['finite']
     for a, e in dense_encs.items(): setattr(pipe, a, copy.deepcopy(e))
-    reps = te.quantize_text_encoders(pipe, 'fp8wo', backend='torchao').components
+    reps = quantize_text_encoders(pipe, 'fp8wo', backend='torchao').components
     assert list(reps['text_encoder_2'].skipped.values()) == ['zero output row'] and not reps['text_encoder'].skipped
     c = te.embedding_cosine(dense, te.prompt_embeddings(pipe))
     assert c['finite'] and c['cosine'] > 0.98
 
 
 def test_vision_towers_stay_dense_on_the_tiny_pipelines(fresh):
-    qwen = te.quantize_text_encoders(fresh('qwen-image'), 'fp8', backend='emulate').components['text_encoder']
+    qwen = quantize_text_encoders(fresh('qwen-image'), 'fp8', backend='emulate').components['text_encoder']
     assert not any('visual' in f for f in qwen.quantized) and any('visual' in f for f in qwen.skipped)
-    mistral = te.quantize_text_encoders(fresh('flux.2-dev'), 'fp8', backend='emulate').components['text_encoder']
+    mistral = quantize_text_encoders(fresh('flux.2-dev'), 'fp8', backend='emulate').components['text_encoder']
     assert not any('vision_tower' in f or 'multi_modal_projector' in f for f in mistral.quantized)
 
 
@@ -209,9 +211,9 @@ def test_real_trained_encoder_minilm():
 
 # ---- selection, refusal and failure ---------------------------------------------------------------------------------
 def test_bad_inputs(pipes, fresh):
-    with pytest.raises(ValueError, match='unknown backend'): te.quantize_text_encoders(fresh('sana'), 'int8', backend='gpu')
-    with pytest.raises(ValueError, match='unknown offload'): te.quantize_text_encoders(fresh('sana'), 'int8', offload='disk')
-    with pytest.raises(ValueError, match='two ints'): te.quantize_text_encoders(fresh('qwen-image'), 'int8', keep=(-1, 2))
+    with pytest.raises(ValueError, match='unknown backend'): quantize_text_encoders(fresh('sana'), 'int8', backend='gpu')
+    with pytest.raises(ValueError, match='unknown offload'): quantize_text_encoders(fresh('sana'), 'int8', offload='disk')
+    with pytest.raises(ValueError, match='two ints'): quantize_text_encoders(fresh('qwen-image'), 'int8', keep=(-1, 2))
     with pytest.raises(ValueError, match='concrete scheme'): te.quantize_encoder(t5(), 'auto')
     with pytest.raises(ValueError, match='concrete scheme'): te.encoder_filter(t5(), None)
 
@@ -220,24 +222,24 @@ def test_unregistered_pipeline_is_cast_without_family_rules(fresh, monkeypatch, 
     def unknown(pipe): raise ValueError('no known family uses MyPipeline; known pipeline classes: ...')
     monkeypatch.setattr(te, 'family_of', unknown)
     with caplog.at_level('WARNING', logger='diffq_lab.text_encoder'):
-        rep = te.quantize_text_encoders(fresh('sana'), 'int8', backend='emulate').components['text_encoder']
+        rep = quantize_text_encoders(fresh('sana'), 'int8', backend='emulate').components['text_encoder']
     assert rep.scheme == 'fp8_layerwise'  # no family: no int8 schedule
     assert any('without family rules' in r.getMessage() for r in caplog.records)
 
 
 def test_denied_scheme_refused_before_anything_is_cast(fresh):
     pipe = fresh('flux.1-dev')
-    with pytest.raises(ValueError, match='denied'): te.quantize_text_encoders(pipe, 'fp8', family='ltx-2')
+    with pytest.raises(ValueError, match='denied'): quantize_text_encoders(pipe, 'fp8', family='ltx-2')
     assert not any(quantized_linears(e) for e in text_encoders(pipe).values())
 
 
 def test_auto(fresh):
     wan = fresh('wan2.2-t2v-a14b')
-    dense = te.quantize_text_encoders(wan, 'auto').components['text_encoder']
+    dense = quantize_text_encoders(wan, 'auto').components['text_encoder']
     assert dense.scheme is None and 'dense' in dense.note and not quantized_linears(wan.text_encoder)
-    reps = te.quantize_text_encoders(fresh('sd3'), 'auto').components  # CPU ladder: fp8_layerwise on every encoder
+    reps = quantize_text_encoders(fresh('sd3'), 'auto').components  # CPU ladder: fp8_layerwise on every encoder
     assert [r.scheme for r in reps.values()] == ['fp8_layerwise'] * 3 and {r.requested for r in reps.values()} == {'auto'}
-    off = te.quantize_text_encoders(fresh('qwen-image'), 'auto', offload=True, backend='emulate').components['text_encoder']
+    off = quantize_text_encoders(fresh('qwen-image'), 'auto', offload=True, backend='emulate').components['text_encoder']
     assert off.scheme == 'fp8_layerwise' and 'offload' in off.note
 
 
@@ -248,20 +250,20 @@ def test_explicit_scheme_the_device_cannot_run_is_refused(fresh, monkeypatch):
     monkeypatch.setattr(te.capability, 'select_scheme', refuse)
     pipe = fresh('sd3')
     with pytest.raises(SchemeUnavailableError, match='needs sm_89'):
-        te.quantize_text_encoders(pipe, 'fp8', device=torch.device('cuda'))
+        quantize_text_encoders(pipe, 'fp8', device=torch.device('cuda'))
     assert not any(quantized_linears(e) for e in text_encoders(pipe).values())
 
 
 def test_offload_gating(fresh, monkeypatch):
-    ok = te.quantize_text_encoders(fresh('sana'), 'int8', keep=(0, 0), offload='sequential').components['text_encoder']
+    ok = quantize_text_encoders(fresh('sana'), 'int8', keep=(0, 0), offload='sequential').components['text_encoder']
     assert ok.scheme == 'int8' and 'offload probe passed' in ok.note
     failing = te.OffloadProbe('int8', 'model', 'torchao', 'cpu', False, 'TypeError: new() received an invalid combination')
     monkeypatch.setattr(te, 'offload_probe', lambda *a, **k: failing)
     pipe = fresh('sana')
     with pytest.raises(ValueError, match='refused under model offload'):
-        te.quantize_text_encoders(pipe, 'int8', keep=(0, 0), offload=True)
+        quantize_text_encoders(pipe, 'int8', keep=(0, 0), offload=True)
     assert not quantized_linears(pipe.text_encoder)
-    assert te.quantize_text_encoders(pipe, 'fp8_layerwise', offload=True).components['text_encoder'].scheme == 'fp8_layerwise'
+    assert quantize_text_encoders(pipe, 'fp8_layerwise', offload=True).components['text_encoder'].scheme == 'fp8_layerwise'
 
 
 @pytest.mark.parametrize('scheme', ['int8', 'fp8wo', 'nvfp4wo', 'fp8_layerwise'])
@@ -276,7 +278,7 @@ def test_real_library_failure_raises_and_leaves_encoders_dense(fresh):
     "torchao fp8 dynamic on a CPU asserts (a real failure, no injection): QuantizationError, nothing left cast."
     pipe = fresh('sana')
     dense = te.prompt_embeddings(pipe)
-    with pytest.raises(QuantizationError, match='text_encoder: ') as e: te.quantize_text_encoders(pipe, 'fp8', backend='torchao')
+    with pytest.raises(QuantizationError, match='text_encoder: ') as e: quantize_text_encoders(pipe, 'fp8', backend='torchao')
     assert isinstance(e.value.__cause__, AssertionError) and e.value.component == 'text_encoder'
     assert not quantized_linears(pipe.text_encoder)
     assert all(torch.equal(a, b) for a, b in zip(dense, te.prompt_embeddings(pipe)))
@@ -305,7 +307,7 @@ def test_real_kernels_on_gpu(scheme):
     from diffq_lab.capability import smoke_probe
     if not smoke_probe(scheme, 'cuda').ok: pytest.skip(f'{scheme} has no kernel on this GPU')
     pipe = tiny_pipeline('flux.1-dev').to('cuda')
-    t = te.te_cosine(pipe, (scheme,), backend='torchao', keep=(0, 0))
+    t = te_cosine(pipe, (scheme,), backend='torchao', keep=(0, 0))
     assert t.backend.iloc[0] == 'torchao' and t.finite.all() and t.cosine.iloc[0] > 0.95, t.to_dict('records')
 
 
@@ -324,5 +326,5 @@ def test_a_policy_passed_whole_is_the_same_call_as_its_fields_by_keyword(fresh):
     assert te.plan_encoder(wide, 'int8wo', device='cpu').quantized == ['1']  # real: the floor is 512
     assert te.plan_encoder(wide, 'int8wo', device='cpu', min_features=0).n_quantized == 2
     with pytest.raises(ValueError, match='unknown backend'): te.offload_probe('int8', 'model', 'cpu', backend='gpu')
-    with pytest.raises(ValueError, match='QuantPolicy fields'): te.te_cosine(pipe, ('int8',), min_feature=0)
+    with pytest.raises(ValueError, match='QuantPolicy fields'): te_cosine(pipe, ('int8',), min_feature=0)
     with pytest.raises(ValueError, match='policy must be a QuantPolicy'): te.offload_probe('int8', 'model', 'cpu', 'auto')
