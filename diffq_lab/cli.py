@@ -269,6 +269,12 @@ def _torchao_version(value: str) -> str:
         raise argparse.ArgumentTypeError(f'{value!r}: a torchao version such as 0.17 or 0.18')
     return value.strip()
 
+def _torch_version(value: str) -> str:
+    "An argparse type: the torch version a run uses ('2.8', '2.11'): which kernel torch SDPA picks."
+    if not re.fullmatch(r'\d+\.\d+(\.\d+)?', value.strip()):
+        raise argparse.ArgumentTypeError(f'{value!r}: a torch version such as 2.8 or 2.11')
+    return value.strip()
+
 @flag_group
 def speed_setting(
     rules: Param(choices=('lab', 'all', 'flux-recipe')) = 'lab', # Linears quantised: the lab's, every one, torchao's FLUX recipe
@@ -280,10 +286,12 @@ def speed_setting(
     # a low-rank scheme's bf16 branch (nvfp4_lr, int4_lr): nunchaku's fused kernels, or two GEMMs of its own
     lowrank: Param(choices=('fused', 'unfused')) = 'fused',
     torchao: _torchao_version = None, # the torchao whose kernel paths are timed ('0.17'; default: the newest, 0.18)
+    torch: _torch_version = None, # the torch that runs (default: the newest): SDPA's kernel, cuDNN first on H100/H200/B200 from 2.9
 ) -> SimpleNamespace:
     "How the modelled pipeline is quantised, loaded, attends and compiles (the speed and memory model's settings)."
     return SimpleNamespace(rules='selective' if rules == 'flux-recipe' else rules, load=load, attention=attention,
-                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae, lowrank=lowrank, torchao=torchao)
+                           te_scheme=te_scheme, fuse_qkv=fuse_qkv, compile_vae=compile_vae, lowrank=lowrank, torchao=torchao,
+                           torch=torch)
 
 # %% ../nbs/17_cli.ipynb #d5e254e4
 @command
@@ -430,7 +438,8 @@ def predict(gpu: str = DEFAULT_GPU, # a GPU of data/gpu_specs.csv (h200, b200, h
     from diffq_lab.speed import Workload, format_predictions, predict as _predict, speed_family
     gpu_spec(gpu); fam = speed_family(family).name  # names checked before the model is traced
     w = Workload(**vars(work), compile=compile, rules=how.rules, attention=how.attention, te_scheme=how.te_scheme,
-                 fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae, lowrank=how.lowrank)
+                 fuse_qkv=how.fuse_qkv, compile_vae=how.compile_vae, lowrank=how.lowrank,
+                 torch_version=how.torch)
     recs = _predict(gpu, fam, tuple(schemes), w, load=how.load, torchao=how.torchao)
     print(strict_json(recs) if json else format_predictions(recs))
     return 0

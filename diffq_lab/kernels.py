@@ -12,8 +12,8 @@ from .schemes import SCHEMES, get_scheme
 from .gpus import FORMATS, format_peak, get_format, gpu_spec
 
 # %% auto #0
-__all__ = ['DEQUANT_LIKE', 'kernel_points', 'kernel_paths', 'torchao_since', 'default_path', 'arch_efficiency', 'linear_passes',
-           'linear_time', 'calibrate']
+__all__ = ['DEQUANT_LIKE', 'CUDNN_FIRST', 'kernel_points', 'kernel_paths', 'torchao_since', 'default_path', 'arch_efficiency',
+           'linear_passes', 'linear_time', 'calibrate', 'sdpa_backend']
 
 # %% ../nbs/11b_kernels.ipynb #kp000006
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
@@ -421,11 +421,27 @@ def _other_time(trace, spec, compiled, floor=2e-6) -> float:
     if compiled: return trace.fused_bytes / bw + (trace.fused_kernels - int((trace.ops.kind != 'other').sum())) * floor
     return float(np.maximum(o.bytes.to_numpy(float) / bw, floor).sum())
 
+# %% ../nbs/11b_kernels.ipynb #sdpa0001
+# torch SDPA's default order puts cuDNN first on datacenter Hopper and Blackwell (capability 9.0, 10.0) from 2.9
+# (pytorch#162073, `check_prefer_cudnn_attention` in sdp_utils.cpp); sm_103 (B300) joined on 2025-12-31 (pytorch#170800),
+# taken here from 2.11. Before those, and on every other GPU, its first choice is its FlashAttention-2 kernel.
+CUDNN_FIRST = {'9.0': (2, 9), '10.0': (2, 9), '10.3': (2, 11)}
+
+def sdpa_backend(gpu, # a GPU name or spec dict
+                 torch_version: str | None = None, # the torch that runs ('2.8', '2.12 nightly'; None: the newest)
+                ) -> str:
+    "The kernel torch SDPA's default picks on `gpu`: 'cudnn' where torch puts cuDNN first, else 'sdpa' (FlashAttention-2)."
+    since = CUDNN_FIRST.get(f"{float(gpu_spec(gpu).get('capability') or 0):.1f}")
+    if since is None: return 'sdpa'
+    # a version the text does not name ('nightly (2024)') reads as (0, 0): older than 2.9
+    return 'cudnn' if torch_version is None or torchao_since(torch_version) >= since else 'sdpa'
+
 # %% ../nbs/11b_kernels.ipynb #61b69d4d
-def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
-    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel (`ATTENTION`)."
+def _attention_time(trace, spec, attention: str = 'sdpa', torch_version: str | None = None, floor=2e-6) -> float:
+    "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel (`ATTENTION`; 'sdpa': `sdpa_backend`'s)."
     a = trace.attention
     if a.empty: return 0.0
+    if attention == 'sdpa': attention = sdpa_backend(spec, torch_version)
     eff, bw = arch_efficiency(spec), float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
     if attention == 'fp8':
         cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw                      # q, k, v read in bf16 and written in fp8
@@ -440,12 +456,12 @@ def _attention_time(trace, spec, attention: str = 'sdpa', floor=2e-6) -> float:
     return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
 
 # %% ../nbs/11b_kernels.ipynb #83457bde
-def _dense_part(trace, spec, compiled: bool = False) -> float:
+def _dense_part(trace, spec, compiled: bool = False, torch_version: str | None = None) -> float:
     "GPU seconds of a dense bf16 part (text encoder, VAE): matmuls and convs, attention, the rest by bytes (fused if compiled)."
     ge, bw = arch_efficiency(spec)['bf16'], float(spec['mem_bw_tbs']) * 1e12 * arch_efficiency(spec)['elementwise']
     mm = trace.ops[trace.ops.kind.isin(['matmul', 'conv'])]
     t = np.maximum(mm.flops.to_numpy(float) / (format_peak(spec, 'bf16') * ge), mm.bytes.to_numpy(float) / bw) + 2e-6
-    return float(t.sum()) + _attention_time(trace, spec) + _other_time(trace, spec, compiled)
+    return float(t.sum()) + _attention_time(trace, spec, torch_version=torch_version) + _other_time(trace, spec, compiled)
 
 # %% ../nbs/11b_kernels.ipynb #b4c2e001
 def _encoder_time(trace, spec, scheme, floor: int, cal=None, torchao: str | None = None) -> float:

@@ -148,14 +148,15 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
     for key, g in runs.groupby(_GROUP, sort=False):
         k = dict(zip(_GROUP, key))
         base = g[g.scheme == 'bf16']
+        tv = g.torch.iloc[0] if isinstance(g.torch.iloc[0], str) else None   # which kernel SDPA picked (`sdpa_backend`)
         b_pred = pipeline_time(k['gpu'], k['model'], int(k['size']), int(k['batch']), int(k['steps']),
                                int(k['forwards_per_step']), 'bf16', k['compile'], text_tokens=int(k['text_tokens']),
-                               rules=k['rules'], cal=cal, height=int(k['height']) or None)['seconds']
+                               rules=k['rules'], cal=cal, height=int(k['height']) or None, torch_version=tv)['seconds']
         for r in g.itertuples():
             p = pipeline_time(r.gpu, r.model, int(r.size), int(r.batch), int(r.steps), int(r.forwards_per_step),
                               r.scheme,
                               r.compile, text_tokens=int(r.text_tokens), rules=r.rules, cal=cal, height=int(r.height) or None,
-                              path=r.path if isinstance(r.path, str) and r.path else None,
+                              path=r.path if isinstance(r.path, str) and r.path else None, torch_version=tv,
                               torchao=r.torchao if isinstance(r.torchao, str) else None)['seconds']
             row = dict(run=r.run, **k, scheme=r.scheme, use=r.use, published_s=r.seconds, predicted_s=p,
                        published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,

@@ -21,7 +21,7 @@ from .meta import (PIXELS_PER_TOKEN, QUANT_RULES, get_model, pipeline_trace, den
     linears_under_rules, quantised_linears, trace_ops)
 from .gpus import format_peak, gpu_spec
 from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _encoder_time, _other_time,
-                               cpu_per_kernel, cpu_per_linear, default_path, linear_kernels, linear_time)
+                               cpu_per_kernel, cpu_per_linear, default_path, linear_kernels, linear_time, sdpa_backend)
 from .crossover import wrap_note
 
 # %% auto #0
@@ -56,6 +56,7 @@ class Workload(RenderShape):
     fuse_qkv: bool = False          # diffusers' `fuse_qkv_projections`: each attention's q, k, v as one Linear
     compile_vae: bool = False       # the VAE decode compiled (its elementwise kernels fused) rather than eager
     lowrank: str = 'fused'          # a low-rank scheme's branch (nvfp4_lr, int4_lr): 'fused' (nunchaku) or 'unfused'
+    torch_version: str | None = None   # the torch that runs ('2.8'; None: the newest): the kernel SDPA picks (`sdpa_backend`)
     def __post_init__(self):
         super().__post_init__()
         for name, lo in (('size', PIXELS_PER_TOKEN), ('steps', 1), ('forwards_per_step', 1)):
@@ -66,6 +67,8 @@ class Workload(RenderShape):
             if getattr(self, name) not in choices:
                 named = ', '.join(str(c) for c in choices if c is not None)
                 raise ValueError(f'unknown {name} {getattr(self, name)!r}; choose one of {named}')
+        if self.torch_version is not None and not isinstance(self.torch_version, str):
+            raise ValueError(f'torch_version must be a version string such as "2.9", got {self.torch_version!r}')
         for name in ('fuse_qkv', 'compile_vae'):
             if not isinstance(getattr(self, name), bool): raise ValueError(f'{name} must be True or False, got {getattr(self, name)!r}')
     @property
@@ -225,7 +228,7 @@ def forward_time(gpu, # a GPU name or spec dict
             paths.append(p)
             extra += int(q.sum()) * (linear_kernels(p) - 1)
             cpu_lin += int(q.sum()) * cpu_per_linear(p, spec, cal)
-    att, other = _attention_time(tr, spec, work.attention), _other_time(tr, spec, work.compiled)
+    att, other = _attention_time(tr, spec, work.attention, work.torch_version), _other_time(tr, spec, work.compiled)
     kernels = (tr.fused_kernels if work.compiled else tr.eager_kernels) + extra
     cpu = kernels * cpu_per_kernel('eager' if work.compile == 'none' else work.compile, cal) + (0.0 if work.compiled else cpu_lin)
     gpu_s = lin + att + other
@@ -243,7 +246,7 @@ def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, 
         te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal, torchao) for k, t in te1.items()
                  if k.startswith('text_encoder')) * work.forwards_per_step
         traces = pipeline_trace(m.name, side, work.batch, work.frames, T)
-        vae = _dense_part(traces['vae'], spec, work.compile_vae) if 'vae' in traces else 0.0
+        vae = _dense_part(traces['vae'], spec, work.compile_vae, work.torch_version) if 'vae' in traces else 0.0
     denoise = fwd['seconds'] * work.steps * work.forwards_per_step
     return dict(seconds=te + denoise + vae, text_encoder_s=te, denoise_s=denoise, vae_s=vae, forward=fwd)
 
@@ -357,7 +360,9 @@ def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, ban
                 **fit, gpu=spec['gpu'], model=m.name, size=work.size,
                 height=work.height or work.size, frames=_frames(m, work),
                 batch=work.batch, steps=work.steps, forwards_per_step=work.forwards_per_step, compile=work.compile,
-                attention=work.attention, te_scheme=work.te_scheme or 'bf16', fuse_qkv=work.fuse_qkv,
+                attention=work.attention, torch=work.torch_version or 'newest',
+                attention_kernel=sdpa_backend(spec, work.torch_version) if work.attention == 'sdpa' else work.attention,
+                te_scheme=work.te_scheme or 'bf16', fuse_qkv=work.fuse_qkv,
                 compile_vae=work.compile_vae, path=r.get('path', ''), note=note)
 
 # %% ../nbs/12a_speed.ipynb #a47cddfb
@@ -391,6 +396,14 @@ def predict(gpu, # a GPU name or spec dict
 # %% ../nbs/12a_speed.ipynb #c321bcb8
 _FITS_WORD = {'at-load': 'at load', 'saved': 'saved', 'cpu-offload': 'no'}   # the terminal column's short answers
 
+def _torch_words(v) -> str: return 'the newest torch' if v in (None, 'newest') else f'torch {v}'
+
+def _attention_words(r) -> str:
+    "The attention setting as the header says it: SDPA with the kernel it picks under the record's torch."
+    a, k = r.get('attention', 'sdpa'), r.get('attention_kernel')
+    if a != 'sdpa' or not k: return a
+    return f"sdpa ({'cuDNN' if k == 'cudnn' else 'FlashAttention-2'} under {_torch_words(r.get('torch'))})"
+
 # %% ../nbs/12a_speed.ipynb #d3f5d605
 def _memory_note(records) -> str:
     "One line: what fits the GPU's memory as predicted, what fits only loaded another way, what needs CPU offload."
@@ -421,7 +434,7 @@ def format_predictions(records) -> str:
                              ('fused QKV', r0.get('fuse_qkv')), ('VAE compiled', r0.get('compile_vae'))) if on]
     if extra: pic += ', ' + ', '.join(extra)
     head = (f"# prediction, not a measurement: {r0['model']} at {pic}, batch {r0['batch']}, {r0['steps']} steps x "
-            f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, attention={r0.get('attention', 'sdpa')}, "
+            f"{r0['forwards_per_step']} forward(s), compile={r0['compile']}, attention={_attention_words(r0)}, "
             f"on {r0['gpu']} ({r0['gpu_GiB']:g} GiB)")
     g = lambda v: f'{v:.{max(0, 2 - math.floor(math.log10(abs(v))))}f}' if v else '0'   # three figures or more
     runs = lambda r: math.isfinite(r['seconds'])
