@@ -12,8 +12,8 @@ from .schemes import SCHEMES, get_scheme
 from .gpus import FORMATS, format_peak, get_format, gpu_spec
 
 # %% auto #0
-__all__ = ['DEQUANT_LIKE', 'CUDNN_FIRST', 'kernel_points', 'kernel_paths', 'torchao_since', 'default_path', 'arch_efficiency',
-           'linear_passes', 'linear_time', 'calibrate', 'sdpa_backend']
+__all__ = ['DEQUANT_LIKE', 'SINGLE_GEMM', 'CUDNN_FIRST', 'kernel_points', 'kernel_paths', 'torchao_since', 'default_path',
+           'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate', 'gemm_check', 'sdpa_backend']
 
 # %% ../nbs/11b_kernels.ipynb #kp000006
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
@@ -145,7 +145,13 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
         bf16 = fp8 = hopper
         sdpa, cudnn = fa2, cudnn_h
         src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
-        if arch != 'Hopper': src += f'; borrowed for {arch}: no kernel point'
+        # FA2's mma.sync kernels are Ampere's native path (its paper's GPU: 50-73% of the A100's peak), while on Hopper
+        # they leave wgmma unused (35%); Ada (sm_89) has no wgmma either and runs the same sm_80 kernels: Ampere's share
+        amp = _mean_of(_point('fa2a1'), _point('fa2a2'), default=None)
+        if arch in ('Ampere', 'Ada') and amp is not None:
+            sdpa = amp
+            src += f'; SDPA FA2 on {arch} from the FA2 paper (A100)' + ('' if arch == 'Ampere' else ', its sm_80 kernels on sm_89')
+        if arch != 'Hopper': src += f'; borrowed for {arch}: the GEMM and cuDNN shares, no kernel point'
     return dict(bf16=bf16, fp8=fp8, attention=sdpa, attention_cudnn=cudnn,
                 attention_fp8=_ratio('fa3f8', 'h100', 'fp8_tflops', fp8 * 0.5),
                 # SageAttention's published speedup over FA2 (RTX 4090) on every architecture: no other kernel point
@@ -176,6 +182,9 @@ def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float
     p = _path_rows().loc[path]
     eff = arch_efficiency(spec)
     fit = _fit_for(path, spec, cal)
+    # a path with no GEMM fit of its own runs the GEMM kernel a sibling path was fitted on (the same dtype's cuBLAS /
+    # CUTLASS GEMM on the same architecture: torchao's version changes the passes around it, not the GEMM)
+    fit = {**(cal or {}).get(f'gemm:{p.gemm}@{spec.get("arch")}', {}), **fit}
     ge = fit.get('gemm_eff', eff[p.gemm])
     if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
     cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
@@ -379,6 +388,14 @@ def calibrate(points=None, drop_sources=()) -> dict:
             out[path] = dict(_fit_flat(g[~lab]), points=int((~lab).sum()), source=', '.join(sorted(set(g[~lab].source))))
     for path, g in pts[pts.kind.isin(['gemm_speedup', 'gemm_speedup_noquant'])].groupby('path'):
         out[path] = _fit_gemm_speedup(g)
+    # each GEMM kernel (dtype x architecture) on every bare-GEMM point of it, whichever path's table it came from: the
+    # small-shape terms (share of peak, fixed cost, cost per wave) of the paths that have no GEMM fit of their own
+    nq = pts[pts.kind.eq('gemm_speedup_noquant')]
+    if len(nq):
+        key = nq.path.map(lambda q: _path_rows().loc[q].gemm) + '@' + nq.gpu.map(lambda x: gpu_spec(x).get('arch'))
+        for k, g in nq.groupby(key):
+            f = _fit_gemm_speedup(g)
+            out[f'gemm:{k}'] = {c: f[c] for c in ('gemm_eff', 'overhead_s', 'wave_s', 'points', 'source', 'arch')}
     # measured lone Linears (the lab's own GPU runs): each path's passes beyond its bare GEMM, an eager one's CPU dispatch
     for path, g in pts[pts.kind.isin(['linear_extra_s', 'eager_linear_s'])].groupby('path'):
         out[path] = _fit_passes(g, out.get(path, {}))
@@ -396,6 +413,9 @@ def calibrate(points=None, drop_sources=()) -> dict:
         i = np.unravel_index(np.argmin((err ** 2).mean(0)), ge.shape)
         out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
                          **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
+        # a GEMM dtype with no bare-GEMM point on this architecture: the first ReLU -> Linear fit of it stands for its GEMM
+        out.setdefault(f'gemm:{_path_rows().loc[path].gemm}@{spec.get("arch")}', dict(
+            {c: out[path][c] for c in ('gemm_eff', 'overhead_s', 'wave_s', 'points', 'source')}, arch=spec.get('arch')))
     # another backend's dequantise: one fused kernel's published bandwidth share, over its PyTorch chain's slowdown
     if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
         share, slow = float(dq.value.mean()), pts[pts.kind.eq('dequant_slowdown')]
@@ -413,6 +433,43 @@ def calibrate(points=None, drop_sources=()) -> dict:
 # %% ../nbs/11b_kernels.ipynb #04ff51b3
 @functools.lru_cache(maxsize=1)
 def _calibration() -> dict: return calibrate()
+
+# %% ../nbs/11b_kernels.ipynb #gc000002
+SINGLE_GEMM = ('relu_linear_speedup', 'gemm_speedup', 'gemm_speedup_noquant', 'gemm_ms', 'linear_ms', 'linear_extra_s')
+
+def _predict_point(r, cal) -> float:
+    "A single-GEMM kernel point's prediction, in the point's own unit (x vs bf16, ms, or s beyond the bare GEMM)."
+    spec = gpu_spec(r.gpu)
+    if r.kind == 'relu_linear_speedup': return float(_relu_linear_speedup(spec, r.M, r.path, cal))
+    if r.kind.startswith('gemm_speedup'):
+        return float(_gemm_speedup(spec, r.M, r.K, r.N, r.path, cal, quant=r.kind == 'gemm_speedup'))
+    if r.kind == 'linear_extra_s':
+        return float(_lone_extra(spec, r.M, r.K, r.N, r.path, cal, _fit_for(r.path, spec, cal).get('cpu_s', 0.0)))
+    return float(linear_time(spec, r.M, r.K, r.N, r.path, cal)) * 1e3      # gemm_ms, linear_ms
+
+def gemm_check(min_m: int = 1024, # the smallest M (tokens) a point needs
+               loso: bool = True, # also predict each point with its source's points left out of the calibration
+              ) -> pd.DataFrame:
+    "Every single-GEMM (or lone-Linear) kernel point from `min_m` rows up against the model calibrated on all points, and without its source."
+    global _LEFT_OUT
+    pts = kernel_points()
+    pts = pts[pts.kind.isin(SINGLE_GEMM) & (pts.M >= min_m)]
+    cal = _calibration()
+    out = pts[['point', 'source', 'gpu', 'kind', 'path', 'M', 'K', 'N']].assign(
+        published=pts.value.to_numpy(float), predicted=[_predict_point(r, cal) for r in pts.itertuples()])
+    out['error'] = out.predicted / out.published - 1
+    if loso:
+        pred = {}
+        for src, g in pts.groupby('source'):
+            # the source's points leave the fits and the arch shares alike (`leave_one_source_out`'s way)
+            _LEFT_OUT.clear(); _LEFT_OUT.add(src)
+            try:
+                c = calibrate(drop_sources=(src,))
+                pred.update({r.point: _predict_point(r, c) for r in g.itertuples()})
+            finally: _LEFT_OUT.clear()
+        out['loso_predicted'] = out.point.map(pred)
+        out['loso_error'] = out.loso_predicted / out.published - 1
+    return out.reset_index(drop=True)
 
 # %% ../nbs/11b_kernels.ipynb #d6cd139e
 def _other_time(trace, spec, compiled, floor=2e-6) -> float:
