@@ -177,14 +177,19 @@ def cpu_per_linear(path, spec, cal=None) -> float:
     # measured as a whole Linear's extra CPU time: its extra kernels' launches are counted apart (`linear_kernels`)
     return max(float(fit['cpu_s']) - (linear_kernels(path) - 1) * cpu_per_kernel('eager', cal), 0.0)
 
+def _gemm_kernel(p) -> str:
+    "The GEMM kernel a kernel-path row runs: its `gemm_kernel` where named (another kernel than its dtype's), else its dtype."
+    k = p.get('gemm_kernel')
+    return k if isinstance(k, str) and k else p.gemm
+
 def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float]:
     "The kernel-path row, its GEMM efficiency, cast bandwidth share, fixed seconds per Linear and per wave (fitted)."
     p = _path_rows().loc[path]
     eff = arch_efficiency(spec)
     fit = _fit_for(path, spec, cal)
-    # a path with no GEMM fit of its own runs the GEMM kernel a sibling path was fitted on (the same dtype's cuBLAS /
-    # CUTLASS GEMM on the same architecture: torchao's version changes the passes around it, not the GEMM)
-    fit = {**(cal or {}).get(f'gemm:{p.gemm}@{spec.get("arch")}', {}), **fit}
+    # a path with no GEMM fit of its own runs the GEMM kernel a sibling path was fitted on (the same aten GEMM on the
+    # same architecture: torchao's version changes the passes around it), unless `gemm_kernel` names another kernel
+    fit = {**(cal or {}).get(f'gemm:{_gemm_kernel(p)}@{spec.get("arch")}', {}), **fit}
     ge = fit.get('gemm_eff', eff[p.gemm])
     if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
     cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
@@ -392,7 +397,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
     # small-shape terms (share of peak, fixed cost, cost per wave) of the paths that have no GEMM fit of their own
     nq = pts[pts.kind.eq('gemm_speedup_noquant')]
     if len(nq):
-        key = nq.path.map(lambda q: _path_rows().loc[q].gemm) + '@' + nq.gpu.map(lambda x: gpu_spec(x).get('arch'))
+        key = nq.path.map(lambda q: _gemm_kernel(_path_rows().loc[q])) + '@' + nq.gpu.map(lambda x: gpu_spec(x).get('arch'))
         for k, g in nq.groupby(key):
             f = _fit_gemm_speedup(g)
             out[f'gemm:{k}'] = {c: f[c] for c in ('gemm_eff', 'overhead_s', 'wave_s', 'points', 'source', 'arch')}
@@ -414,7 +419,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
         out[path] = dict(gemm_eff=float(ge[i]), overhead_s=float(ov[i]), wave_s=float(ws[i]),
                          **({'cast_bw': cb} if cb else {}), points=len(g), source=', '.join(sorted(set(g.source))))
         # a GEMM dtype with no bare-GEMM point on this architecture: the first ReLU -> Linear fit of it stands for its GEMM
-        out.setdefault(f'gemm:{_path_rows().loc[path].gemm}@{spec.get("arch")}', dict(
+        out.setdefault(f'gemm:{_gemm_kernel(_path_rows().loc[path])}@{spec.get("arch")}', dict(
             {c: out[path][c] for c in ('gemm_eff', 'overhead_s', 'wave_s', 'points', 'source')}, arch=spec.get('arch')))
     # another backend's dequantise: one fused kernel's published bandwidth share, over its PyTorch chain's slowdown
     if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
