@@ -27,11 +27,11 @@ from .crossover import as_shape
 from .speed import WEIGHT_BACKENDS, VALIDATION_FILE, pipeline_time, residual_bands
 
 # %% auto #0
-__all__ = ['TE_FAMILY', 'WEIGHT_ONLY', 'BENCH_CALL', 'LOSO_FILE', 'BENCH_SCHEMES', 'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL',
-           'GEMM_BENCH_COLS', 'H200_SOURCES', 'KERNEL_CHECK_FILE', 'measured_kernel_points', 'published_runs',
-           'lab_runs', 'validate', 'error_summary', 'leave_one_source_out', 'leave_one_run_source_out', 'BenchTiming',
-           'gemm_bench', 'record_gemm_bench', 'kernel_check', 'record_validation', 'record_kernel_check', 'record_loso',
-           'speed_tables']
+__all__ = ['TE_FAMILY', 'WEIGHT_ONLY', 'BENCH_CALL', 'RUN_FLAGS', 'MEMORY_KINDS', 'MEMORY_UNITS', 'LOSO_FILE', 'BENCH_SCHEMES',
+           'CPU_SHAPES', 'GPU_SHAPES', 'EMULATED_LABEL', 'GEMM_BENCH_COLS', 'H200_SOURCES', 'KERNEL_CHECK_FILE',
+           'measured_kernel_points', 'published_runs', 'lab_runs', 'validate', 'error_summary', 'memory_summary',
+           'leave_one_source_out', 'leave_one_run_source_out', 'BenchTiming', 'gemm_bench', 'record_gemm_bench',
+           'kernel_check', 'record_validation', 'record_kernel_check', 'record_loso', 'speed_tables']
 
 # %% ../nbs/23_lab_speed.ipynb #a37f0002
 def _measured_path(scheme, compiled: bool, torchao) -> str:
@@ -138,8 +138,35 @@ def lab_runs() -> pd.DataFrame:
 _GROUP = ['source', 'gpu', 'model', 'size', 'batch', 'steps', 'forwards_per_step', 'text_tokens', 'compile', 'rules', 'height']
 
 # %% ../nbs/23_lab_speed.ipynb #00c768e3
+# the run's own settings beyond `_GROUP` (columns a run may leave blank: the default then)
+RUN_FLAGS = ('fuse_qkv', 'compile_vae')                      # diffusers' fused QKV; the VAE decode compiled
+MEMORY_KINDS = ('allocated', 'reserved')                      # what the source measured: max_memory_allocated or _reserved
+MEMORY_UNITS = {'GiB': 1.0, 'GB': 1e9 / 2**30}                # a source's unit -> GiB (GB: 1e9 bytes)
+
+def _cell(r, name, default=None):
+    "Column `name` of run `r`, or `default` where the run leaves it blank (or the table lacks it)."
+    v = getattr(r, name, default)
+    return default if v is None or (isinstance(v, float) and np.isnan(v)) or (isinstance(v, str) and not v.strip()) else v
+
+def _flags(r) -> dict:
+    "The run's fused-QKV and compiled-VAE settings as `Workload` fields (blank: False)."
+    return {f: str(_cell(r, f, False)).strip().lower() in ('true', '1') for f in RUN_FLAGS}
+
+def _measured(r) -> tuple[str, float]:
+    "(allocated|reserved, the factor to GiB) of the run's memory columns; a bad value names the valid ones."
+    kind, unit = _cell(r, 'memory', 'allocated'), _cell(r, 'mem_unit', 'GiB')
+    if kind not in MEMORY_KINDS: raise ValueError(f'run {r.run}: unknown memory {kind!r}; choose one of {", ".join(MEMORY_KINDS)}')
+    if unit not in MEMORY_UNITS: raise ValueError(f'run {r.run}: unknown mem_unit {unit!r}; choose one of {", ".join(MEMORY_UNITS)}')
+    return kind, MEMORY_UNITS[unit]
+
+def _base_run(base: pd.DataFrame, flags: dict):
+    "The bf16 run a run's speedup divides: the one with its own fused-QKV / compiled-VAE settings, else the plain one."
+    if base.empty: return None
+    runs = list(base.itertuples())
+    return next((b for b in runs if _flags(b) == flags), next((b for b in runs if not any(_flags(b).values())), runs[0]))
+
 def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = True) -> pd.DataFrame:
-    "Every published end-to-end run beside the prediction: seconds, speedup vs the run's own bf16 run, memory."
+    "Every published end-to-end run beside the prediction: seconds, speedup vs the run's own bf16 run, memory as measured."
     runs = pd.concat([published_runs(), lab_runs()], ignore_index=True) if runs is None else runs
     if 'height' not in runs: runs = runs.assign(height=0)
     runs = runs[runs.use.isin(uses)]
@@ -149,23 +176,33 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
         k = dict(zip(_GROUP, key))
         base = g[g.scheme == 'bf16']
         tv = g.torch.iloc[0] if isinstance(g.torch.iloc[0], str) else None   # which kernel SDPA picked (`sdpa_backend`)
-        b_pred = pipeline_time(k['gpu'], k['model'], int(k['size']), int(k['batch']), int(k['steps']),
-                               int(k['forwards_per_step']), 'bf16', k['compile'], text_tokens=int(k['text_tokens']),
-                               rules=k['rules'], cal=cal, height=int(k['height']) or None, torch_version=tv)['seconds']
+        b_pred = {}   # the bf16 prediction per base run (its own fused-QKV / compiled-VAE settings)
         for r in g.itertuples():
+            fl, te = _flags(r), _cell(r, 'te_scheme')
             p = pipeline_time(r.gpu, r.model, int(r.size), int(r.batch), int(r.steps), int(r.forwards_per_step),
                               r.scheme,
                               r.compile, text_tokens=int(r.text_tokens), rules=r.rules, cal=cal, height=int(r.height) or None,
                               path=r.path if isinstance(r.path, str) and r.path else None, torch_version=tv,
-                              torchao=r.torchao if isinstance(r.torchao, str) else None)['seconds']
-            row = dict(run=r.run, **k, scheme=r.scheme, use=r.use, published_s=r.seconds, predicted_s=p,
-                       published_speedup=float(base.seconds.iloc[0]) / r.seconds if len(base) else np.nan,
-                       predicted_speedup=b_pred / p)
+                              torchao=r.torchao if isinstance(r.torchao, str) else None, te_scheme=te, **fl)['seconds']
+            b = _base_run(base, fl)
+            bf = _flags(b) if b is not None else dict.fromkeys(RUN_FLAGS, False)
+            bk = tuple(bf.values())
+            if bk not in b_pred:
+                b_pred[bk] = pipeline_time(k['gpu'], k['model'], int(k['size']), int(k['batch']), int(k['steps']),
+                                           int(k['forwards_per_step']), 'bf16', k['compile'], text_tokens=int(k['text_tokens']),
+                                           rules=k['rules'], cal=cal, height=int(k['height']) or None, torch_version=tv,
+                                           **bf)['seconds']
+            row = dict(run=r.run, **k, scheme=r.scheme, use=r.use, **fl, te_scheme=te or '', published_s=r.seconds, predicted_s=p,
+                       published_speedup=float(b.seconds) / r.seconds if b is not None else np.nan,
+                       predicted_speedup=b_pred[bk] / p)
             if memory and pd.notna(r.resident_GiB) and r.resident_GiB != '':
+                # like with like: reserved against the allocator's reserved bytes, allocated against allocated; GB to GiB
+                kind, to_gib = _measured(r)
                 e = pipeline_memory(r.model, None if r.scheme == 'bf16' else WEIGHT_BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
-                                    batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules)
-                row.update(published_resident=float(r.resident_GiB), predicted_resident=e.resident_GiB,
-                           published_peak=float(r.peak_GiB), predicted_peak=e.peak_GiB)
+                                    batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules, te_scheme=te)
+                res, peak = (e.reserved_GiB, e.reserved_peak_GiB) if kind == 'reserved' else (e.resident_GiB, e.peak_GiB)
+                row.update(memory=kind, load=r.load, published_resident=float(r.resident_GiB) * to_gib, predicted_resident=res,
+                           published_peak=float(r.peak_GiB) * to_gib, predicted_peak=peak)
             rows.append(row)
     out = pd.DataFrame(rows)
     out['seconds_err'] = out.predicted_s / out.published_s - 1
@@ -186,6 +223,15 @@ def error_summary(v: pd.DataFrame) -> pd.DataFrame:
     rows = [dict(mode=m, use=u, what=w, **f(g[c])) for (m, u), g in q.groupby(['mode', 'use'])
             for w, c in (('speedup', 'speedup_err'), ('seconds', 'seconds_err'))]
     return pd.DataFrame(rows)
+
+# %% ../nbs/23_lab_speed.ipynb #a5e10001
+def memory_summary(v: pd.DataFrame) -> pd.DataFrame:
+    "Median and max absolute error of resident and peak memory, per what was measured (allocated|reserved), load and fused QKV."
+    m = v.dropna(subset=['published_resident']) if 'published_resident' in v else v.iloc[:0]
+    f = lambda s: dict(median=float(s.abs().median()), max=float(s.abs().max()))
+    rows = [dict(memory=k, load=l, fuse_qkv=fq, what=w, n=len(g), **f(g[f'{w}_err']))
+            for (k, l, fq), g in m.groupby(['memory', 'load', 'fuse_qkv']) for w in ('resident', 'peak')]
+    return pd.DataFrame(rows, columns=['memory', 'load', 'fuse_qkv', 'what', 'n', 'median', 'max'])
 
 # %% ../nbs/23_lab_speed.ipynb #53c9efd5
 def leave_one_source_out(runs=None) -> pd.DataFrame:
