@@ -123,7 +123,6 @@ def _audio_traces(name: str, parts: dict, frames: int, batch: int) -> dict[str, 
     out['vocoder'] = trace_ops(lambda: voc(mel[0]))
     return out
 
-@functools.lru_cache(maxsize=16)
 def decode_traces(name: str, # a `VIDEO_PARTS` family
                   width: int, # the clip's width in px
                   height: int, # its height in px
@@ -132,6 +131,10 @@ def decode_traces(name: str, # a `VIDEO_PARTS` family
                   tiled: bool = False, # `vae.enable_tiling()` on
                  ) -> dict[str, OpTrace]:
     "The trace of each decoder of `name` turning the latents of `batch` clips of width x height x frames into the clip."
+    return _decode_traces(name, width, height, frames, batch, bool(tiled))   # one cache key however it is called
+
+@functools.lru_cache(maxsize=16)
+def _decode_traces(name: str, width: int, height: int, frames: int, batch: int, tiled: bool) -> dict[str, OpTrace]:
     parts = _components(name)
     vae = parts['vae']
     s, t = vae_ratios(vae)
