@@ -94,6 +94,7 @@ def default_path(scheme: str, # a scheme with a kernel path (a low-rank scheme's
 # 12_crossover's EFFICIENCY (mma_eff, gemm_bw_eff): only where a point is left out
 FALLBACK = dict(gemm=0.70, elementwise=0.90)
 _LEFT_OUT: set = set()                           # kernel-point sources left out (leave_one_source_out)
+_CAL_BASE: dict = {}                             # the bf16 GEMM's fits while `calibrate` fits every ratio to that GEMM
 
 # %% ../nbs/11b_kernels.ipynb #080fe0eb
 @functools.lru_cache(maxsize=1)
@@ -164,7 +165,7 @@ SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-b
 # %% ../nbs/11b_kernels.ipynb #0bab137d
 def _fit_for(path, spec, cal) -> dict:
     "`path`'s fitted values where they hold on `spec`: a fit made on one architecture's points says so (`arch`)."
-    cal = cal or {}
+    cal = {**_CAL_BASE, **(cal or {})}
     if f'{path}@{spec.get("arch")}' in cal: return cal[f'{path}@{spec.get("arch")}']   # the lab's own GPU's fit
     fit = cal.get(path, {})
     return fit if fit.get('arch') in (None, spec.get('arch')) else {}
@@ -378,6 +379,25 @@ def calibrate(points=None, drop_sources=()) -> dict:
     "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
     pts = kernel_points() if points is None else points
     pts = pts[~pts.source.isin(drop_sources)]
+    # every ratio below is to a bf16 GEMM: its fixed cost per kernel is fitted first, and every later fit sees it
+    base = _fit_bf16(pts)
+    _CAL_BASE.clear(); _CAL_BASE.update(base)
+    try: return {**base, **_calibrate_paths(pts)}
+    finally: _CAL_BASE.clear()
+
+def _fit_bf16(pts) -> dict:
+    "The bf16 GEMM's fixed cost per kernel on each architecture with absolute GEMM figures at three shapes or more."
+    g, out, ov = pts[pts.kind.eq('gemm_tflops') & pts.path.eq('bf16') & pts.M.notna()], {}, CAL_GRID['overhead_s']
+    for a, h in g.groupby(g.gpu.map(lambda x: gpu_spec(x).get('arch'))):
+        if len(h) < 3: continue           # one large cube (the B200 seed's) says nothing of a fixed cost
+        err = np.stack([np.log(2 * r.M * r.K * r.N / linear_time(r.gpu, r.M, r.K, r.N, 'bf16', {'bf16': dict(overhead_s=ov)})
+                               / 1e12 / r.value) for r in h.itertuples()])
+        out[f'bf16@{a}'] = dict(overhead_s=float(ov[np.argmin((err ** 2).mean(0))]), points=len(h), arch=a,
+                                source=', '.join(sorted(set(h.source))))
+    return out
+
+def _calibrate_paths(pts) -> dict:
+    "`calibrate`'s fits of every kernel path on `pts`, the bf16 GEMM's own already in `_CAL_BASE`."
     casts = pts[pts.kind.eq('cast_bw_fraction')].value
     # the published block-scaled cast kernels' share of peak bandwidth
     cb = float(casts.mean()) if len(casts) else None
@@ -440,7 +460,7 @@ def calibrate(points=None, drop_sources=()) -> dict:
 def _calibration() -> dict: return calibrate()
 
 # %% ../nbs/11b_kernels.ipynb #gc000002
-SINGLE_GEMM = ('relu_linear_speedup', 'gemm_speedup', 'gemm_speedup_noquant', 'gemm_ms', 'linear_ms', 'linear_extra_s')
+SINGLE_GEMM = ('relu_linear_speedup', 'gemm_speedup', 'gemm_speedup_noquant', 'gemm_ms', 'gemm_tflops', 'linear_ms', 'linear_extra_s')
 
 def _predict_point(r, cal) -> float:
     "A single-GEMM kernel point's prediction, in the point's own unit (x vs bf16, ms, or s beyond the bare GEMM)."
@@ -450,7 +470,9 @@ def _predict_point(r, cal) -> float:
         return float(_gemm_speedup(spec, r.M, r.K, r.N, r.path, cal, quant=r.kind == 'gemm_speedup'))
     if r.kind == 'linear_extra_s':
         return float(_lone_extra(spec, r.M, r.K, r.N, r.path, cal, _fit_for(r.path, spec, cal).get('cpu_s', 0.0)))
-    return float(linear_time(spec, r.M, r.K, r.N, r.path, cal)) * 1e3      # gemm_ms, linear_ms
+    # a GEMM's TFLOP/s is the kernel alone (operands already cast); a Linear's or a kernel's milliseconds are all of it
+    t = float(linear_time(spec, r.M, r.K, r.N, r.path, cal, quant=r.kind != 'gemm_tflops'))
+    return 2 * r.M * r.K * r.N / t / 1e12 if r.kind == 'gemm_tflops' else t * 1e3      # TFLOP/s, or ms
 
 def gemm_check(min_m: int = 1024, # the smallest M (tokens) a point needs
                loso: bool = True, # also predict each point with its source's points left out of the calibration

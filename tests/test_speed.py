@@ -154,8 +154,8 @@ def test_calibration_never_reads_end_to_end_runs(monkeypatch):
     # nunchaku's FP4 GEMM borrows a fit: no points
     fitted = lambda v: sum(isinstance(x, (int, float)) and not isinstance(x, bool) for k, x in v.items() if k != 'points')
     assert all(v['points'] >= max(1, fitted(v)) for v in base.values() if 'points' in v), base
-    dropped = kp.calibrate(drop_sources=('torchao-inference-doc',))
-    # with torchao's curve gone, its paths (and the FP4 GEMM nunchaku's paths borrow) are not fitted; the others stay
+    dropped = kp.calibrate(drop_sources=('torchao-inference-doc', 'torchao-inference-doc-2026-02'))
+    # with torchao's curves (today's and February 2026's) gone, its paths (and the FP4 GEMM nunchaku's paths borrow) are not fitted; the others stay
     assert not {'mxfp8_compiled', 'nvfp4_compiled', 'nvfp4_static_compiled', 'nvfp4_lr_fused'} & set(dropped)
     assert {'int4wo_tinygemm', 'nvfp4_cutlass_vllm', 'lowrank'} <= set(dropped)
 
