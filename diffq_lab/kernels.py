@@ -147,7 +147,8 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
         sdpa, cudnn = fa2, cudnn_h
         src = 'H200 bf16 GEMM (lab), SDPA FA2 and cuDNN attention on H100 (pytorch #142132, FA3 paper)'
         # FA2's mma.sync kernels are Ampere's native path (its paper's GPU: 50-73% of the A100's peak), while on Hopper
-        # they leave wgmma unused (35%); Ada (sm_89) has no wgmma either and runs the same sm_80 kernels: Ampere's share
+        # they leave wgmma unused (35%); Ada (sm_89) has no wgmma either and runs the same sm_80 kernels: Ampere's share.
+        # sm_86 / sm_89 have 100 KB of shared memory to the A100's 164, so FA2 tiles smaller there: an upper estimate
         amp = _mean_of(_point('fa2a1'), _point('fa2a2'), default=None)
         if arch in ('Ampere', 'Ada') and amp is not None:
             sdpa = amp
