@@ -335,10 +335,10 @@ _FAMILY_LIST = [
            denoiser='HunyuanVideo15Transformer3DModel'),
     Family('ltx-2', 'LTX2Pipeline', 'Lightricks/LTX-2', ('text_encoder',), ('Gemma3ForConditionalGeneration',),
            deny=('fp8',), aliases=('ltx2', 'ltx-video-2'), video=True,
-           sources={'deny': ('fp8 dynamic on its Gemma3-27B encoder: LPIPS 0.78 vs bf16, '
+           sources={'deny': ('fp8 dynamic on its Gemma 3 encoder (the seed says 27B): LPIPS 0.78 vs bf16, '
                              'mean luma 137.9 -> 0.0 (black clips); '
                              f'layerwise fp8 LPIPS 0.0043; {_SEED}')},
-           note='audio+video; Gemma3-27B encoder', denoiser='LTX2VideoTransformer3DModel', inputs=_ltx2_inputs,
+           note='audio+video; Gemma 3 12B encoder (diffusers\' convert_ltx2_to_diffusers.py loads gemma-3-12b-it)', denoiser='LTX2VideoTransformer3DModel', inputs=_ltx2_inputs,
            text_tokens=1024, frames=121,
            clip=dict(config={}, width=768, height=512, temporal=8, spatial=32, steps=30, forwards_per_step=2),
            dims_source='diffusers LTX2VideoTransformer3DModel defaults (48 layers; video 32 heads x 128 = 4096 wide, '

@@ -23,6 +23,7 @@ from .gpus import format_peak, gpu_spec
 from .kernels import (LOWRANK, _attention_time, _calibration, _dense_part, _encoder_time, _other_time,
                                cpu_per_kernel, cpu_per_linear, default_path, linear_kernels, linear_time, sdpa_backend)
 from .crossover import wrap_note
+from .video_parts import video_memory_parts, video_part_seconds
 
 # %% auto #0
 __all__ = ['COMPILE_MODES', 'ATTENTION', 'WEIGHT_BACKENDS', 'PREDICT_SCHEMES', 'QKV_FUSED', 'Workload', 'denoiser_calls',
@@ -240,13 +241,16 @@ def _pipeline(spec, m, scheme: str | dict, work: Workload, path=None, cal=None, 
     "Seconds of one pipeline call: text encoders per prompt (x forwards per step), every forward, one VAE decode."
     fwd = forward_time(spec, m, scheme, work, path=path, cal=cal, policy=policy, torchao=torchao)
     te = vae = 0.0
-    if m.clip is None:      # a `Family.clip` video DiT: its transformer only
+    if m.clip is None:      # an image family: its encoders and VAE traced from 05_pipelines' configs
         T, side, floor = work.text_tokens, _square(work), as_policy(policy).features(tiny=False)
         te1 = pipeline_trace(m.name, side, 1, work.frames, T)
         te = sum(_encoder_time(t, spec, work.te_scheme, floor, cal, torchao) for k, t in te1.items()
                  if k.startswith('text_encoder')) * work.forwards_per_step
         traces = pipeline_trace(m.name, side, work.batch, work.frames, T)
         vae = _dense_part(traces['vae'], spec, work.compile_vae, work.torch_version) if 'vae' in traces else 0.0
+    else:                   # a video family: its encoders and decoders from public configs (`11c_video_parts`)
+        p = video_part_seconds(spec, m, work, policy=policy, cal=cal, torchao=torchao)
+        te, vae = p['text_encoder_s'], p['vae_s']
     denoise = fwd['seconds'] * work.steps * work.forwards_per_step
     return dict(seconds=te + denoise + vae, text_encoder_s=te, denoise_s=denoise, vae_s=vae, forward=fwd)
 
@@ -281,18 +285,19 @@ def _one(spec, m, scheme: str, work: Workload, policy: QuantPolicy, torchao=None
 
 # %% ../nbs/12a_speed.ipynb #c691f58b
 def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: str) -> dict:
-    "Resident and peak GiB, allocated and reserved: the whole pipeline for a registry family, the transformer alone for a `Family.clip` one."
+    "Resident and peak GiB, allocated and reserved: the whole pipeline, a `Family.clip` family's parts from `11c_video_parts`."
     load = 'saved' if load == 'none' else load
     scheme = {k: WEIGHT_BACKENDS.get(v, v) for k, v in scheme.items()} if isinstance(scheme, dict) else WEIGHT_BACKENDS.get(scheme, scheme)
     feats = policy.features(tiny=False)
     if m.clip is None:
         w = RenderShape(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
         e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy)
-    else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer alone
+    else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer and its parts (`11c_video_parts`)
         tr = _video_module(m.name)
         plan = linear_plan(tr, scheme, lambda s: _picked(m.name, s, work.rules, feats))
-        e = memory_estimate(m.name, {'transformer': tr}, {'transformer': plan},
-                            {'transformer': denoiser_calls(m, work)[1].peak_bytes}, load, work.size, work.batch)
+        parts, plans, acts = video_memory_parts(m, work, feats)
+        e = memory_estimate(m.name, {'transformer': tr, **parts}, {'transformer': plan, **plans},
+                            {'transformer': denoiser_calls(m, work)[1].peak_bytes, **acts}, load, work.size, work.batch)
     return dict(resident_GiB=e.resident_GiB, peak_GiB=e.peak_GiB, reserved_GiB=e.reserved_GiB,
                 reserved_peak_GiB=e.reserved_peak_GiB)
 
@@ -345,10 +350,9 @@ def _record(spec, m, s: str, work: Workload, policy: QuantPolicy, load: str, ban
     mem = _memory(m, s, work, policy, load)
     resident, peak = mem['resident_GiB'], mem['peak_GiB']
     lo_s, hi_s, lo_x, hi_x = band
-    one, video = s == 'bf16', m.clip is not None
+    one = s == 'bf16'
     note = r.get('note', '') or _PREDICTION
-    if video: note += '; transformer only (no text encoder / VAE configs): seconds, speedup and GiB are the denoiser\'s'
-    elif not m.real_dims: note += '; transformer only: no encoder / VAE configs in 05_pipelines'
+    if m.clip is None and not m.real_dims: note += '; transformer only: no encoder / VAE configs in 05_pipelines'
     cap = float(spec['mem_gb'])
     fit = (_fit(m, s, work, policy, load, peak, cap) if math.isfinite(r['seconds']) else
            dict(fits=False, fits_with=None, fit_peak_GiB=None, fit=f"not applicable: {spec['gpu']} cannot run {s}"))
