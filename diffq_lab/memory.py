@@ -19,8 +19,8 @@ from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
 from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
 
 # %% auto #0
-__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'linear_bytes', 'module_bytes', 'RenderShape', 'reserved_bytes', 'memory_estimate',
-           'pipeline_memory', 'free_memory', 'plan_memory']
+__all__ = ['GGUF_TYPES', 'LOAD_MODES', 'QKV_GROUPS', 'linear_bytes', 'module_bytes', 'RenderShape', 'reserved_bytes',
+           'fused_qkv_sizes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -197,6 +197,24 @@ def reserved_bytes(sizes) -> int:
         else: big += up(n, a['round_large'])
     return up(small, a['small_segment']) + up(mid, a['mid_segment']) + big
 
+# %% ../nbs/09_memory.ipynb #fqkv0001
+# diffusers' `fuse_qkv_projections`: each attention's q, k, v (and its added q, k, v) gain one fused Linear beside them
+QKV_GROUPS = (('to_q', 'to_k', 'to_v'), ('add_q_proj', 'add_k_proj', 'add_v_proj'))
+
+def fused_qkv_sizes(transformer: nn.Module, # a denoiser (meta tensors do)
+                    plan: dict | None = None, # fqn -> scheme of its quantised Linears (None: all bf16)
+                   ) -> list[int]:
+    "Bytes of the Linears `fuse_qkv_projections` adds (the originals stay), each in its q Linear's scheme (`quantize_` runs after)."
+    out, plan = [], plan or {}
+    for f, m in transformer.named_modules():
+        for group in QKV_GROUPS:
+            lins = [getattr(m, n, None) for n in group]
+            if not all(isinstance(x, nn.Linear) for x in lins): continue
+            q = f'{f}.{group[0]}' if f else group[0]
+            out.append(linear_bytes(lins[0].in_features, sum(x.out_features for x in lins), plan.get(q),
+                                    bias=lins[0].bias is not None))
+    return out
+
 # %% ../nbs/09_memory.ipynb #a7c1e008
 def memory_estimate(family: str, # the family's name (the record's label)
                     parts: dict, # pipeline attribute -> module (meta tensors do)
@@ -205,11 +223,15 @@ def memory_estimate(family: str, # the family's name (the record's label)
                     load: str, # one of `LOAD_MODES`
                     size: int = 0, # the picture's side (the record's label)
                     batch: int = 1, # images per call (the record's label)
+                    fuse_qkv: bool = False, # diffusers' `fuse_qkv_projections` ran after loading, before quantising
                    ) -> MemoryEstimate:
     "Resident, load and reserved bytes of `parts` with `plans`' Linears quantised, loaded as `load`."
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
     sizes = {a: tensor_sizes(mod, plans.get(a)) for a, mod in parts.items()}
     dense = [n for mod in parts.values() for n in tensor_sizes(mod)]
+    if fuse_qkv and 'transformer' in parts:   # the fused Linears beside the originals: loaded dense, fused, then quantised
+        sizes['transformer'] += fused_qkv_sizes(parts['transformer'], plans.get('transformer'))
+        dense += fused_qkv_sizes(parts['transformer'])
     resident = [n for v in sizes.values() for n in v]
     # while quantising, the one Linear being converted is held dense and quantised at once
     lins = [x for a, p in plans.items() for f, x in parts[a].named_modules() if f in p and isinstance(x, nn.Linear)]
@@ -231,6 +253,7 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
                     rules: str = 'lab', # which Linears take `scheme`: one of `QUANT_RULES`
                     te_scheme=None, # the text encoders' scheme (None: bf16), on their Linears `policy`'s floor wide
                     policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
+                    fuse_qkv: bool = False, # diffusers' `fuse_qkv_projections` ran (after loading, before quantising)
                     **settings, # RenderShape fields (size=, batch=, ...) and QuantPolicy fields laid over those
                    ) -> MemoryEstimate:
     "Predicted resident and peak memory (allocated and reserved) of `family`'s pipeline, transformer in `scheme` or a plan."
@@ -243,7 +266,8 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
     plans = {'transformer': linear_plan(parts['transformer'], scheme, lambda s: _picked(m.name, s, rules, feats))}
     plans.update({a: encoder_plan(mod, te_scheme, feats) for a, mod in parts.items() if a.startswith('text_encoder')})
     traces = pipeline_trace(m.name, w.size, w.batch, w.frames, w.text_tokens)
-    return memory_estimate(m.name, parts, plans, {k: t.peak_bytes for k, t in traces.items()}, load, w.size, w.batch)
+    return memory_estimate(m.name, parts, plans, {k: t.peak_bytes for k, t in traces.items()}, load, w.size, w.batch,
+                           fuse_qkv=fuse_qkv)
 
 # %% ../nbs/09_memory.ipynb #5ab975b4
 def free_memory(device=None) -> int:

@@ -291,13 +291,15 @@ def _memory(m, scheme: str | dict, work: Workload, policy: QuantPolicy, load: st
     feats = policy.features(tiny=False)
     if m.clip is None:
         w = RenderShape(size=_square(work), batch=work.batch, frames=work.frames, text_tokens=work.text_tokens)
-        e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy)
+        e = pipeline_memory(m.name, scheme, w, load=load, rules=work.rules, te_scheme=work.te_scheme, policy=policy,
+                            fuse_qkv=work.fuse_qkv)
     else:   # the same arithmetic (`09_memory.memory_estimate`) on the transformer and its parts (`11c_video_parts`)
         tr = _video_module(m.name)
         plan = linear_plan(tr, scheme, lambda s: _picked(m.name, s, work.rules, feats))
         parts, plans, acts = video_memory_parts(m, work, feats)
         e = memory_estimate(m.name, {'transformer': tr, **parts}, {'transformer': plan, **plans},
-                            {'transformer': denoiser_calls(m, work)[1].peak_bytes, **acts}, load, work.size, work.batch)
+                            {'transformer': denoiser_calls(m, work)[1].peak_bytes, **acts}, load, work.size, work.batch,
+                            fuse_qkv=work.fuse_qkv)
     return dict(resident_GiB=e.resident_GiB, peak_GiB=e.peak_GiB, reserved_GiB=e.reserved_GiB,
                 reserved_peak_GiB=e.reserved_peak_GiB)
 
