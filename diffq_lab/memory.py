@@ -4,7 +4,7 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import os
+import bisect, os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import pandas as pd
@@ -20,7 +20,7 @@ from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_com
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'LOAD_MODES', 'QKV_GROUPS', 'linear_bytes', 'module_bytes', 'RenderShape', 'reserved_bytes',
-           'fused_qkv_sizes', 'memory_estimate', 'pipeline_memory', 'free_memory', 'plan_memory']
+           'fused_qkv_sizes', 'allocator_replay', 'memory_estimate', 'pipeline_memory', 'free_memory', 'plan_memory']
 
 # %% ../nbs/09_memory.ipynb #c74d0e64
 GGUF_TYPES = {'Q8_0': (32, 34), 'Q4_0': (32, 18)}  # GGML type -> (weights per block, bytes per block)
@@ -215,6 +215,47 @@ def fused_qkv_sizes(transformer: nn.Module, # a denoiser (meta tensors do)
                                     bias=lins[0].bias is not None))
     return out
 
+# %% ../nbs/09_memory.ipynb #ar000001
+def allocator_replay(phases, # sequences of (key, +bytes | -bytes), run one after another on one allocator
+                     segments=None, # the allocator's state to start from (a list it grows), None: empty
+                    ) -> tuple[int, int]:
+    "(reserved bytes, allocated peak) after `phases` on PyTorch's caching allocator: best fit, its split rule, no `empty_cache`."
+    a, up = ALLOCATOR, lambda n, k: -(-int(n) // k) * k
+    free = {True: [], False: []}       # small pool?, sorted (size, segment, offset) of the free blocks
+    segs, live = [] if segments is None else segments, {}
+    used = peak = 0
+    for i, ph in enumerate(phases):
+        for key, n in ph:
+            if n < 0:   # a free: the block returns to its pool, merged with free neighbours in its segment
+                small, s, off, size = live.pop((i, key)); used -= size
+                blocks, pool = segs[s], free[small]
+                blocks[off][1] = False
+                offs = sorted(blocks); j = offs.index(off)
+                if j + 1 < len(offs) and not blocks[offs[j + 1]][1]:
+                    nxt = offs[j + 1]; pool.remove((blocks[nxt][0], s, nxt)); blocks[off][0] += blocks.pop(nxt)[0]
+                if j and not blocks[offs[j - 1]][1]:
+                    prv = offs[j - 1]; pool.remove((blocks[prv][0], s, prv)); blocks[prv][0] += blocks.pop(off)[0]; off = prv
+                bisect.insort(pool, (blocks[off][0], s, off))
+                continue
+            n = up(max(n, 1), a['block']); small = n <= a['small']
+            pool = free[small]
+            j = bisect.bisect_left(pool, (n, -1, -1))   # best fit: the smallest cached block that holds it
+            if j < len(pool): size, s, off = pool.pop(j)
+            else:   # none: a new segment from cudaMalloc, kept until empty_cache
+                size = a['small_segment'] if small else a['mid_segment'] if n < a['mid'] else up(n, a['round_large'])
+                s, off = len(segs), 0; segs.append({0: [size, False]})
+            blocks, rest = segs[s], size - n
+            if rest >= a['block'] if small else rest > a['small']:   # split: the rest stays cached in the pool
+                blocks[off + n] = [rest, False]; bisect.insort(pool, (rest, s, off + n)); size = n
+            blocks[off] = [size, True]
+            live[(i, key)] = (small, s, off, size); used += size; peak = max(peak, used)
+    return sum(b[0] for seg in segs for b in seg.values()), peak
+
+# %% ../nbs/09_memory.ipynb #ar000002
+def phase_events(traces) -> dict:
+    "part -> its activations' allocations and frees in eager order, from `pipeline_trace`'s traces (`OpTrace.events`)."
+    return {k: traces[k].events for k in traces}
+
 # %% ../nbs/09_memory.ipynb #a7c1e008
 def memory_estimate(family: str, # the family's name (the record's label)
                     parts: dict, # pipeline attribute -> module (meta tensors do)
@@ -224,6 +265,7 @@ def memory_estimate(family: str, # the family's name (the record's label)
                     size: int = 0, # the picture's side (the record's label)
                     batch: int = 1, # images per call (the record's label)
                     fuse_qkv: bool = False, # diffusers' `fuse_qkv_projections` ran after loading, before quantising
+                    events: dict | None = None, # phase -> its allocation sequence (`phase_events`); None: one block a phase
                    ) -> MemoryEstimate:
     "Resident, load and reserved bytes of `parts` with `plans`' Linears quantised, loaded as `load`."
     if load not in LOAD_MODES: raise ValueError(f'unknown load {load!r}; choose one of {", ".join(LOAD_MODES)}')
@@ -239,7 +281,11 @@ def memory_estimate(family: str, # the family's name (the record's label)
     held = {'after-load': dense + spike, 'at-load': resident + spike, 'saved': resident}[load]
     act = max(activations.values(), default=0)
     r_load, r_res = reserved_bytes(held), reserved_bytes(resident)
-    r_peak = max(r_load, r_res + (reserved_bytes([act]) if act else 0))   # activations reuse the load's cached blocks
+    r_act = reserved_bytes([act]) if act else 0
+    if events:   # one allocator through the phases, no empty_cache between them: the denoiser twice (its steady state)
+        seq = [s for p, s in events.items() for _ in range(2 if p == 'transformer' else 1)]
+        r_act = max(r_act, allocator_replay(seq)[0])
+    r_peak = max(r_load, r_res + r_act)   # after-load: the activations may reuse the load's cached blocks
     used = set(plans.get('transformer', {}).values())
     name = None if not used else next(iter(used)) if len(used) == 1 else 'mixed'
     return MemoryEstimate(family, name, size, batch, {a: sum(v) for a, v in sizes.items()}, dict(activations),
@@ -267,7 +313,7 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
     plans.update({a: encoder_plan(mod, te_scheme, feats) for a, mod in parts.items() if a.startswith('text_encoder')})
     traces = pipeline_trace(m.name, w.size, w.batch, w.frames, w.text_tokens)
     return memory_estimate(m.name, parts, plans, {k: t.peak_bytes for k, t in traces.items()}, load, w.size, w.batch,
-                           fuse_qkv=fuse_qkv)
+                           fuse_qkv=fuse_qkv, events=phase_events(traces))
 
 # %% ../nbs/09_memory.ipynb #5ab975b4
 def free_memory(device=None) -> int:

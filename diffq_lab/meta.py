@@ -156,10 +156,10 @@ class _KernelCount(TorchDispatchMode):
     "Every kernel of a meta-tensor forward: kind, FLOPs, bytes; live activation bytes; inductor-style fusion groups."
     def __init__(self):
         super().__init__()
-        self.rows, self.live, self.peak, self.group = [], 0, 0, 0
+        self.rows, self.live, self.peak, self.group, self.events = [], 0, 0, 0, []
         self.prod, self.seen, self.storages, self.group_bytes, self.uid = {}, set(), set(), {}, {}
         self.count = itertools.count()
-    def _free(self, key, n): self.live -= n; self.storages.discard(key)
+    def _free(self, key, n): self.live -= n; self.storages.discard(key); self.events.append((key, -n))
     def _key(self, t) -> int:
         "A key no later tensor shares (an id is reused once its tensor dies: keyed by id, the fused bytes varied by run)."
         k = self.uid.get(id(t))
@@ -172,6 +172,7 @@ class _KernelCount(TorchDispatchMode):
         self.prod[self._key(t)] = self.group if kind == 'other' else None
         if s._cdata in self.storages: return
         self.storages.add(s._cdata); self.live += s.nbytes(); self.peak = max(self.peak, self.live)
+        self.events.append((s._cdata, s.nbytes()))   # the order of allocations and frees (09_memory's allocator replay)
         weakref.finalize(s, self._free, s._cdata, s.nbytes())
     def _read(self, t, kind):
         "A fused kernel reads `t` once per group; the group that made `t` writes it once, when something else reads it."
@@ -233,6 +234,8 @@ class OpTrace:
     fused_kernels: int         # kernels of that fused form (fused groups + matmuls + convs + attention)
     peak_bytes: int            # the most activation bytes alive at once (eager order; weights not counted)
     linears: pd.DataFrame | None = None   # (fqn, M, K, N) of its Linear calls, where the tracer recorded them
+    # (storage key, +bytes | -bytes) of its activations' allocations and frees in eager order (not a field: kept out of repr)
+    events = ()
     def total(self, kind, col='bytes') -> float:
         "Sum of `col` over the kernels of `kind`."
         return float(self.ops.loc[self.ops.kind == kind, col].sum())
@@ -249,7 +252,9 @@ def trace_ops(fn) -> OpTrace:
     ops = pd.DataFrame(counter.rows, columns=['kind', 'op', 'flops', 'bytes', 'B', 'H', 'Sq', 'Skv', 'D'])
     fused = sum(counter.group_bytes.values())
     n = len(counter.group_bytes) + int((ops.kind != 'other').sum())
-    return OpTrace(ops, float(fused), n, int(counter.peak))
+    t = OpTrace(ops, float(fused), n, int(counter.peak))
+    t.events = tuple(counter.events)
+    return t
 
 # %% ../nbs/08a_meta.ipynb #bda500c9
 CLIP_TOKENS = 77   # CLIP text encoders read 77 tokens; the others the family's `text_tokens`
