@@ -194,8 +194,13 @@ def _path_params(path, spec, cal) -> tuple[pd.Series, float, float, float, float
     fit = {**(cal or {}).get(f'gemm:{_gemm_kernel(p)}@{spec.get("arch")}', {}), **fit}
     ge = fit.get('gemm_eff', eff[p.gemm])
     if path == 'nvfp4_compiled_t211': ge = _ratio('sg4', 'b200', 'fp4_tflops', ge)          # the seed's FP4 GEMM rate
-    cb = fit.get('cast_bw', eff['elementwise']) if p.cast_bw == 'fit' else \
-        eff['elementwise'] if p.cast_bw in ('elementwise', '') or pd.isna(p.cast_bw) else float(p.cast_bw)
+    cb = p.cast_bw
+    if isinstance(cb, str) and cb.startswith('like:'):
+        # an older torchao whose passes run the same torch kernels as another path's, measured: that path's share
+        cb = _fit_for(cb[5:], spec, cal).get('cast_bw', eff['elementwise'])
+    else:
+        cb = fit.get('cast_bw', eff['elementwise']) if cb == 'fit' else \
+            eff['elementwise'] if cb in ('elementwise', '') or pd.isna(cb) else float(cb)
     return p, ge, cb, fit.get('overhead_s', 0.0), fit.get('wave_s', 0.0)
 
 # %% ../nbs/11b_kernels.ipynb #35cb2df2
@@ -446,7 +451,9 @@ def _calibrate_paths(pts) -> dict:
     if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
         share, slow = float(dq.value.mean()), pts[pts.kind.eq('dequant_slowdown')]
         by = {r.path: (float(r.value), r.source) for r in slow.itertuples()}
-        for q in kernel_paths().path[kernel_paths().dequant_bytes.notna()]:
+        # (a torchao path's own dequantise chain is fitted on the lab's lone Linears above, or borrows one: `like:`)
+        for q in kernel_paths().query('dequant_bytes.notna() and cast_bw == "fit"').path:
+            if q in out: continue
             s, src = by.get(q, by.get(DEQUANT_LIKE.get(q), (1.0, None)))
             out[q] = dict(cast_bw=share / s, points=len(dq) + (src is not None),
                           source=', '.join(sorted(set(dq.source) | ({src} if src else set()))))
