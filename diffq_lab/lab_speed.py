@@ -200,7 +200,7 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
                 kind, to_gib = _measured(r)
                 e = pipeline_memory(r.model, None if r.scheme == 'bf16' else WEIGHT_BACKENDS.get(r.scheme, r.scheme), size=int(r.size),
                                     batch=int(r.batch), text_tokens=int(r.text_tokens), load=r.load, rules=r.rules, te_scheme=te,
-                                    fuse_qkv=fl['fuse_qkv'])
+                                    fuse_qkv=fl['fuse_qkv'], diffusers=_cell(r, 'diffusers'))
                 res, peak = (e.reserved_GiB, e.reserved_peak_GiB) if kind == 'reserved' else (e.resident_GiB, e.peak_GiB)
                 row.update(memory=kind, load=r.load, published_resident=float(r.resident_GiB) * to_gib, predicted_resident=res,
                            published_peak=float(r.peak_GiB) * to_gib, predicted_peak=peak)

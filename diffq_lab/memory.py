@@ -4,19 +4,22 @@
 
 # %% ../nbs/09_memory.ipynb #b847cde6
 from __future__ import annotations
-import bisect, os
+import bisect, functools, os
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
 import pandas as pd
 import torch
+import torch.nn.functional as F
+from packaging.version import InvalidVersion, Version
 from torch import nn
+from torch.overrides import TorchFunctionMode
 from .core import as_dtype, resolve_device
 from .schemes import SCHEMES, get_scheme, normalize_scheme
 from .policy import QuantPolicy, as_policy
 from .pipelines import get_family, family_of
 from .parts import cast_as_loaded
 from .transformer import DENOISER_ATTRS, concrete_scheme, plan_transformer
-from .meta import _meta_parts, _picked, get_model, pipeline_trace, real_dims_components
+from .meta import _meta_parts, _picked, _vae_trace, get_model, pipeline_trace, real_dims_components
 
 # %% auto #0
 __all__ = ['GGUF_TYPES', 'LOAD_MODES', 'QKV_GROUPS', 'linear_bytes', 'module_bytes', 'RenderShape', 'reserved_bytes',
@@ -256,6 +259,40 @@ def phase_events(traces) -> dict:
     "part -> its activations' allocations and frees in eager order, from `pipeline_trace`'s traces (`OpTrace.events`)."
     return {k: traces[k].events for k in traces}
 
+# %% ../nbs/09_memory.ipynb #ar000006
+# diffusers before 0.31.0 (PR #9480, 2024-10-01) cast a bf16 input of `Upsample2D` to fp32 around `F.interpolate`
+# (then back): the VAE decode's largest upsample holds an fp32 copy and an fp32 output twice the side
+UPSAMPLE_FP32_BEFORE = Version('0.31.0')
+
+class _Fp32Upsample(TorchFunctionMode):
+    "`F.interpolate` of a bf16 tensor inside an `Upsample2D` as diffusers < 0.31 ran it: to fp32, interpolated, back to bf16."
+    def __init__(self, module: nn.Module):
+        super().__init__(); self.depth = 0
+        ups = [m for m in module.modules() if type(m).__name__ == 'Upsample2D']
+        self.hooks = [h for m in ups for h in (m.register_forward_pre_hook(lambda *_: self._enter(1)),
+                                               m.register_forward_hook(lambda *_: self._enter(-1)))]
+    def _enter(self, d): self.depth += d
+    def __exit__(self, *exc):
+        for h in self.hooks: h.remove()
+        return super().__exit__(*exc)
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is F.interpolate and self.depth and args[0].dtype == torch.bfloat16:
+            return F.interpolate(args[0].to(torch.float32), *args[1:], **kwargs).to(torch.bfloat16)
+        return func(*args, **kwargs)
+
+@functools.lru_cache(maxsize=16)
+def _vae_trace_fp32(family: str, size: int, frames: int, batch: int):
+    "`pipeline_trace`'s VAE decode trace with diffusers < 0.31's fp32 upsampling, once per (family, size, frames, batch)."
+    vae = _meta_parts(family)['vae']
+    with _Fp32Upsample(vae): return _vae_trace(vae, size, frames, batch)
+
+def _diffusers_version(v) -> Version | None:
+    "`v` (a diffusers version string, None: this lab's, >= 0.31) as a `Version`; a bad string -> ValueError."
+    if v is None: return None
+    try: return Version(str(v))
+    except InvalidVersion: raise ValueError(f"diffusers must be a version like '0.30.3' or '0.31.0.dev0', got {v!r}") from None
+
 # %% ../nbs/09_memory.ipynb #a7c1e008
 def memory_estimate(family: str, # the family's name (the record's label)
                     parts: dict, # pipeline attribute -> module (meta tensors do)
@@ -300,6 +337,7 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
                     te_scheme=None, # the text encoders' scheme (None: bf16), on their Linears `policy`'s floor wide
                     policy: QuantPolicy | None = None, # the lab rules' width floor: `policy.features(tiny=False)`
                     fuse_qkv: bool = False, # diffusers' `fuse_qkv_projections` ran (after loading, before quantising)
+                    diffusers: str | None = None, # the diffusers version that ran (None: 0.31 or later, as installed)
                     **settings, # RenderShape fields (size=, batch=, ...) and QuantPolicy fields laid over those
                    ) -> MemoryEstimate:
     "Predicted resident and peak memory (allocated and reserved) of `family`'s pipeline, transformer in `scheme` or a plan."
@@ -311,7 +349,9 @@ def pipeline_memory(family, # a family with real denoiser dims ('flux', 'z-image
     parts = _meta_parts(m.name)
     plans = {'transformer': linear_plan(parts['transformer'], scheme, lambda s: _picked(m.name, s, rules, feats))}
     plans.update({a: encoder_plan(mod, te_scheme, feats) for a, mod in parts.items() if a.startswith('text_encoder')})
+    old = (_diffusers_version(diffusers) or UPSAMPLE_FP32_BEFORE) < UPSAMPLE_FP32_BEFORE
     traces = pipeline_trace(m.name, w.size, w.batch, w.frames, w.text_tokens)
+    traces = {k: _vae_trace_fp32(m.name, w.size, traces.grid[0], w.batch) if k == 'vae' and old else traces[k] for k in traces}
     return memory_estimate(m.name, parts, plans, {k: t.peak_bytes for k, t in traces.items()}, load, w.size, w.batch,
                            fuse_qkv=fuse_qkv, events=phase_events(traces))
 
