@@ -338,7 +338,8 @@ def _lone_extra(spec, M, K, N, path, cal, cpu: float = 0.0) -> np.ndarray:
     "Seconds a lone Linear of `path` spends beyond its bare GEMM: its passes (or its CPU dispatch) and a lone call's cost."
     passes = linear_time(spec, M, K, N, path, cal) - linear_time(spec, M, K, N, path, cal, quant=False)
     # a lone eager Linear's kernels start as the CPU launches them: the GPU passes hide under the dispatch or it under them;
-    # a lone compiled call pays its wrapper and guards beyond bf16's (`call_s`): a whole compiled DiT pays them once
+    # a lone compiled call pays its wrapper and guards beyond bf16's (`call_s`): a whole compiled DiT pays them once; a lone
+    # eager call timed on an idle GPU waits for the Python before its first kernel (`call_s`), which a queued pipeline hides
     return np.maximum(passes, cpu) + _fit_for(path, spec, cal).get('call_s', 0.0)
 
 def _fit_passes(g, base: dict) -> dict:
@@ -349,8 +350,10 @@ def _fit_passes(g, base: dict) -> dict:
     out = dict(base, arch=spec.get('arch'))
     if len(cpu_pts): out['cpu_s'] = cpu
     if len(x):
-        # compiled: the passes' bandwidth and a lone call's fixed cost (charged in calibration only, like `alone_*`)
-        calls = CAL_GRID['call_s'] if _path_rows().loc[path]['mode'] == 'compiled' else np.zeros(1)
+        # the passes' bandwidth and a lone call's fixed cost (charged in calibration only, like `alone_*`): compiled, or
+        # eager with no CPU dispatch measured apart (a weight-only path: the two shapes' extra seconds are not
+        # proportional to its bytes, fp8wo_eager_t018's share alone leaves +-10% on them)
+        calls = CAL_GRID['call_s'] if _path_rows().loc[path]['mode'] == 'compiled' or not len(cpu_pts) else np.zeros(1)
         cb, cs = np.meshgrid(CAL_GRID['pass_bw'], calls, indexing='ij')
         fit = {path: dict(base, cast_bw=cb, call_s=cs)}
         err = np.stack([np.log(_lone_extra(spec, r.M, r.K, r.N, path, fit, cpu) / r.value) for r in x.itertuples()])
