@@ -85,7 +85,7 @@ class MemoryEstimate:
     activations: dict          # phase -> peak activation bytes above the weights
     load_peak: int             # the most bytes held while loading and quantising
     load: str
-    reserved_resident: int = 0 # what the caching allocator holds after loading (`reserved_bytes`' rule; no empty_cache)
+    reserved_resident: int = 0 # what the caching allocator holds after loading (`allocator_replay` of the load; no empty_cache)
     reserved_peak: int = 0     # the most it holds: the load's cached blocks or resident + the activations
     @property
     def resident_bytes(self) -> int: return sum(self.weights.values())
@@ -220,12 +220,11 @@ def fused_qkv_sizes(transformer: nn.Module, # a denoiser (meta tensors do)
 
 # %% ../nbs/09_memory.ipynb #ar000001
 def allocator_replay(phases, # sequences of (key, +bytes | -bytes), run one after another on one allocator
-                     segments=None, # the allocator's state to start from (a list it grows), None: empty
                     ) -> tuple[int, int]:
     "(reserved bytes, allocated peak) after `phases` on PyTorch's caching allocator: best fit, its split rule, no `empty_cache`."
     a, up = ALLOCATOR, lambda n, k: -(-int(n) // k) * k
     free = {True: [], False: []}       # small pool?, sorted (size, segment, offset) of the free blocks
-    segs, live = [] if segments is None else segments, {}
+    segs, live = [], {}   # segment -> {offset: [size, in use]}; (phase, key) -> its block
     used = peak = 0
     for i, ph in enumerate(phases):
         for key, n in ph:
@@ -317,12 +316,12 @@ def memory_estimate(family: str, # the family's name (the record's label)
     spike = [max(linear_bytes(x.in_features, x.out_features, None) for x in lins)] if lins else []
     held = {'after-load': dense + spike, 'at-load': resident + spike, 'saved': resident}[load]
     act = max(activations.values(), default=0)
-    r_load, r_res = reserved_bytes(held), reserved_bytes(resident)
-    r_act = reserved_bytes([act]) if act else 0
-    if events:   # one allocator through the phases, no empty_cache between them: the denoiser twice (its steady state)
-        seq = [s for p, s in events.items() for _ in range(2 if p == 'transformer' else 1)]
-        r_act = max(r_act, allocator_replay(seq)[0])
-    r_peak = max(r_load, r_res + r_act)   # after-load: the activations may reuse the load's cached blocks
+    kept = lambda ns: [(i, n) for i, n in enumerate(ns)]   # allocated in load order, none freed
+    r_load, r_res = allocator_replay([kept(held)])[0], allocator_replay([kept(resident)])[0]
+    r_peak = max(r_load, r_res + (reserved_bytes([act]) if act else 0))   # after-load: the activations may reuse the load's blocks
+    if events:   # the phases on the allocator the weights left, no empty_cache between them: the denoiser twice (its steady state)
+        seq = [kept(resident)] + [s for p, s in events.items() for _ in range(2 if p == 'transformer' else 1)]
+        r_peak = max(r_peak, allocator_replay(seq)[0])
     used = set(plans.get('transformer', {}).values())
     name = None if not used else next(iter(used)) if len(used) == 1 else 'mixed'
     return MemoryEstimate(family, name, size, batch, {a: sum(v) for a, v in sizes.items()}, dict(activations),
