@@ -196,10 +196,16 @@ def _wan_inputs(c, t, grid, T, B) -> dict:
                 encoder_hidden_states=t(B, T, c.text_dim), return_dict=False)
 
 def _cogvideox_inputs(c, t, grid, T, B) -> dict:
-    "CogVideoX: latents (B, frames, channels, 2h, 2w), patched 2x2 by the model, and T5 states."
+    "CogVideoX: latents (B, frames, channels, 2h, 2w), patched 2x2 by the model, T5 states, its 3-D RoPE tables (5B)."
     f, h, w = grid
-    return dict(hidden_states=t(B, f, c.in_channels, 2 * h, 2 * w), encoder_hidden_states=t(B, T, c.text_embed_dim),
-                timestep=t(B), return_dict=False)
+    out = dict(hidden_states=t(B, f, c.in_channels, 2 * h, 2 * w), encoder_hidden_states=t(B, T, c.text_embed_dim),
+               timestep=t(B), return_dict=False)
+    if getattr(c, 'use_rotary_positional_embeddings', False):
+        # the pipeline passes fp32 cos / sin tables, one row a video token (`_prepare_rotary_positional_embeddings`):
+        # every attention then rotates q and k in fp32 (`apply_rotary_emb`), eager's largest elementwise work
+        rope = torch.empty(f * h * w, c.attention_head_dim, device='meta', dtype=torch.float32)
+        out['image_rotary_emb'] = (rope, rope)
+    return out
 
 def _ltx2_inputs(c, t, grid, T, B) -> dict:
     "LTX-2: video tokens, audio at 25 latents a second (24 fps; its VAE: 8 frames a latent), Gemma states for both."
