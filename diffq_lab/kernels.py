@@ -12,8 +12,9 @@ from .schemes import SCHEMES, get_scheme
 from .gpus import FORMATS, format_peak, get_format, gpu_spec
 
 # %% auto #0
-__all__ = ['DEQUANT_LIKE', 'SINGLE_GEMM', 'CUDNN_FIRST', 'kernel_points', 'kernel_paths', 'torchao_since', 'default_path',
-           'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate', 'gemm_check', 'sdpa_backend']
+__all__ = ['DEQUANT_SYNC_CALLS', 'SINGLE_GEMM', 'CUDNN_FIRST', 'HEAD_DIM_POINTS', 'kernel_points', 'kernel_paths',
+           'torchao_since', 'default_path', 'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate',
+           'gemm_check', 'sdpa_backend', 'head_dim_factor']
 
 # %% ../nbs/11b_kernels.ipynb #kp000006
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
@@ -163,6 +164,15 @@ def _arch_efficiency(arch: str, major: int, left_out: frozenset) -> dict:
 TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill the SMs in waves (a partial wave costs a whole one)
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
+# %% ../nbs/11b_kernels.ipynb #dq5ync01
+# diffusers' GGUF chains (0.33-0.34, after ComfyUI-GGUF: quantizers/gguf/utils.py) build their nibble / crumb shifts with
+# torch.tensor([0, 4], device=d.device) on every call: a blocking host-to-device copy (copy_ with non_blocking=False
+# synchronises the stream), so the GPU, drained, idles from that copy until the chain's first kernel is launched. These
+# eager calls between (the copy's return, the shift's .reshape, the >> launch; Q2_K builds the shift before qs.reshape:
+# one call more), each at the eager dispatch figure, are the GPU's idle seconds per eager Linear; Q8_0's chain has no such copy, and a
+# compiled chain folds the constant. Beyond them the CPU is taken to overlap the GPU as in any eager forward.
+DEQUANT_SYNC_CALLS = {'gguf_q4_0': 3, 'gguf_q4_1': 3, 'gguf_q4_k': 3, 'gguf_q2_k': 4}
+
 # %% ../nbs/11b_kernels.ipynb #0bab137d
 def _fit_for(path, spec, cal) -> dict:
     "`path`'s fitted values where they hold on `spec`: a fit made on one architecture's points says so (`arch`)."
@@ -251,7 +261,9 @@ def linear_passes(spec, # a GPU name or spec dict
     wb = np.where(gemv, p.w_bytes, 2.0) if p.dequant else p.w_bytes
     # a per-SM format (tinygemm) dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
     math_s = _gemm_math(spec, M, K, N, format_peak(spec, p.gemm), ge, ws, not get_format(p.gemm).per_sm)
-    out = dict(gemm=np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor, fixed=ovh,
+    # an eager GGUF chain's blocking copy leaves the GPU idle while the CPU reaches its first kernel (`DEQUANT_SYNC_CALLS`)
+    sync = DEQUANT_SYNC_CALLS.get(path, 0) * cpu_per_kernel('eager', cal) if own and not compiled and quant else 0.0
+    out = dict(gemm=np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor, fixed=ovh + sync,
                cast=p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels and quant else 0.0)
     # amax and rescale passes run like the cast kernels
     mem = bw * np.minimum(ew, cb)
@@ -381,9 +393,6 @@ def _fit_lowrank(g) -> dict:
     return dict(out, points=len(g), source=', '.join(sorted(set(g.source))))
 
 # %% ../nbs/11b_kernels.ipynb #3a61fe24
-# the GGUF types with no published chain-vs-kernel figure take their family's (Q4_1 unpacks nibbles as Q4_0; Q2_K is a K-quant)
-DEQUANT_LIKE = {'gguf_q4_1': 'gguf_q4_0', 'gguf_q2_k': 'gguf_q4_k'}
-
 def calibrate(points=None, drop_sources=()) -> dict:
     "Fit each 'fit' path's GEMM efficiency, fixed cost per Linear and per wave on kernel-level points only (never end to end)."
     pts = kernel_points() if points is None else points
@@ -450,14 +459,15 @@ def _calibrate_paths(pts) -> dict:
         # a GEMM dtype with no bare-GEMM point on this architecture: the first ReLU -> Linear fit of it stands for its GEMM
         out.setdefault(f'gemm:{_gemm_kernel(_path_rows().loc[path])}@{spec.get("arch")}', dict(
             {c: out[path][c] for c in ('gemm_eff', 'overhead_s', 'wave_s', 'points', 'source')}, arch=spec.get('arch')))
-    # another backend's dequantise: one fused kernel's published bandwidth share, over its PyTorch chain's slowdown
+    # another backend's one fused dequantise kernel (bitsandbytes): a fused kernel's published bandwidth share, over a
+    # chain's published slowdown where a 'fit' row runs one (GGUF's chains are priced pass by pass: `like:` a measured share)
     if len(dq := pts[pts.kind.eq('dequant_bw_fraction')]):
         share, slow = float(dq.value.mean()), pts[pts.kind.eq('dequant_slowdown')]
         by = {r.path: (float(r.value), r.source) for r in slow.itertuples()}
         # (a torchao path's own dequantise chain is fitted on the lab's lone Linears above, or borrows one: `like:`)
         for q in kernel_paths().query('dequant_bytes.notna() and cast_bw == "fit"').path:
             if q in out: continue
-            s, src = by.get(q, by.get(DEQUANT_LIKE.get(q), (1.0, None)))
+            s, src = by.get(q, (1.0, None))
             out[q] = dict(cast_bw=share / s, points=len(dq) + (src is not None),
                           source=', '.join(sorted(set(dq.source) | ({src} if src else set()))))
     # nunchaku's FP4 GEMM has no kernel-level figure of its own: it takes the NVFP4 GEMM fitted on torchao's curve (not its casts)
@@ -531,6 +541,21 @@ def sdpa_backend(gpu, # a GPU name or spec dict
     # a version the text does not name ('nightly (2024)') reads as (0, 0): older than 2.9
     return 'cudnn' if torch_version is None or torchao_since(torch_version) >= since else 'sdpa'
 
+# %% ../nbs/11b_kernels.ipynb #hdim0001
+# a backend's rate at head dim 64 over its rate at 128 (the FA3 paper's H100 forward figure): the shares above are
+# measured at head dim 128 (FLUX's, Z-Image's), and a 64-wide head (CogVideoX) does less math per byte of q, k, v;
+# the ratio is taken as the kernel's on every GPU (FlashAttention-2 runs its sm_80 kernels on Ampere too): no A100 point
+HEAD_DIM_POINTS = {'sdpa': ('fa2h64', 'fa2h128'), 'cudnn': ('cudnnh64', 'cudnnh128')}
+
+def head_dim_factor(attention: str, # a resolved attention kernel: 'sdpa' (FlashAttention-2) or 'cudnn'
+                    D, # head dims of the calls (numpy array)
+                   ) -> np.ndarray:
+    "Each call's share of its kernel's head-dim-128 rate: the published 64-over-128 ratio at D <= 64, else 1."
+    pts = HEAD_DIM_POINTS.get(attention)
+    v = None if pts is None else [_point(p) for p in pts]
+    if v is None or None in v: return np.ones_like(np.asarray(D, dtype=float))
+    return np.where(np.asarray(D, dtype=float) <= 64, v[0] / v[1], 1.0)
+
 # %% ../nbs/11b_kernels.ipynb #61b69d4d
 def _attention_time(trace, spec, attention: str = 'sdpa', torch_version: str | None = None, floor=2e-6) -> float:
     "Seconds of `trace`'s attention calls on `spec` with `attention`'s kernel (`ATTENTION`; 'sdpa': `sdpa_backend`'s)."
@@ -546,7 +571,7 @@ def _attention_time(trace, spec, attention: str = 'sdpa', torch_version: str | N
         cast = 1.5 * a.bytes.to_numpy(float) * 0.75 / bw
         t = a.flops.to_numpy(float) / (format_peak(spec, 'bf16') * eff['attention_sage']) + cast
     else:
-        share = eff['attention_cudnn' if attention == 'cudnn' else 'attention']
+        share = eff['attention_cudnn' if attention == 'cudnn' else 'attention'] * head_dim_factor(attention, a.D.to_numpy(float))
         t = a.flops.to_numpy(float) / (format_peak(spec, 'bf16') * share)
     return float(np.maximum(t, a.bytes.to_numpy(float) / bw).sum() + floor * len(a))
 
