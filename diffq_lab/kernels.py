@@ -165,12 +165,13 @@ TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill th
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
 # %% ../nbs/11b_kernels.ipynb #dq5ync01
-# diffusers' GGUF chains (0.33-0.34, after ComfyUI-GGUF: quantizers/gguf/utils.py) build their nibble / crumb shifts with
-# torch.tensor([0, 4], device=d.device) on every call: a blocking host-to-device copy (copy_ with non_blocking=False
-# synchronises the stream), so the GPU, drained, idles from that copy until the chain's first kernel is launched. These
-# eager calls between (the copy's return, the shift's .reshape, the >> launch; Q2_K builds the shift before qs.reshape:
-# one call more), each at the eager dispatch figure, are the GPU's idle seconds per eager Linear; Q8_0's chain has no such copy, and a
-# compiled chain folds the constant. Beyond them the CPU is taken to overlap the GPU as in any eager forward.
+# diffusers' GGUF chains (0.33-0.34, after ComfyUI-GGUF: quantizers/gguf/utils.py) build their nibble / crumb shifts
+# with torch.tensor([0, 4], device=d.device) on every call: a blocking host-to-device copy (copy_ with
+# non_blocking=False: aten/src/ATen/native/cuda/Copy.cu's memcpy_and_sync, cudaMemcpyAsync then cudaStreamSynchronize),
+# so the GPU, drained, idles from that copy until the chain's first kernel is launched. The eager calls between (the
+# copy's return, the shift's .reshape, the >> launch; Q2_K builds the shift before qs.reshape: one call more), each at
+# the eager dispatch figure, are the GPU's idle seconds per eager Linear; Q8_0's chain has no such copy, and a compiled
+# chain folds the constant. Beyond them the CPU is taken to overlap the GPU as in any eager forward.
 DEQUANT_SYNC_CALLS = {'gguf_q4_0': 3, 'gguf_q4_1': 3, 'gguf_q4_k': 3, 'gguf_q2_k': 4}
 
 # %% ../nbs/11b_kernels.ipynb #0bab137d
