@@ -12,9 +12,9 @@ from .schemes import SCHEMES, get_scheme
 from .gpus import FORMATS, format_peak, get_format, gpu_spec
 
 # %% auto #0
-__all__ = ['DEQUANT_SYNC_CALLS', 'SINGLE_GEMM', 'CUDNN_FIRST', 'HEAD_DIM_POINTS', 'kernel_points', 'kernel_paths',
-           'torchao_since', 'default_path', 'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate',
-           'gemm_check', 'sdpa_backend', 'head_dim_factor']
+__all__ = ['HOST_SYNC_CALLS', 'SINGLE_GEMM', 'CUDNN_FIRST', 'HEAD_DIM_POINTS', 'kernel_points', 'kernel_paths', 'torchao_since',
+           'default_path', 'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate', 'gemm_check', 'sdpa_backend',
+           'head_dim_factor']
 
 # %% ../nbs/11b_kernels.ipynb #kp000006
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
@@ -165,14 +165,16 @@ TILE = 128            # output tile side of the tensor-core GEMMs: tiles fill th
 SMALL_M = 16          # at M <= 16 a compiled weight-only Linear is one memory-bound GEMV reading the packed weight
 
 # %% ../nbs/11b_kernels.ipynb #dq5ync01
+# Host syncs per eager Linear: the GPU, drained, idles from the sync until the CPU launches the next kernel, for these
+# eager calls each at the eager dispatch figure; beyond them the CPU is taken to overlap the GPU as in any eager forward.
 # diffusers' GGUF chains (0.33-0.34, after ComfyUI-GGUF: quantizers/gguf/utils.py) build their nibble / crumb shifts
 # with torch.tensor([0, 4], device=d.device) on every call: a blocking host-to-device copy (copy_ with
 # non_blocking=False: aten/src/ATen/native/cuda/Copy.cu's memcpy_and_sync, cudaMemcpyAsync then cudaStreamSynchronize),
-# so the GPU, drained, idles from that copy until the chain's first kernel is launched. The eager calls between (the
-# copy's return, the shift's .reshape, the >> launch; Q2_K builds the shift before qs.reshape: one call more), each at
-# the eager dispatch figure, are the GPU's idle seconds per eager Linear; Q8_0's chain has no such copy, and a compiled
-# chain folds the constant. Beyond them the CPU is taken to overlap the GPU as in any eager forward.
-DEQUANT_SYNC_CALLS = {'gguf_q4_0': 3, 'gguf_q4_1': 3, 'gguf_q4_k': 3, 'gguf_q2_k': 4}
+# then the copy's return, the shift's .reshape and the >> launch (Q2_K builds the shift before qs.reshape: one call
+# more); Q8_0's chain has no such copy, and a compiled chain folds the constant. bitsandbytes 0.45's LLM.int8
+# (int8_vectorwise_quant) reads `if outliers.any()` on the host (then .any(dim=0) launches: 1 call) and sizes
+# torch.argwhere's output (then .view and cint8_vector_quant's ctypes launch: 3 calls).
+HOST_SYNC_CALLS = {'gguf_q4_0': 3, 'gguf_q4_1': 3, 'gguf_q4_k': 3, 'gguf_q2_k': 4, 'bnb_int8': 4}
 
 # %% ../nbs/11b_kernels.ipynb #0bab137d
 def _fit_for(path, spec, cal) -> dict:
@@ -262,8 +264,9 @@ def linear_passes(spec, # a GPU name or spec dict
     wb = np.where(gemv, p.w_bytes, 2.0) if p.dequant else p.w_bytes
     # a per-SM format (tinygemm) dequantises per 16-row tile at a flat rate: no waves of 128-wide tiles
     math_s = _gemm_math(spec, M, K, N, format_peak(spec, p.gemm), ge, ws, not get_format(p.gemm).per_sm)
-    # an eager GGUF chain's blocking copy leaves the GPU idle while the CPU reaches its first kernel (`DEQUANT_SYNC_CALLS`)
-    sync = DEQUANT_SYNC_CALLS.get(path, 0) * cpu_per_kernel('eager', cal) if own and not compiled and quant else 0.0
+    # an eager path's host syncs leave the GPU idle while the CPU reaches its next kernel (`HOST_SYNC_CALLS`)
+    syncs = HOST_SYNC_CALLS.get(path, 0) if not compiled and quant else 0
+    sync = syncs * cpu_per_kernel('eager', cal) if syncs else 0.0
     out = dict(gemm=np.maximum(math_s, (p.act_bytes * M * K + wb * N * K + 2 * M * N) / (bw * ew)) + floor, fixed=ovh + sync,
                cast=p.cast_bytes * M * K / (bw * cb) + p.cast_kernels * floor if p.cast_kernels and quant else 0.0)
     # amax and rescale passes run like the cast kernels

@@ -113,7 +113,7 @@ def test_the_labs_own_runs_are_validation_rows_that_name_their_source():
 def test_other_backends_dequantise_per_matmul_priced_from_their_bytes_and_kernel_figures():
     "GGUF / bitsandbytes NF4 (issue 37): the dequantise passes cost their bytes at kernel-level shares, never end to end."
     from diffq_lab.speed import WEIGHT_BACKENDS
-    from diffq_lab.kernels import DEQUANT_SYNC_CALLS, _path_params, calibrate, cpu_per_kernel, gpu_spec, kernel_points, linear_time
+    from diffq_lab.kernels import HOST_SYNC_CALLS, _path_params, calibrate, cpu_per_kernel, gpu_spec, kernel_points, linear_time
     cal, pts = calibrate(), kernel_points().set_index('path')
     share = float(pts.loc['dequant_kernel'].value)
     for q in WEIGHT_BACKENDS:           # bnb: one fused kernel's share; GGUF's torch chains: torchao's eager chain's, measured
@@ -123,8 +123,10 @@ def test_other_backends_dequantise_per_matmul_priced_from_their_bytes_and_kernel
     extra = lambda q: t(q, 64) - t(q, 64, quant=False)     # the dequantise alone
     assert extra('gguf_q4_0') > extra('gguf_q8_0') > 0      # the nibble unpacking writes more than Q8_0's two passes
     # an eager Q4_0 chain's blocking copy idles the GPU for its calls up to the first kernel; Q8_0 has none, compiled none
-    assert t('gguf_q4_0', 64) - t('gguf_q4_0', 64, True) == pytest.approx(DEQUANT_SYNC_CALLS['gguf_q4_0'] * cpu_per_kernel('eager', cal))
+    assert t('gguf_q4_0', 64) - t('gguf_q4_0', 64, True) == pytest.approx(HOST_SYNC_CALLS['gguf_q4_0'] * cpu_per_kernel('eager', cal))
     assert t('gguf_q8_0', 64) == pytest.approx(t('gguf_q8_0', 64, True))
+    # LLM.int8's outlier search, casts and unfused rescale outweigh its int8 GEMM's gain; its two host syncs idle the GPU
+    assert t('bnb_int8', 4096) > t('bf16', 4096) and t('bnb_int8', 4096) - t('bnb_int8', 4096, True) > 0
     assert t('bnb_nf4', 1) < t('bf16', 1) < t('bnb_nf4', 64)  # bnb's 4-bit GEMV at one row; dequantise + bf16 GEMM above
     with pytest.raises(ValueError, match='gguf_q8_0'): predict('h100', 'z-image', 'gguf_q9')
 
