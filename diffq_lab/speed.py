@@ -34,7 +34,7 @@ COMPILE_MODES = ('none', 'inductor', 'cudagraphs')      # eager; torch.compile; 
 ATTENTION = ('sdpa', 'cudnn', 'fp8', 'sage')   # torch SDPA's default kernel; its cuDNN backend; FA3 fp8; SageAttention INT8
 # other backends' weight formats (not torchao): each borrows a registered scheme's picks and memory as its stand-in
 WEIGHT_BACKENDS = {'gguf_q8_0': 'int8wo', 'gguf_q4_0': 'int4wo', 'gguf_q4_1': 'int4wo', 'gguf_q4_k': 'int4wo', 'gguf_q2_k': 'int4wo',
-            'bnb_nf4': 'int4wo'}
+            'bnb_nf4': 'int4wo', 'bnb_int8': 'int8wo'}
 PREDICT_SCHEMES = ('bf16', *SCHEMES, *WEIGHT_BACKENDS)   # dense, then every registered scheme (a snapshot: the checks read live)
 
 # %% ../nbs/12a_speed.ipynb #3d0fb20f
