@@ -24,10 +24,13 @@ REHEARSAL_PYTHON = ('3.11', '3.11.7')  # this machine's: the rehearsal installs 
 PLATFORM_ARGS = ['--python-version', '3.12', '--implementation', 'cp', '--platform', 'manylinux_2_28_x86_64',
                  '--platform', 'manylinux_2_17_x86_64', '--platform', 'manylinux2014_x86_64']
 RUN_NEEDS = ('torchao', 'diffusers', 'gguf', 'ipywidgets', 'ipython', 'traitlets', 'comm')  # absent there; imported
-# declared by ipywidgets, never imported: the notebook's and JupyterLab's widget JavaScript, static files a headless
-# run has no use for (2.3 MiB of the 64 MiB that travels); their requirement is met without carrying them
+# declared, never imported by a headless run: ipywidgets' notebook and JupyterLab widget JavaScript (static files, 2.3
+# MiB of the 64 MiB that travels) and IPython's tab completion (jedi and its parser parso, 4.8 MiB: IPython 9 imports jedi
+# lazily, the first time a completion needs it: `IPython.core.completer._get_jedi`); their requirement is met without them
 NOT_CARRIED = {'widgetsnbextension': 'the classic notebook front end\'s widget JS',
-               'jupyterlab-widgets': 'the JupyterLab front end\'s widget JS'}
+               'jupyterlab-widgets': 'the JupyterLab front end\'s widget JS',
+               'jedi': 'IPython\'s tab completion, imported on a first completion only',
+               'parso': 'jedi\'s parser'}
 
 
 def norm(name: str) -> str:
