@@ -4,7 +4,7 @@
 
 # %% ../nbs/11b_kernels.ipynb #kp000005
 from __future__ import annotations
-import functools, re
+import contextlib, functools, re
 import numpy as np
 import pandas as pd
 from .core import repo_root
@@ -13,8 +13,8 @@ from .gpus import FORMATS, format_peak, get_format, gpu_spec
 
 # %% auto #0
 __all__ = ['HOST_SYNC_CALLS', 'SINGLE_GEMM', 'CUDNN_FIRST', 'HEAD_DIM_POINTS', 'kernel_points', 'kernel_paths', 'torchao_since',
-           'default_path', 'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate', 'gemm_check', 'sdpa_backend',
-           'head_dim_factor']
+           'default_path', 'arch_efficiency', 'linear_passes', 'linear_time', 'calibrate', 'sources_left_out',
+           'gemm_check', 'sdpa_backend', 'head_dim_factor']
 
 # %% ../nbs/11b_kernels.ipynb #kp000006
 LOWRANK = ('fused', 'unfused')        # an SVDQuant branch: nunchaku's fused kernels, or two bf16 GEMMs of its own
@@ -484,6 +484,14 @@ def _calibrate_paths(pts) -> dict:
 @functools.lru_cache(maxsize=1)
 def _calibration() -> dict: return calibrate()
 
+# %% ../nbs/11b_kernels.ipynb #slo00001
+@contextlib.contextmanager
+def sources_left_out(*sources): # kernel-point sources to leave out (None: none)
+    "Inside the block: the calibration without `sources`' kernel points, and the shares they set falling back too."
+    _LEFT_OUT.clear(); _LEFT_OUT.update(s for s in sources if s)
+    try: yield calibrate(drop_sources=tuple(_LEFT_OUT))
+    finally: _LEFT_OUT.clear()
+
 # %% ../nbs/11b_kernels.ipynb #gc000002
 SINGLE_GEMM = ('relu_linear_speedup', 'gemm_speedup', 'gemm_speedup_noquant', 'gemm_ms', 'gemm_tflops', 'linear_ms', 'linear_extra_s')
 
@@ -503,7 +511,6 @@ def gemm_check(min_m: int = 1024, # the smallest M (tokens) a point needs
                loso: bool = True, # also predict each point with its source's points left out of the calibration
               ) -> pd.DataFrame:
     "Every single-GEMM (or lone-Linear) kernel point from `min_m` rows up against the model calibrated on all points, and without its source."
-    global _LEFT_OUT
     pts = kernel_points()
     pts = pts[pts.kind.isin(SINGLE_GEMM) & (pts.M >= min_m)]
     cal = _calibration()
@@ -514,11 +521,7 @@ def gemm_check(min_m: int = 1024, # the smallest M (tokens) a point needs
         pred = {}
         for src, g in pts.groupby('source'):
             # the source's points leave the fits and the arch shares alike (`leave_one_source_out`'s way)
-            _LEFT_OUT.clear(); _LEFT_OUT.add(src)
-            try:
-                c = calibrate(drop_sources=(src,))
-                pred.update({r.point: _predict_point(r, c) for r in g.itertuples()})
-            finally: _LEFT_OUT.clear()
+            with sources_left_out(src) as c: pred.update({r.point: _predict_point(r, c) for r in g.itertuples()})
         out['loso_predicted'] = out.point.map(pred)
         out['loso_error'] = out.loso_predicted / out.published - 1
     return out.reset_index(drop=True)

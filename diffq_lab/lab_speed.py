@@ -239,9 +239,7 @@ def leave_one_source_out(runs=None) -> pd.DataFrame:
     "Recalibrate without each kernel-point source (fractions fall back, paths refit); score the validation runs."
     rows = []
     for src in [None, *sorted(set(kernel_points().source))]:
-        kernels._LEFT_OUT.clear(); kernels._LEFT_OUT.update({src} if src else set())
-        try: v = validate(runs, cal=calibrate(drop_sources=(src,) if src else ()), uses=('validate',), memory=False)
-        finally: kernels._LEFT_OUT.clear()
+        with kernels.sources_left_out(src) as cal: v = validate(runs, cal=cal, uses=('validate',), memory=False)
         q = v[v.scheme != 'bf16']
         for mode, g in q.groupby('mode'):
             rows.append(dict(left_out=src or '(none)', mode=mode, n=len(g),
