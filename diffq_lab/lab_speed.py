@@ -175,15 +175,15 @@ def validate(runs=None, cal=None, uses=('validate', 'old-path'), memory: bool = 
     for key, g in runs.groupby(_GROUP, sort=False):
         k = dict(zip(_GROUP, key))
         base = g[g.scheme == 'bf16']
-        tv = g.torch.iloc[0] if isinstance(g.torch.iloc[0], str) else None   # which kernel SDPA picked (`sdpa_backend`)
+        tv = _cell(next(g.itertuples()), 'torch')   # which kernel SDPA picked (`sdpa_backend`)
         b_pred = {}   # the bf16 prediction per base run (its own fused-QKV / compiled-VAE settings)
         for r in g.itertuples():
             fl, te = _flags(r), _cell(r, 'te_scheme')
             p = pipeline_time(r.gpu, r.model, int(r.size), int(r.batch), int(r.steps), int(r.forwards_per_step),
                               r.scheme,
                               r.compile, text_tokens=int(r.text_tokens), rules=r.rules, cal=cal, height=int(r.height) or None,
-                              path=r.path if isinstance(r.path, str) and r.path else None, torch_version=tv,
-                              torchao=r.torchao if isinstance(r.torchao, str) else None, te_scheme=te, **fl)['seconds']
+                              path=_cell(r, 'path'), torch_version=tv,
+                              torchao=_cell(r, 'torchao'), te_scheme=te, **fl)['seconds']
             b = _base_run(base, fl)
             bf = _flags(b) if b is not None else dict.fromkeys(RUN_FLAGS, False)
             bk = tuple(bf.values())
